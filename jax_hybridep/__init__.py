@@ -1,0 +1,27 @@
+"""jax_hybridep: expert-parallel MoE dispatch and combine for JAX, as XLA FFI custom calls.
+
+    topo = hep.Topology.from_mesh(mesh, levels=("ep",))
+    cfg = hep.DispatchConfig(num_experts=64)
+    # inside jax.shard_map over topo's axes, per shard:
+    d = hep.dispatch(x, topk_idx, topk_weights, topology=topo, config=cfg)
+    out = hep.combine(experts(d.tokens, d.group_sizes), d.handle, weights=d.weights)
+"""
+
+from jax_hybridep import _native  # noqa: F401  (registers the FFI targets)
+from jax_hybridep.config import DispatchConfig
+from jax_hybridep.errors import StrictModeError
+from jax_hybridep.handle import Handle
+from jax_hybridep.ops import Dispatched, DispatchStats, combine, dispatch
+from jax_hybridep.topology import Topology
+
+__all__ = [
+    "DispatchConfig",
+    "Dispatched",
+    "DispatchStats",
+    "Handle",
+    "StrictModeError",
+    "Topology",
+    "combine",
+    "dispatch",
+]
+__version__ = "0.1.0"

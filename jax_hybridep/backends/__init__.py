@@ -1,0 +1,37 @@
+"""Backend selection: one module per backend, each with the same per-shard functions.
+
+Each backend module provides `layout`, `dispatch`, `redispatch`, `combine` and
+`return_row_values` (see backends/xla.py, the oracle). `xla` runs everywhere; `ffi` where its
+handlers are built and the EP group lives in one process. `auto` picks `ffi` when it can run the
+call and `xla` otherwise; the env var JAX_HYBRIDEP_BACKEND overrides the config.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jax_hybridep.backends import ffi, xla
+from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig
+from jax_hybridep.topology import Topology
+
+_MODULES = {xla.NAME: xla, ffi.NAME: ffi}
+
+
+def resolve(config: DispatchConfig, topology: Topology, manual_axes) -> str:
+    """The backend name this call runs on; raises ValueError when `ffi` is forced but cannot run."""
+    requested = os.environ.get(BACKEND_ENV, config.backend)
+    if requested not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={requested!r}; expected one of {BACKENDS}")
+    if requested == xla.NAME:
+        return xla.NAME
+    reason = ffi.unsupported_reason(topology, manual_axes)
+    if reason is None:
+        return ffi.NAME
+    if requested == ffi.NAME:
+        raise ValueError(f"backend='ffi' cannot run this dispatch: {reason}. Use backend='xla' "
+                         "or 'auto'.")
+    return xla.NAME
+
+
+def get(name: str):
+    return _MODULES[name]

@@ -1,0 +1,51 @@
+"""Version shims: every branch on the jax version and every private jax import lives here.
+
+Supported: jax >= 0.11.2 (the GPU machines run 0.11.2; CI here runs the newest release).
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying_axes(x) -> frozenset[str]:
+    """Mesh axes over which `x` varies inside `jax.shard_map` (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.12: ManualAxisType
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # jax 0.11
+
+
+def mark_varying(x, axes):
+    """Types `x` as varying over `axes` (FFI results come back typed as not varying)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # jax 0.11
+
+
+def manual_axes() -> frozenset[str]:
+    """Mesh axes that are manual in the enclosing `jax.shard_map` (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return frozenset()
+    return frozenset(mesh.manual_axes)
+
+
+def context_mesh_shape() -> dict[str, int]:
+    """Axis name -> size of the mesh of the enclosing `jax.shard_map` (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return {}
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def is_batched(x) -> bool:
+    """Whether `x` is being traced under `jax.vmap`."""
+    from jax._src.interpreters import batching  # noqa: PLC0415  (private: isolated here)
+
+    return isinstance(x, batching.BatchTracer)
+

@@ -1,0 +1,181 @@
+"""Dispatch configuration and the static plan derived from it for one call (DESIGN §2.1).
+
+`DispatchConfig` is what users write: frozen, hashable, validated once. `Plan` adds what only the
+call site knows (the topology and the per-shard shapes): EP size, local slots, capacity and the
+receive-buffer row count C, and the placement tables. Both backends consume the same `Plan`, so
+they agree on every row, drop and group size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from jax_hybridep.topology import Topology
+
+BACKENDS = ("auto", "xla", "ffi")
+BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
+TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchConfig:
+    """How tokens are routed to experts.
+
+    Attributes:
+      num_experts: E, the number of (global) experts.
+      capacity_factor: f; each local expert keeps
+        `round_up(ceil(f * T * EP * K / E), pad_multiple)` rows. None means dropless.
+      pad_multiple: every group size is a multiple of this (padding rows are zero).
+      expert_placement: optional, per expert e its (EP rank, local slot); default
+        `e -> (e // E_local, e % E_local)`. Must be injective.
+      num_local_slots: local expert slots per rank; default E // EP, or one more than the largest
+        slot in `expert_placement`.
+      backend: "auto", "xla" or "ffi"; the env var JAX_HYBRIDEP_BACKEND overrides it.
+      strict: turn any dropped row or invalid expert id into a runtime error.
+      timeout_s: how long a rank waits for its peers before failing with an error (ffi backend);
+        the env var JAX_HYBRIDEP_TIMEOUT_S overrides it.
+    """
+
+    num_experts: int
+    capacity_factor: float | None = None
+    pad_multiple: int = 1
+    expert_placement: tuple[tuple[int, int], ...] | None = None
+    num_local_slots: int | None = None
+    backend: str = "auto"
+    strict: bool = False
+    timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if not isinstance(self.num_experts, int | np.integer) or self.num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {self.num_experts!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"capacity_factor must be > 0 or None (dropless), got {self.capacity_factor!r}"
+            )
+        if not isinstance(self.pad_multiple, int | np.integer) or self.pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be an int >= 1, got {self.pad_multiple!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.num_local_slots is not None and self.num_local_slots < 1:
+            raise ValueError(f"num_local_slots must be >= 1, got {self.num_local_slots!r}")
+        if self.expert_placement is not None:
+            placement = tuple((int(r), int(s)) for r, s in self.expert_placement)
+            object.__setattr__(self, "expert_placement", placement)
+            if len(placement) != self.num_experts:
+                raise ValueError(
+                    f"expert_placement has {len(placement)} entries for "
+                    f"num_experts={self.num_experts}"
+                )
+            if any(r < 0 or s < 0 for r, s in placement):
+                raise ValueError(f"expert_placement has negative ranks or slots: {placement}")
+            if len(set(placement)) != len(placement):
+                raise ValueError(f"expert_placement maps two experts to one (rank, slot): {placement}")
+
+    @property
+    def resolved_timeout_s(self) -> float:
+        return float(os.environ.get(TIMEOUT_ENV, self.timeout_s))
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static geometry of one dispatch call on one EP group (identical on every rank).
+
+    Attributes:
+      topology, config: what the call was given.
+      backend: the resolved backend name.
+      tokens, k: T and K per shard.
+      num_ranks: R, the EP size.
+      num_slots: L, local expert slots per rank.
+      capacity: rows kept per local expert, or None (dropless).
+      rows: C, rows of the expert-major buffer.
+      expert_rank, expert_slot: placement tables, per expert.
+    """
+
+    topology: Topology
+    config: DispatchConfig
+    backend: str
+    tokens: int
+    k: int
+    num_ranks: int
+    num_slots: int
+    capacity: int | None
+    rows: int
+    expert_rank: tuple[int, ...]
+    expert_slot: tuple[int, ...]
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    @property
+    def slot_expert(self) -> np.ndarray:
+        """[R, L] int32: the expert in each (rank, slot), -1 where empty."""
+        table = np.full((self.num_ranks, self.num_slots), -1, np.int32)
+        table[list(self.expert_rank), list(self.expert_slot)] = np.arange(self.num_experts)
+        return table
+
+
+def make_plan(
+    topology: Topology, config: DispatchConfig, backend: str, tokens: int, k: int
+) -> Plan:
+    """Derives the static plan; raises ValueError naming the offending values."""
+    num_ranks, num_experts = topology.ep_size, config.num_experts
+    if k > num_experts:
+        raise ValueError(f"topk_idx has K={k} columns but there are only num_experts={num_experts}")
+    if config.expert_placement is None:
+        if num_experts % num_ranks:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the EP size {num_ranks} "
+                f"(EP axes {topology.ep_axes}); pass expert_placement for an uneven placement"
+            )
+        per_rank = num_experts // num_ranks
+        num_slots = config.num_local_slots or per_rank
+        if num_slots < per_rank:
+            raise ValueError(f"num_local_slots={num_slots} < num_experts / EP size = {per_rank}")
+        expert_rank = tuple(e // per_rank for e in range(num_experts))
+        expert_slot = tuple(e % per_rank for e in range(num_experts))
+    else:
+        expert_rank = tuple(r for r, _ in config.expert_placement)
+        expert_slot = tuple(s for _, s in config.expert_placement)
+        num_slots = config.num_local_slots or max(expert_slot) + 1
+        if max(expert_rank) >= num_ranks:
+            raise ValueError(
+                f"expert_placement names EP rank {max(expert_rank)} but the EP size is {num_ranks}"
+            )
+        if max(expert_slot) >= num_slots:
+            raise ValueError(
+                f"expert_placement names slot {max(expert_slot)} but num_local_slots={num_slots}"
+            )
+    pad = config.pad_multiple
+    if config.capacity_factor is None:
+        capacity = None
+        rows = tokens * num_ranks * min(k, num_slots) + num_slots * (pad - 1)
+    else:
+        capacity = round_up(
+            math.ceil(config.capacity_factor * tokens * num_ranks * k / num_experts), pad
+        )
+        rows = num_slots * capacity
+    return Plan(
+        topology=topology,
+        config=config,
+        backend=backend,
+        tokens=tokens,
+        k=k,
+        num_ranks=num_ranks,
+        num_slots=num_slots,
+        capacity=capacity,
+        rows=rows,
+        expert_rank=expert_rank,
+        expert_slot=expert_slot,
+    )
+

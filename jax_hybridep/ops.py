@@ -1,0 +1,261 @@
+"""The public ops: `dispatch` and `combine` (DESIGN §2), differentiable, per shard.
+
+Sharding model: both run inside `jax.shard_map` over (at least) the topology's EP axes. Every
+argument and result is per shard: `x [T, H]` are this rank's tokens, `d.tokens [C, H]` the rows
+this rank's experts receive. Only `d.stats.tokens_per_expert` is global (identical on all ranks).
+
+Gradients: dispatch's backward is a combine of the row cotangents, combine's backward a dispatch
+of the output cotangent along the same handle; the routing-weight gradient returns per (t, k)
+through `d.weights` or combine's `weights`. Expert ids get none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_hybridep import backends, compat
+from jax_hybridep.config import DispatchConfig, Plan, make_plan
+from jax_hybridep.handle import Handle
+from jax_hybridep.topology import Topology
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchStats:
+    """Counts of one dispatch.
+
+    Attributes:
+      dropped: [] int32, this shard's valid rows dropped over capacity.
+      invalid: [] int32, this shard's expert ids outside [-1, E).
+      tokens_per_expert: [E] int32, rows routed to each expert over the EP group, before drops.
+    """
+
+    dropped: jax.Array
+    invalid: jax.Array
+    tokens_per_expert: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """What `dispatch` returns (per shard).
+
+    Attributes:
+      tokens: [C, H] expert-major rows, in x's dtype; rows past sum(group_sizes) are padding (0).
+      weights: [C] float32 routing weight of each row (0 on padding rows).
+      group_sizes: [E_local] int32 rows per local expert slot, each a multiple of pad_multiple.
+      kept: [T, K] bool, whether (t, k) got a row.
+      stats: DispatchStats.
+      handle: for `combine` (private to the backend and topology).
+    """
+
+    tokens: jax.Array
+    weights: jax.Array
+    group_sizes: jax.Array
+    kept: jax.Array
+    stats: DispatchStats
+    handle: Handle
+
+
+jax.tree_util.register_dataclass(
+    DispatchStats, data_fields=["dropped", "invalid", "tokens_per_expert"], meta_fields=[]
+)
+jax.tree_util.register_dataclass(
+    Dispatched,
+    data_fields=["tokens", "weights", "group_sizes", "kept", "stats", "handle"],
+    meta_fields=[],
+)
+
+
+def _check_context(op: str, topology: Topology, args) -> frozenset[str]:
+    """Trace-time checks of where the op runs; returns the manual mesh axes."""
+    if any(compat.is_batched(a) for a in args):
+        raise ValueError(
+            f"jax_hybridep.{op} does not support jax.vmap: it exchanges data between EP ranks, "
+            "so each shard must call it once; map over tokens instead (fold the batch into T)"
+        )
+    manual = compat.manual_axes()
+    missing = [a for a in topology.ep_axes if a not in manual]
+    if missing:
+        raise ValueError(
+            f"jax_hybridep.{op} must run inside jax.shard_map over the EP axes "
+            f"{topology.ep_axes}; axes {missing} are not manual here (manual axes: "
+            f"{sorted(manual)})"
+        )
+    shape = compat.context_mesh_shape()
+    wrong = {a: shape[a] for a in topology.ep_axes if shape[a] != topology.axis_size(a)}
+    if wrong:
+        expected = {a: topology.axis_size(a) for a in wrong}
+        raise ValueError(
+            f"jax_hybridep.{op}: the topology was built for axis sizes {expected} but the "
+            f"enclosing shard_map has {wrong}"
+        )
+    return manual
+
+
+def _check_inputs(x, topk_idx, topk_weights):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, H], got shape {x.shape}")
+    if topk_idx.ndim != 2:
+        raise ValueError(f"topk_idx must be [T, K], got shape {topk_idx.shape}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_weights shape {topk_weights.shape} differs from topk_idx shape {topk_idx.shape}"
+        )
+    if x.shape[0] != topk_idx.shape[0]:
+        raise ValueError(
+            f"x has T={x.shape[0]} tokens (shape {x.shape}) but topk_idx has "
+            f"T={topk_idx.shape[0]} (shape {topk_idx.shape})"
+        )
+    if x.shape[0] == 0 or topk_idx.shape[1] == 0:
+        raise ValueError(f"dispatch needs T >= 1 and K >= 1, got x {x.shape}, topk_idx {topk_idx.shape}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+        raise TypeError(f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}")
+    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+        raise TypeError(f"topk_weights must be floating point, got dtype {topk_weights.dtype}")
+
+
+def _rank_and_group(topology: Topology, manual):
+    rank = jax.lax.axis_index(topology.ep_axes).astype(jnp.int32)
+    group_axes = tuple(a for a in topology.group_axes if a in manual)
+    group = jax.lax.axis_index(group_axes).astype(jnp.int32) if group_axes else jnp.int32(0)
+    return rank, group
+
+
+def dispatch(
+    x, topk_idx, topk_weights, *, topology: Topology, config: DispatchConfig
+) -> Dispatched:
+    """Sends each token to the ranks of its top-k experts; returns expert-major rows.
+
+    Args:
+      x: [T, H] this shard's tokens (float32, bfloat16 or float16).
+      topk_idx: [T, K] integer global expert ids; -1 means "no expert", other ids outside [0, E)
+        are invalid (counted in stats.invalid and ignored).
+      topk_weights: [T, K] routing weights (float32); they reach each row as `weights`.
+      topology: the EP topology (`Topology.from_mesh`).
+      config: the `DispatchConfig`.
+
+    Returns:
+      Dispatched(tokens [C, H], weights [C], group_sizes [E_local], kept [T, K], stats, handle).
+    """
+    manual = _check_context("dispatch", topology, (x, topk_idx, topk_weights))
+    x, topk_idx, topk_weights = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weights)
+    _check_inputs(x, topk_idx, topk_weights)
+    backend = backends.resolve(config, topology, manual)
+    plan = make_plan(topology, config, backend, *topk_idx.shape)
+    impl = backends.get(backend)
+    rank, group = _rank_and_group(topology, manual)
+    topk_idx = topk_idx.astype(jnp.int32)
+    lay = impl.layout(plan, topk_idx, rank, group)
+    expert_rank = jnp.asarray(np.asarray(plan.expert_rank, np.int32))
+    safe_idx = jnp.clip(topk_idx, 0, plan.num_experts - 1)
+    dest = jnp.where(lay.row_pos >= 0, expert_rank[safe_idx], -1)
+    tokens, row_weights, handle = _dispatch_rows(
+        plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, rank, group
+    )
+    stats = DispatchStats(lay.dropped, lay.invalid, lay.tokens_per_expert)
+    return Dispatched(tokens, row_weights, lay.group_sizes, lay.row_pos >= 0, stats, handle)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch_rows(plan: Plan, x, weights, row_pos, dest, rank, group):
+    return backends.get(plan.backend).dispatch(plan, x, weights, row_pos, dest, rank, group)
+
+
+def _dispatch_rows_fwd(plan, x, weights, row_pos, dest, rank, group):
+    out = _dispatch_rows(plan, x, weights, row_pos, dest, rank, group)
+    return out, out[2]
+
+
+def _dispatch_rows_bwd(plan, handle, cotangents):
+    ct_tokens, ct_weights, _ = cotangents
+    impl = backends.get(plan.backend)
+    grad_x = impl.combine(handle, ct_tokens, None)
+    grad_weights = impl.return_row_values(handle, ct_weights)
+    return grad_x, grad_weights, None, None, None, None
+
+
+_dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+def combine(
+    y,
+    handle: Handle,
+    weights=None,
+    *,
+    topology: Topology | None = None,
+    config: DispatchConfig | None = None,
+):
+    """Returns each token's sum of its rows (times `weights` when given), in §2.1 order.
+
+    Args:
+      y: [C, H'] expert outputs, one per row of the dispatch that made `handle`.
+      handle: `Dispatched.handle` of that dispatch.
+      weights: optional [C] float32 per-row weights (e.g. `Dispatched.weights`).
+      topology, config: optional; when given they must be the dispatch's (checked statically).
+
+    Returns:
+      [T, H'] in y's dtype.
+    """
+    if not isinstance(handle, Handle):
+        raise TypeError(f"handle must be Dispatched.handle, got {type(handle).__name__}")
+    plan = handle.plan
+    if topology is not None and topology != plan.topology:
+        raise ValueError(
+            f"combine got a handle made for topology {plan.topology.levels} "
+            f"(mesh {dict(zip(plan.topology.mesh_axes, plan.topology.mesh_shape))}) but was "
+            f"given topology {topology.levels} (mesh "
+            f"{dict(zip(topology.mesh_axes, topology.mesh_shape))})"
+        )
+    if config is not None:
+        requested = backends.resolve(config, plan.topology, compat.manual_axes())
+        if config != plan.config or requested != plan.backend:
+            raise ValueError(
+                f"combine got a handle from the '{plan.backend}' backend with {plan.config}, "
+                f"but was given {config} (backend '{requested}')"
+            )
+    args = (y,) if weights is None else (y, weights)
+    _check_context("combine", plan.topology, args)
+    y = jnp.asarray(y)
+    if y.ndim != 2 or y.shape[0] != plan.rows:
+        raise ValueError(
+            f"y must be [C, H] with C={plan.rows} rows (the dispatch's tokens), got shape {y.shape}"
+        )
+    if y.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"y must be float32, bfloat16 or float16, got {y.dtype}")
+    if weights is None:
+        return _combine_rows(False, handle, y, jnp.zeros((plan.rows,), jnp.float32))
+    weights = jnp.asarray(weights)
+    if weights.shape != (plan.rows,):
+        raise ValueError(f"weights must be [C] = ({plan.rows},), got shape {weights.shape}")
+    return _combine_rows(True, handle, y, weights.astype(jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine_rows(weighted: bool, handle: Handle, y, weights):
+    return backends.get(handle.backend).combine(handle, y, weights if weighted else None)
+
+
+def _combine_rows_fwd(weighted, handle, y, weights):
+    return _combine_rows(weighted, handle, y, weights), (handle, y, weights)
+
+
+def _combine_rows_bwd(weighted, residuals, g):
+    handle, y, weights = residuals
+    rows = backends.get(handle.backend).redispatch(handle, g)  # [C, H'] in y's dtype
+    if not weighted:
+        return None, rows, jnp.zeros_like(weights)
+    rows32 = rows.astype(jnp.float32)
+    grad_y = (rows32 * weights[:, None]).astype(y.dtype)
+    grad_weights = jnp.sum(y.astype(jnp.float32) * rows32, axis=1)
+    return None, grad_y, grad_weights
+
+
+_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)

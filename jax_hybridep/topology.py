@@ -1,0 +1,92 @@
+"""Expert-parallel topology: which mesh axes form the EP group, level by level.
+
+A `Topology` is static and hashable. Levels run slow -> fast (e.g. ("node", "local")); each level
+is one or more mesh axes. The EP rank is row-major over the levels' axes, so it equals
+`jax.lax.axis_index(topology.ep_axes)` inside `jax.shard_map`. Mesh axes outside the topology
+(e.g. "data") index independent EP groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The EP axes of a mesh, grouped into levels (slow -> fast).
+
+    Attributes:
+      levels: per level, the mesh axis names it spans.
+      mesh_axes: all axis names of the mesh, in mesh order.
+      mesh_shape: all axis sizes of the mesh, in mesh order.
+      single_process: whether every device of the mesh belongs to this process.
+      platform: the devices' platform ("cpu", "gpu", ...).
+    """
+
+    levels: tuple[tuple[str, ...], ...]
+    mesh_axes: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    single_process: bool = True
+    platform: str = "cpu"
+
+    def __post_init__(self):
+        if not self.levels or any(not level for level in self.levels):
+            raise ValueError(f"Topology needs at least one level of mesh axes, got {self.levels}")
+        seen = [axis for level in self.levels for axis in level]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"Topology levels name a mesh axis twice: {self.levels}")
+        missing = [axis for axis in seen if axis not in self.mesh_axes]
+        if missing:
+            raise ValueError(
+                f"Topology levels {self.levels} name axes {missing} that are not in the mesh "
+                f"(axes {self.mesh_axes})"
+            )
+
+    @classmethod
+    def from_mesh(
+        cls, mesh: jax.sharding.Mesh, levels: Sequence[str | Sequence[str]] = ("ep",)
+    ) -> Topology:
+        """Builds the topology of `mesh` with `levels` given slow -> fast.
+
+        Args:
+          mesh: the device mesh the model runs on.
+          levels: each entry a mesh axis name or a sequence of names forming one level, e.g.
+            ("node", "local"), ("dc", "node", "local") or (("x", "y"),) for one level over two axes.
+        """
+        if isinstance(levels, str):
+            levels = (levels,)
+        norm = tuple((lvl,) if isinstance(lvl, str) else tuple(lvl) for lvl in levels)
+        devices = mesh.devices.flat
+        process = jax.process_index()
+        return cls(
+            levels=norm,
+            mesh_axes=tuple(mesh.axis_names),
+            mesh_shape=tuple(mesh.devices.shape),
+            single_process=all(d.process_index == process for d in devices),
+            platform=mesh.devices.flat[0].platform,
+        )
+
+    @property
+    def ep_axes(self) -> tuple[str, ...]:
+        """All EP mesh axes, slow -> fast: `axis_index(ep_axes)` is the EP rank."""
+        return tuple(axis for level in self.levels for axis in level)
+
+    @property
+    def group_axes(self) -> tuple[str, ...]:
+        """The mesh axes outside the EP group; their indices number the EP groups."""
+        return tuple(axis for axis in self.mesh_axes if axis not in self.ep_axes)
+
+    def axis_size(self, axis: str) -> int:
+        return self.mesh_shape[self.mesh_axes.index(axis)]
+
+    @property
+    def ep_size(self) -> int:
+        return math.prod(self.axis_size(axis) for axis in self.ep_axes)
+
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(self.axis_size(a) for a in level) for level in self.levels)

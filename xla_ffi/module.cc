@@ -1,0 +1,56 @@
+// The one native module, _hybridep: FFI handler capsules for registration at import, and a few
+// introspection hooks for tests.
+#include <cstdint>
+#include <string>
+
+#include "nanobind/nanobind.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/numeric.h"
+#include "xla_ffi/rendezvous.h"
+
+namespace nb = nanobind;
+
+namespace jax_hybridep {
+namespace {
+
+nb::dict CpuRegistrations() {
+  nb::dict out;
+  for (const HandlerEntry& entry : CpuHandlers()) {
+    out[entry.name] = nb::capsule(reinterpret_cast<void*>(entry.handler));
+  }
+  return out;
+}
+
+// Rounds float32 values (given as raw little-endian bytes) to bfloat16 or float16 and back, with
+// the conversions the kernels use; tests compare them with numpy's.
+nb::bytes RoundTrip(const std::string& dtype, nb::bytes values) {
+  const Dtype target = dtype == "bfloat16" ? Dtype::kBF16 : Dtype::kF16;
+  if (dtype != "bfloat16" && dtype != "float16") {
+    throw nb::value_error("dtype must be 'bfloat16' or 'float16'");
+  }
+  std::string out(values.size(), '\0');
+  const int64_t n = static_cast<int64_t>(values.size() / sizeof(float));
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t half;
+    StoreFromFloat(&half, 0, LoadAsFloat(values.c_str(), i, Dtype::kF32), target);
+    StoreFromFloat(out.data(), i, LoadAsFloat(&half, 0, target), Dtype::kF32);
+  }
+  return nb::bytes(out.data(), out.size());
+}
+
+}  // namespace
+}  // namespace jax_hybridep
+
+NB_MODULE(_hybridep, m) {
+  m.doc() = "jax_hybridep native kernels and XLA FFI handlers";
+  m.def("cpu_registrations", &jax_hybridep::CpuRegistrations,
+        "FFI target name -> handler capsule, for platform 'cpu'.");
+  m.def("open_rendezvous_count", &jax_hybridep::OpenRendezvousCount,
+        "Rendezvous still open in this process (0 when idle).");
+  m.def("round_trip", &jax_hybridep::RoundTrip, nb::arg("dtype"), nb::arg("values"));
+#ifdef JAX_HYBRIDEP_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,111 @@
+// Conversions between float32 and the 16-bit float formats the ops carry.
+//
+// Both round to nearest even, like XLA's convert, so host and XLA results agree bitwise. No
+// compiler half-precision types are used: their availability differs between compilers and
+// targets, and the arithmetic here is always done in float32.
+#ifndef JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_
+#define JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_
+
+#include <cstdint>
+#include <cstring>
+
+// The same conversions run in CUDA kernels, which must match the host bit for bit.
+#ifdef __CUDACC__
+#define JAX_HYBRIDEP_HOST_DEVICE __host__ __device__
+#else
+#define JAX_HYBRIDEP_HOST_DEVICE
+#endif
+
+namespace jax_hybridep {
+
+enum class Dtype { kF32, kBF16, kF16 };
+
+JAX_HYBRIDEP_HOST_DEVICE inline float BitsToFloat(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline uint32_t FloatToBits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline float Bf16ToFloat(uint16_t h) {
+  return BitsToFloat(static_cast<uint32_t>(h) << 16);
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
+  uint32_t bits = FloatToBits(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it quiet and keep the sign.
+    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  }
+  uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline float F16ToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return BitsToFloat(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    // Zero or subnormal: value = mantissa * 2^-24, exact in float32.
+    float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -magnitude : magnitude;
+  }
+  return BitsToFloat(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline uint16_t FloatToF16(float f) {
+  uint32_t bits = FloatToBits(f);
+  uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  uint32_t abs_bits = bits & 0x7fffffffu;
+  if (abs_bits > 0x7f800000u) return sign | 0x7e00u | ((abs_bits >> 13) & 0x3ffu);  // NaN
+  if (abs_bits >= 0x477ff000u) return sign | 0x7c00u;  // rounds to infinity (or is infinity)
+  if (abs_bits < 0x38800000u) {
+    // Result is subnormal or zero in float16: round |f| / 2^-24 to an integer, nearest even.
+    // Adding 0.5 (the magic constant) makes float32 rounding do exactly that.
+    float magnitude = BitsToFloat(abs_bits) + 0.5f;
+    return sign | static_cast<uint16_t>(FloatToBits(magnitude) - FloatToBits(0.5f));
+  }
+  uint32_t mantissa_odd = (abs_bits >> 13) & 1u;
+  abs_bits += 0xc8000fffu + mantissa_odd;  // rebias exponent (-112 << 23) and round to nearest even
+  return sign | static_cast<uint16_t>(abs_bits >> 13);
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline float LoadAsFloat(const void* base, int64_t i, Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return static_cast<const float*>(base)[i];
+    case Dtype::kBF16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case Dtype::kF16:
+      return F16ToFloat(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0.0f;
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline void StoreFromFloat(void* base, int64_t i, float value,
+                                                    Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32:
+      static_cast<float*>(base)[i] = value;
+      return;
+    case Dtype::kBF16:
+      static_cast<uint16_t*>(base)[i] = FloatToBf16(value);
+      return;
+    case Dtype::kF16:
+      static_cast<uint16_t*>(base)[i] = FloatToF16(value);
+      return;
+  }
+}
+
+JAX_HYBRIDEP_HOST_DEVICE inline int64_t DtypeBytes(Dtype dtype) {
+  return dtype == Dtype::kF32 ? 4 : 2;
+}
+
+}  // namespace jax_hybridep
+
+#endif  // JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_
