@@ -226,7 +226,8 @@ def combine(
     y = jnp.asarray(y)
     if y.ndim != 2 or y.shape[0] != plan.rows:
         raise ValueError(
-            f"y must be [C, H] with C={plan.rows} rows (the dispatch's tokens), got shape {y.shape}"
+            f"y must be [C, H] with C={plan.rows} rows (one per row of its dispatch), got shape "
+            f"{y.shape}"
         )
     if y.dtype not in FLOAT_DTYPES:
         raise TypeError(f"y must be float32, bfloat16 or float16, got {y.dtype}")

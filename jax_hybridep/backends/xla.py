@@ -95,7 +95,9 @@ def layout(plan: Plan, topk_idx, rank, group) -> Layout:
     row_pos = jnp.where(kept, group_offset[safe] + index, -1).reshape(tokens, k)
     dropped = jnp.sum(valid.reshape(-1) & ~kept, dtype=jnp.int32)
     if plan.config.strict:
-        dropped = dropped + _strict_check(plan, group, all_counts, invalid_per_rank, keep_limit)
+        # Adding the check's zero to row_pos, which every later step reads, keeps it from being
+        # dead-code eliminated.
+        row_pos = row_pos + _strict_check(plan, group, all_counts, invalid_per_rank, keep_limit)
     return Layout(row_pos, size_rs[rank], tokens_per_expert, dropped, invalid)
 
 
