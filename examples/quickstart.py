@@ -43,8 +43,11 @@ def dense_reference(x, topk_idx, topk_weights, kept, w_in, w_out):
     """Every token through each of its kept top-k experts, densely (no dispatch)."""
     h = jax.nn.gelu(jnp.einsum("nh,ehf->nef", x, w_in))
     y = jnp.einsum("nef,efh->neh", h, w_out)
-    gates = jnp.zeros((x.shape[0], w_in.shape[0])).at[
-        jnp.arange(x.shape[0])[:, None], topk_idx].add(jnp.where(kept, topk_weights, 0.0))
+    gates = (
+        jnp.zeros((x.shape[0], w_in.shape[0]))
+        .at[jnp.arange(x.shape[0])[:, None], topk_idx]
+        .add(jnp.where(kept, topk_weights, 0.0))
+    )
     return jnp.einsum("ne,neh->nh", gates, y)
 
 
@@ -52,11 +55,11 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(AxisType.Auto,),
-                         devices=devices)
+    mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(AxisType.Auto,), devices=devices)
     topo = hep.Topology.from_mesh(mesh, levels=("ep",))
-    cfg = hep.DispatchConfig(num_experts=FLAGS.num_experts, capacity_factor=FLAGS.capacity_factor,
-                             backend=FLAGS.backend)
+    cfg = hep.DispatchConfig(
+        num_experts=FLAGS.num_experts, capacity_factor=FLAGS.capacity_factor, backend=FLAGS.backend
+    )
     n, e, k = FLAGS.tokens * len(devices), FLAGS.num_experts, FLAGS.top_k
 
     keys = jax.random.split(jax.random.key(FLAGS.seed), 4)
@@ -73,24 +76,29 @@ def main(argv):
         return out, d.kept, d.stats.dropped[None], d.stats.tokens_per_expert[None]
 
     spec = P("ep")
-    step = jax.jit(jax.shard_map(moe_block, mesh=mesh, in_specs=(spec,) * 5,
-                                 out_specs=(spec,) * 4))
-    args = [jax.device_put(a, NamedSharding(mesh, spec))
-            for a in (x, topk_idx, topk_weights, w_in, w_out)]
+    step = jax.jit(jax.shard_map(moe_block, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4))
+    args = [
+        jax.device_put(a, NamedSharding(mesh, spec))
+        for a in (x, topk_idx, topk_weights, w_in, w_out)
+    ]
     out, kept, dropped, per_expert = jax.block_until_ready(step(*args))
     start = time.perf_counter()
     jax.block_until_ready(step(*args))
     seconds = time.perf_counter() - start
 
-    targets = {t for t in ("layout", "dispatch", "combine")
-               if f"jax_hybridep_{t}" in step.lower(*args).compile().as_text()}
+    targets = {
+        t
+        for t in ("layout", "dispatch", "combine")
+        if f"jax_hybridep_{t}" in step.lower(*args).compile().as_text()
+    }
     ran = "ffi (XLA FFI custom calls)" if targets else "xla (all_to_all)"
     ref = dense_reference(x, topk_idx, topk_weights, kept, w_in, w_out)
     err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
     print(f"devices      : {len(devices)} x {devices[0].platform}  (EP size {topo.ep_size})")
     print(f"backend      : {ran}")
-    print(f"tokens       : {n} ({FLAGS.tokens}/device), hidden {FLAGS.hidden}, experts {e}, "
-          f"top-{k}")
+    print(
+        f"tokens       : {n} ({FLAGS.tokens}/device), hidden {FLAGS.hidden}, experts {e}, top-{k}"
+    )
     print(f"rows/expert  : min {int(per_expert[0].min())}, max {int(per_expert[0].max())}")
     print(f"dropped rows : {int(dropped.sum())}")
     print(f"step time    : {seconds * 1e3:.1f} ms (dispatch + expert FFN + combine)")

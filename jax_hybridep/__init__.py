@@ -1,10 +1,10 @@
 """jax_hybridep: expert-parallel MoE dispatch and combine for JAX, as XLA FFI custom calls.
 
-    topo = hep.Topology.from_mesh(mesh, levels=("ep",))
-    cfg = hep.DispatchConfig(num_experts=64)
-    # inside jax.shard_map over topo's axes, per shard:
-    d = hep.dispatch(x, topk_idx, topk_weights, topology=topo, config=cfg)
-    out = hep.combine(experts(d.tokens, d.group_sizes), d.handle, weights=d.weights)
+topo = hep.Topology.from_mesh(mesh, levels=("ep",))
+cfg = hep.DispatchConfig(num_experts=64)
+# inside jax.shard_map over topo's axes, per shard:
+d = hep.dispatch(x, topk_idx, topk_weights, topology=topo, config=cfg)
+out = hep.combine(experts(d.tokens, d.group_sizes), d.handle, weights=d.weights)
 """
 
 from jax_hybridep import _native  # noqa: F401  (registers the FFI targets)

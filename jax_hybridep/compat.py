@@ -48,4 +48,3 @@ def is_batched(x) -> bool:
     from jax._src.interpreters import batching  # noqa: PLC0415  (private: isolated here)
 
     return isinstance(x, batching.BatchTracer)
-

@@ -75,7 +75,9 @@ class DispatchConfig:
             if any(r < 0 or s < 0 for r, s in placement):
                 raise ValueError(f"expert_placement has negative ranks or slots: {placement}")
             if len(set(placement)) != len(placement):
-                raise ValueError(f"expert_placement maps two experts to one (rank, slot): {placement}")
+                raise ValueError(
+                    f"expert_placement maps two experts to one (rank, slot): {placement}"
+                )
 
     @property
     def resolved_timeout_s(self) -> float:
@@ -178,4 +180,3 @@ def make_plan(
         expert_rank=expert_rank,
         expert_slot=expert_slot,
     )
-

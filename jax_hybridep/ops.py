@@ -113,7 +113,9 @@ def _check_inputs(x, topk_idx, topk_weights):
             f"T={topk_idx.shape[0]} (shape {topk_idx.shape})"
         )
     if x.shape[0] == 0 or topk_idx.shape[1] == 0:
-        raise ValueError(f"dispatch needs T >= 1 and K >= 1, got x {x.shape}, topk_idx {topk_idx.shape}")
+        raise ValueError(
+            f"dispatch needs T >= 1 and K >= 1, got x {x.shape}, topk_idx {topk_idx.shape}"
+        )
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
@@ -210,9 +212,8 @@ def combine(
     if topology is not None and topology != plan.topology:
         raise ValueError(
             f"combine got a handle made for topology {plan.topology.levels} "
-            f"(mesh {dict(zip(plan.topology.mesh_axes, plan.topology.mesh_shape))}) but was "
-            f"given topology {topology.levels} (mesh "
-            f"{dict(zip(topology.mesh_axes, topology.mesh_shape))})"
+            f"(mesh {plan.topology.mesh_dict}) but was given topology {topology.levels} "
+            f"(mesh {topology.mesh_dict})"
         )
     if config is not None:
         requested = backends.resolve(config, plan.topology, compat.manual_axes())

@@ -80,6 +80,11 @@ class Topology:
         """The mesh axes outside the EP group; their indices number the EP groups."""
         return tuple(axis for axis in self.mesh_axes if axis not in self.ep_axes)
 
+    @property
+    def mesh_dict(self) -> dict[str, int]:
+        """Axis name -> size, for messages."""
+        return dict(zip(self.mesh_axes, self.mesh_shape, strict=True))
+
     def axis_size(self, axis: str) -> int:
         return self.mesh_shape[self.mesh_axes.index(axis)]
 

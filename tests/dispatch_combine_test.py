@@ -69,8 +69,15 @@ def test_check_grads(backend):
     topo = hep.Topology.from_mesh(mesh, ("ep",))
     fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=8, backend=backend))
     x, idx, w, experts, _ = _problem(3, 4 * T, 8)
-    check_grads(lambda x, w, e: fn(x, idx, w, e)[0], (x, w, experts), order=1, modes=("rev",),
-                atol=2e-2, rtol=2e-2, eps=1e-2)
+    check_grads(
+        lambda x, w, e: fn(x, idx, w, e)[0],
+        (x, w, experts),
+        order=1,
+        modes=("rev",),
+        atol=2e-2,
+        rtol=2e-2,
+        eps=1e-2,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -99,7 +106,7 @@ def test_two_ep_groups_beside_a_data_axis(backend):
     fn = moe_fn(mesh, topo, cfg)
     x, idx, w, experts, _ = _problem(11, 8 * T, 8, invalid_fraction=0.0)
     # Skew group 1 so the groups' layouts differ (drops happen in group 1 only).
-    idx[4 * T:, 0] = 0
+    idx[4 * T :, 0] = 0
     out, (tokens, weights, sizes, kept, stats) = fn(x, idx, w, experts)
     for g in range(2):
         shard = slice(g * 4 * T, (g + 1) * 4 * T)
@@ -112,8 +119,11 @@ def test_two_ep_groups_beside_a_data_axis(backend):
         np.testing.assert_array_equal(sizes[ranks], ref["group_sizes"])
         kept_g = ref["row_pos"].reshape(-1, K) >= 0
         np.testing.assert_allclose(
-            out[shard], dense_moe(x[shard], idx[shard], w[shard], experts, kept=kept_g),
-            rtol=1e-5, atol=1e-5)
+            out[shard],
+            dense_moe(x[shard], idx[shard], w[shard], experts, kept=kept_g),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     assert int(np.sum(stats.dropped[4:])) > int(np.sum(stats.dropped[:4]))
 
 
@@ -135,16 +145,22 @@ def test_rows_follow_the_contract(backend, capacity_factor, pad, placement):
         placement = tuple(((E - 1 - e) % R, e // R) for e in range(E))
     mesh = make_mesh((R,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
-    cfg = hep.DispatchConfig(num_experts=E, capacity_factor=capacity_factor, pad_multiple=pad,
-                             expert_placement=placement, backend=backend)
+    cfg = hep.DispatchConfig(
+        num_experts=E,
+        capacity_factor=capacity_factor,
+        pad_multiple=pad,
+        expert_placement=placement,
+        backend=backend,
+    )
     x, idx, w, experts, _ = _problem(13, R * T, E)
     idx[: T // 2, :] = 1  # duplicates and a hot expert
     fn = moe_fn(mesh, topo, cfg)
     out, (tokens, weights, sizes, kept, stats) = fn(x, idx, w, experts)
     view = PlanView(E, R, T, K, capacity_factor, pad, placement)
     ref = reference_layout(idx.reshape(R, T, K), R, view)
-    exp_tokens, exp_weights = expected_rows(x.reshape(R, T, H), w.reshape(R, T, K), idx.reshape(
-        R, T, K), ref, R, view.rows, np.float32)
+    exp_tokens, exp_weights = expected_rows(
+        x.reshape(R, T, H), w.reshape(R, T, K), idx.reshape(R, T, K), ref, R, view.rows, np.float32
+    )
     np.testing.assert_array_equal(np.asarray(tokens).reshape(exp_tokens.shape), exp_tokens)
     np.testing.assert_array_equal(np.asarray(weights).reshape(exp_weights.shape), exp_weights)
     np.testing.assert_array_equal(sizes, ref["group_sizes"])
@@ -159,8 +175,9 @@ def test_rows_follow_the_contract(backend, capacity_factor, pad, placement):
         order = np.argsort(np.asarray(view.expert_rank) * view.num_slots + view.expert_slot)
         out, _ = moe_fn(mesh, topo, cfg)(x, idx, w, experts[order])
     kept_flat = ref["row_pos"].reshape(-1, K) >= 0
-    np.testing.assert_allclose(out, dense_moe(x, idx, w, experts, kept=kept_flat), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        out, dense_moe(x, idx, w, experts, kept=kept_flat), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -188,18 +205,19 @@ def test_inside_scan_and_checkpoint(backend):
     def body(x, idx, w, experts):
         return jax.lax.scan(layer, x, (idx, w, experts))[0]
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, sspec, sspec, P(None, "ep")),
-                               out_specs=spec))
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, sspec, sspec, P(None, "ep")), out_specs=spec)
+    )
 
     def dense(x, w, experts):
         for s in range(steps):
             x = jnp.tanh(dense_moe(x, idx[s], w[s], experts[s])) + x
         return x
 
-    np.testing.assert_allclose(fn(x, idx, w, experts), dense(x, w, experts), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(fn(x, idx, w, experts), dense(x, w, experts), rtol=1e-5, atol=1e-5)
     grads = jax.grad(lambda *a: jnp.sum(fn(a[0], idx, a[1], a[2]) ** 2), argnums=(0, 1, 2))(
-        x, w, experts)
+        x, w, experts
+    )
     dense_grads = jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), argnums=(0, 1, 2))(x, w, experts)
     for g, ref in zip(grads, dense_grads, strict=True):
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4)

@@ -43,12 +43,32 @@ X, IDX, W = np.ones((16, 4), np.float32), np.zeros((16, 2), np.int32), np.ones((
 @pytest.mark.parametrize(
     "args,error,match",
     [
-        ((np.ones((16, 4, 1), np.float32), IDX, W), ValueError, r"x must be \[T, H\], got shape \(4, 4, 1\)"),
+        (
+            (np.ones((16, 4, 1), np.float32), IDX, W),
+            ValueError,
+            r"x must be \[T, H\], got shape \(4, 4, 1\)",
+        ),
         ((X, np.zeros((16,), np.int32), W[:, 0]), ValueError, r"topk_idx must be \[T, K\]"),
-        ((X, IDX, np.ones((16, 3), np.float32)), ValueError, r"topk_weights shape \(4, 3\) differs"),
-        ((np.ones((8, 4), np.float32), IDX, W), ValueError, r"x has T=2 tokens .* topk_idx has T=4"),
-        ((X, IDX.astype(np.float32), W), TypeError, r"topk_idx must hold integer expert ids, got dtype float32"),
-        ((X.astype(np.int32), IDX, W), TypeError, r"x must be float32, bfloat16 or float16, got int32"),
+        (
+            (X, IDX, np.ones((16, 3), np.float32)),
+            ValueError,
+            r"topk_weights shape \(4, 3\) differs",
+        ),
+        (
+            (np.ones((8, 4), np.float32), IDX, W),
+            ValueError,
+            r"x has T=2 tokens .* topk_idx has T=4",
+        ),
+        (
+            (X, IDX.astype(np.float32), W),
+            TypeError,
+            r"topk_idx must hold integer expert ids, got dtype float32",
+        ),
+        (
+            (X.astype(np.int32), IDX, W),
+            TypeError,
+            r"x must be float32, bfloat16 or float16, got int32",
+        ),
         ((X, IDX, W.astype(np.int32)), TypeError, r"topk_weights must be floating point"),
     ],
 )
@@ -108,7 +128,9 @@ def test_placement_out_of_range(ep4):
 
 def test_outside_shard_map(ep4):
     _, topo = ep4
-    with pytest.raises(ValueError, match=r"must run inside jax.shard_map over the EP axes \('ep',\)"):
+    with pytest.raises(
+        ValueError, match=r"must run inside jax.shard_map over the EP axes \('ep',\)"
+    ):
         jax.jit(_dispatch_tokens(topo, hep.DispatchConfig(num_experts=8)))(X, IDX, W)
 
 
@@ -141,7 +163,9 @@ def test_handle_from_another_topology_or_backend(ep4):
         _run(mesh, with_topology, X, IDX, W)
     with pytest.raises(ValueError, match="handle from the 'ffi' backend"):
         _run(mesh, with_backend, X, IDX, W)
-    with pytest.raises(ValueError, match=r"C=32 rows \(one per row of its dispatch\), got shape \(31, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"C=32 rows \(one per row of its dispatch\), got shape \(31, 4\)"
+    ):
         _run(mesh, wrong_rows, X, IDX, W)
     with pytest.raises(TypeError, match="handle must be Dispatched.handle"):
         hep.combine(jnp.ones((8, 4)), object())
@@ -151,8 +175,13 @@ def test_ffi_across_processes_raises_and_auto_falls_back(ep4):
     mesh, topo = ep4
     multi = dataclasses.replace(topo, single_process=False)  # as Topology.from_mesh would see it
     with pytest.raises(ValueError, match="EP group spans several processes"):
-        _run(mesh, _dispatch_tokens(multi, hep.DispatchConfig(num_experts=8, backend="ffi")),
-             X, IDX, W)
+        _run(
+            mesh,
+            _dispatch_tokens(multi, hep.DispatchConfig(num_experts=8, backend="ffi")),
+            X,
+            IDX,
+            W,
+        )
     tokens = _run(mesh, _dispatch_tokens(multi, hep.DispatchConfig(num_experts=8)), X, IDX, W)
     assert tokens.shape == (4 * 32, 4)
 
@@ -162,25 +191,35 @@ def test_ffi_needs_every_mesh_axis_manual():
     topo = hep.Topology.from_mesh(mesh, ("ep",))
 
     def run(cfg):
-        fn = jax.shard_map(_dispatch_tokens(topo, cfg), mesh=mesh, in_specs=P("ep"),
-                           out_specs=P("ep"), axis_names={"ep"})
+        fn = jax.shard_map(
+            _dispatch_tokens(topo, cfg),
+            mesh=mesh,
+            in_specs=P("ep"),
+            out_specs=P("ep"),
+            axis_names={"ep"},
+        )
         return jax.jit(fn)(X, IDX, W)
 
-    with pytest.raises(ValueError, match=r"mesh axes \['data'\] outside the EP group are not manual"):
+    with pytest.raises(
+        ValueError, match=r"mesh axes \['data'\] outside the EP group are not manual"
+    ):
         run(hep.DispatchConfig(num_experts=8, backend="ffi"))
     assert run(hep.DispatchConfig(num_experts=8)).shape == (4 * 32, 4)  # auto -> xla
 
 
 def _error_text(excinfo):
-    match = re.search(r"jax_hybridep strict mode: [^\n]*?\]\, invalid per EP rank \[[^\]]*\]",
-                      str(excinfo.value))
+    match = re.search(
+        r"jax_hybridep strict mode: [^\n]*?\]\, invalid per EP rank \[[^\]]*\]", str(excinfo.value)
+    )
     assert match, str(excinfo.value)
     return match.group(0)
 
 
 def test_strict_mode_raises_the_same_error_on_every_backend(ep4):
     mesh, topo = ep4
-    idx = np.array([[0, 0]] * 8 + [[1, 99]] * 8, np.int32)  # cap 4: experts 0, 1 overflow; 99 invalid
+    idx = np.array(
+        [[0, 0]] * 8 + [[1, 99]] * 8, np.int32
+    )  # cap 4: experts 0, 1 overflow; 99 invalid
     messages = {}
     for backend in BACKENDS:
         cfg = hep.DispatchConfig(num_experts=8, capacity_factor=1.0, strict=True, backend=backend)
@@ -208,7 +247,9 @@ def test_rendezvous_timeout_names_missing_ranks_and_process_stays_usable(ep4):
         return jax.lax.cond(skip, lambda: skipped, lambda: inner(x, idx, w))
 
     start = time.monotonic()
-    with pytest.raises(Exception, match=r"timed out after 1 s .*EP ranks \[0\] of 4 did not arrive"):
+    with pytest.raises(
+        Exception, match=r"timed out after 1 s .*EP ranks \[0\] of 4 did not arrive"
+    ):
         jax.block_until_ready(_run(mesh, rank0_skips, X, IDX, W))
     assert time.monotonic() - start < 30
     assert _native.module().open_rendezvous_count() == 0

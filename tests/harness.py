@@ -49,13 +49,13 @@ def moe_fn(mesh, topo, cfg, *, weighted_combine=True, expert_weights_spec=None):
             out = hep.combine(y, d.handle, weights=d.weights)
         else:
             out = hep.combine(y * d.weights[:, None].astype(y.dtype), d.handle)
-        stacked = jax.tree.map(lambda a: a[None], (d.tokens, d.weights, d.group_sizes, d.kept,
-                                                   d.stats))
+        stacked = jax.tree.map(
+            lambda a: a[None], (d.tokens, d.weights, d.group_sizes, d.kept, d.stats)
+        )
         return out, stacked
 
     return jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, spec, w_spec),
-                      out_specs=(spec, spec))
+        jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, spec, w_spec), out_specs=(spec, spec))
     )
 
 
@@ -111,15 +111,30 @@ def reference_layout(idx, num_ranks, plan_like):
     valid = (idx >= 0) & (idx < p.num_experts)
     dropped = np.sum(valid & (row_pos < 0), axis=(1, 2))
     tokens_per_expert = np.array([len(rows_of[e]) for e in range(p.num_experts)])
-    return dict(row_pos=row_pos, dest=dest, group_sizes=group_sizes, dropped=dropped,
-                invalid=invalid, tokens_per_expert=tokens_per_expert)
+    return dict(
+        row_pos=row_pos,
+        dest=dest,
+        group_sizes=group_sizes,
+        dropped=dropped,
+        invalid=invalid,
+        tokens_per_expert=tokens_per_expert,
+    )
 
 
 class PlanView:
     """The numbers reference_layout needs, computed from the formulas of DESIGN §2.1.3."""
 
-    def __init__(self, num_experts, num_ranks, tokens, k, capacity_factor=None, pad=1,
-                 placement=None, num_slots=None):
+    def __init__(
+        self,
+        num_experts,
+        num_ranks,
+        tokens,
+        k,
+        capacity_factor=None,
+        pad=1,
+        placement=None,
+        num_slots=None,
+    ):
         self.num_experts, self.pad = num_experts, pad
         if placement is None:
             per = num_experts // num_ranks

@@ -17,8 +17,12 @@ def _compiled_targets(backend, *, grad=False):
     mesh = make_mesh((4,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
     step = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=8, backend=backend))
-    args = (np.ones((16, 4), np.float32), np.zeros((16, 2), np.int32),
-            np.ones((16, 2), np.float32), np.ones((8, 4, 4), np.float32))
+    args = (
+        np.ones((16, 4), np.float32),
+        np.zeros((16, 2), np.int32),
+        np.ones((16, 2), np.float32),
+        np.ones((8, 4, 4), np.float32),
+    )
     fn = step
     if grad:
         fn = jax.jit(jax.grad(lambda x, i, w, e: step(x, i, w, e)[0].sum(), argnums=(0, 2)))

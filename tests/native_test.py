@@ -9,19 +9,45 @@ from jax_hybridep import _native
 
 def test_handlers_registered():
     targets = set(_native.module().cpu_registrations())
-    assert targets == {"jax_hybridep_layout", "jax_hybridep_dispatch", "jax_hybridep_combine",
-                       "jax_hybridep_return_row_values"}
+    assert targets == {
+        "jax_hybridep_layout",
+        "jax_hybridep_dispatch",
+        "jax_hybridep_combine",
+        "jax_hybridep_return_row_values",
+    }
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_round_to_nearest_even_like_numpy(dtype):
     rng = np.random.default_rng(0)
-    special = np.array([0.0, -0.0, np.inf, -np.inf, 65504.0, 65519.99, 65520.0, 1e-8, -6e-8,
-                        5.96e-8, 2.98e-8, 6.1e-5, 3.0e38, 1.0 + 2**-8, 1.0 + 3 * 2**-8],
-                       np.float32)
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            65504.0,
+            65519.99,
+            65520.0,
+            1e-8,
+            -6e-8,
+            5.96e-8,
+            2.98e-8,
+            6.1e-5,
+            3.0e38,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-8,
+        ],
+        np.float32,
+    )
     bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
-    values = np.concatenate([special, bits.view(np.float32), rng.normal(size=10_000).astype(
-        np.float32) * np.float32(1e-5)])
+    values = np.concatenate(
+        [
+            special,
+            bits.view(np.float32),
+            rng.normal(size=10_000).astype(np.float32) * np.float32(1e-5),
+        ]
+    )
     values = values[~np.isnan(values)]
     got = np.frombuffer(_native.module().round_trip(dtype, values.tobytes()), np.float32)
     with np.errstate(over="ignore"):  # float16 overflow to inf is the expected result

@@ -1,4 +1,4 @@
-"""Adversarial and random routings: the §2.1 contract, exact counts, and bitwise backend agreement."""
+"""Adversarial and random routings: the §2.1 contract, exact counts, bitwise backend agreement."""
 
 import functools
 
@@ -23,8 +23,9 @@ H, F = 8, 8
 def _fn(backend, ep, num_experts, capacity_factor=None, pad=1):
     mesh = make_mesh((ep,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
-    cfg = hep.DispatchConfig(num_experts=num_experts, capacity_factor=capacity_factor,
-                             pad_multiple=pad, backend=backend)
+    cfg = hep.DispatchConfig(
+        num_experts=num_experts, capacity_factor=capacity_factor, pad_multiple=pad, backend=backend
+    )
     return moe_fn(mesh, topo, cfg)
 
 
@@ -50,8 +51,9 @@ def _bits(a):
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
-def _check_routing(idx, w, ep, num_experts, capacity_factor=None, pad=1, dtype=jnp.float32,
-                   seed=0, grads=True):
+def _check_routing(
+    idx, w, ep, num_experts, capacity_factor=None, pad=1, dtype=jnp.float32, seed=0, grads=True
+):
     """Both backends: rows and counts equal the model of §2.1, values equal the dense MoE,
     and the backends agree bitwise (values and gradients)."""
     n, k = idx.shape
@@ -62,8 +64,9 @@ def _check_routing(idx, w, ep, num_experts, capacity_factor=None, pad=1, dtype=j
     kept_ref = ref["row_pos"].reshape(n, k) >= 0
     results = {}
     for backend in BACKENDS:
-        out, (rows, weights, sizes, kept, stats) = _fn(backend, ep, num_experts, capacity_factor,
-                                                      pad)(x, idx, w, experts)
+        out, (rows, weights, sizes, kept, stats) = _fn(
+            backend, ep, num_experts, capacity_factor, pad
+        )(x, idx, w, experts)
         np.testing.assert_array_equal(np.asarray(kept).reshape(n, k), kept_ref)
         np.testing.assert_array_equal(sizes, ref["group_sizes"])
         np.testing.assert_array_equal(stats.dropped, ref["dropped"])
@@ -72,11 +75,15 @@ def _check_routing(idx, w, ep, num_experts, capacity_factor=None, pad=1, dtype=j
         tol = 1e-5 if dtype == jnp.float32 else 5e-2
         np.testing.assert_allclose(
             np.asarray(out, np.float32),
-            dense_moe(x, idx, w, experts, kept=kept_ref), rtol=tol, atol=tol)
+            dense_moe(x, idx, w, experts, kept=kept_ref),
+            rtol=tol,
+            atol=tol,
+        )
         results[backend] = [out, rows, weights]
         if grads:
-            results[backend] += list(_grad_fn(backend, ep, num_experts, capacity_factor, pad)(
-                x, idx, w, experts))
+            results[backend] += list(
+                _grad_fn(backend, ep, num_experts, capacity_factor, pad)(x, idx, w, experts)
+            )
     for a, b in zip(results["xla"], results["ffi"], strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
@@ -92,7 +99,8 @@ ADVERSARIAL = {
     "ranks_receive_nothing": lambda rng, n, k, e: rng.integers(0, 2, (n, k)).astype(np.int32),
     "invalid_ids": lambda rng, n, k, e: rng.choice([-3, -2, -1, 0, 5, e, e + 7], (n, k)),
     "one_hot_rank_of_sources": lambda rng, n, k, e: np.where(
-        np.arange(n)[:, None] < n // 4, _uniform(rng, n, k, e), -1),
+        np.arange(n)[:, None] < n // 4, _uniform(rng, n, k, e), -1
+    ),
 }
 
 

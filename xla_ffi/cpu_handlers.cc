@@ -21,9 +21,9 @@ namespace {
 
 ffi::Error ToError(const Status& status) {
   if (status.ok) return ffi::Error::Success();
-  return ffi::Error(status.deadline_exceeded ? ffi::ErrorCode::kDeadlineExceeded
-                                             : ffi::ErrorCode::kAborted,
-                    status.message);
+  return ffi::Error(
+      status.deadline_exceeded ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kAborted,
+      status.message);
 }
 
 ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
@@ -35,8 +35,8 @@ ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
     case ffi::DataType::F16:
       return Dtype::kF16;
     default:
-      return ffi::Unexpected(ffi::Error::InvalidArgument(
-          std::string("jax_hybridep: ") + what + " must be float32, bfloat16 or float16"));
+      return ffi::Unexpected(ffi::Error::InvalidArgument(std::string("jax_hybridep: ") + what +
+                                                         " must be float32, bfloat16 or float16"));
   }
 }
 
@@ -83,9 +83,9 @@ class Exchange {
 
 // Layout: all-gather per-(source rank, expert) counts through the rendezvous, then assign rows.
 ffi::Error LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
-                      ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                      int64_t site, int64_t num_ranks, int64_t num_slots, int64_t capacity,
-                      int64_t rows, int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
+                      ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf, int64_t site,
+                      int64_t num_ranks, int64_t num_slots, int64_t capacity, int64_t rows,
+                      int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
                       ffi::Span<const int64_t> expert_slot, bool strict, int64_t timeout_ms,
                       ffi::ResultBuffer<ffi::S32> row_pos, ffi::ResultBuffer<ffi::S32> group_sizes,
                       ffi::ResultBuffer<ffi::S32> tokens_per_expert,
@@ -98,8 +98,8 @@ ffi::Error LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
 
   // Published: this rank's counts, E per-expert entries then the invalid-id count.
   std::vector<int32_t> mine(num_experts + 1);
-  mine[num_experts] = static_cast<int32_t>(
-      CountRows(topk_idx.typed_data(), tokens, k, num_experts, mine.data()));
+  mine[num_experts] =
+      static_cast<int32_t>(CountRows(topk_idx.typed_data(), tokens, k, num_experts, mine.data()));
   std::vector<int32_t> all_counts(num_ranks * num_experts);
   std::vector<int64_t> invalid_per_rank(num_ranks);
   {
@@ -154,8 +154,7 @@ ffi::Error DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F3
                         ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
                         ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
                         int64_t site, int64_t num_ranks, int64_t timeout_ms,
-                        ffi::Result<ffi::AnyBuffer> tokens,
-                        ffi::ResultBuffer<ffi::F32> row_weights,
+                        ffi::Result<ffi::AnyBuffer> tokens, ffi::ResultBuffer<ffi::F32> row_weights,
                         ffi::ResultBuffer<ffi::S32> recv_row_pos,
                         ffi::ResultBuffer<ffi::S32> recv_token) {
   if (auto dtype = ToDtype(x.element_type(), "x"); dtype.has_error()) return dtype.error();
@@ -208,10 +207,10 @@ ffi::Error CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::F32
 
 // Returns one float per row to the (t, k) it came from (the routing-weight gradient).
 ffi::Error ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
-                               ffi::Buffer<ffi::S32> recv_token,
-                               ffi::Buffer<ffi::S32> recv_row_pos, ffi::Buffer<ffi::S32> rank_buf,
-                               ffi::Buffer<ffi::S32> group_buf, int64_t site, int64_t num_ranks,
-                               int64_t timeout_ms, ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::S32> recv_token, ffi::Buffer<ffi::S32> recv_row_pos,
+                               ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
+                               int64_t site, int64_t num_ranks, int64_t timeout_ms,
+                               ffi::ResultBuffer<ffi::F32> out) {
   const int64_t T = out->dimensions()[0], K = out->dimensions()[1];
   const ExchangeShape shape{num_ranks, T, K, values.dimensions()[0], 0};
   const int32_t rank = rank_buf.typed_data()[0], group = group_buf.typed_data()[0];
@@ -227,72 +226,72 @@ ffi::Error ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kLayout, LayoutImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("num_slots")
-                                  .Attr<int64_t>("capacity")
-                                  .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("pad_multiple")
-                                  .Attr<ffi::Span<const int64_t>>("expert_rank")
-                                  .Attr<ffi::Span<const int64_t>>("expert_slot")
-                                  .Attr<bool>("strict")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // row_pos [T, K]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes [E_local]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // tokens_per_expert [E]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // dropped []
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // invalid []
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                           .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                           .Attr<int64_t>("site")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("num_slots")
+                           .Attr<int64_t>("capacity")
+                           .Attr<int64_t>("rows")
+                           .Attr<int64_t>("pad_multiple")
+                           .Attr<ffi::Span<const int64_t>>("expert_rank")
+                           .Attr<ffi::Span<const int64_t>>("expert_slot")
+                           .Attr<bool>("strict")
+                           .Attr<int64_t>("timeout_ms")
+                           .Ret<ffi::Buffer<ffi::S32>>()    // row_pos [T, K]
+                           .Ret<ffi::Buffer<ffi::S32>>()    // group_sizes [E_local]
+                           .Ret<ffi::Buffer<ffi::S32>>()    // tokens_per_expert [E]
+                           .Ret<ffi::Buffer<ffi::S32>>()    // dropped []
+                           .Ret<ffi::Buffer<ffi::S32>>());  // invalid []
 
 XLA_FFI_DEFINE_HANDLER(kDispatch, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()          // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // weights [T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_pos [T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dest [T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // group []
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Ret<ffi::AnyBuffer>()          // tokens [C, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // row_weights [C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_row_pos [R, T, K]
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // recv_token [R, T]
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Arg<ffi::AnyBuffer>()         // x [T, H]
+                           .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // row_pos [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                           .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                           .Attr<int64_t>("site")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("timeout_ms")
+                           .Ret<ffi::AnyBuffer>()           // tokens [C, H]
+                           .Ret<ffi::Buffer<ffi::F32>>()    // row_weights [C]
+                           .Ret<ffi::Buffer<ffi::S32>>()    // recv_row_pos [R, T, K]
+                           .Ret<ffi::Buffer<ffi::S32>>());  // recv_token [R, T]
 
 XLA_FFI_DEFINE_HANDLER(kCombine, CombineImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()          // y [C, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // weights [C]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_token [R, T]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_row_pos [R, T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dest [T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // group []
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<bool>("weighted")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Ret<ffi::AnyBuffer>());  // out [T, H]
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Arg<ffi::AnyBuffer>()         // y [C, H]
+                           .Arg<ffi::Buffer<ffi::F32>>()  // weights [C]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_token [R, T]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R, T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                           .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                           .Attr<int64_t>("site")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<bool>("weighted")
+                           .Attr<int64_t>("timeout_ms")
+                           .Ret<ffi::AnyBuffer>());  // out [T, H]
 
 XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // values [C]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_token [R, T]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_row_pos [R, T, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // rank []
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // group []
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("num_ranks")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, K]
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Arg<ffi::Buffer<ffi::F32>>()  // values [C]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_token [R, T]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R, T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                           .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                           .Attr<int64_t>("site")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("timeout_ms")
+                           .Ret<ffi::Buffer<ffi::F32>>());  // out [T, K]
 
 std::vector<HandlerEntry> CpuHandlers() {
   return {

@@ -39,8 +39,8 @@ struct DispatchRecvBuffer {
 void ClearRecvMetadata(const ExchangeShape& shape, int32_t* token_ids, int32_t* row_pos);
 
 // Source `rank` writes its tokens into every destination's receive buffer: for destination d, the
-// tokens with at least one row on d, in ascending t, one copy each. dest: [T, K] destination rank of
-// each kept (t, k), -1 otherwise. weights may be null (then 0 is sent).
+// tokens with at least one row on d, in ascending t, one copy each. dest: [T, K] destination rank
+// of each kept (t, k), -1 otherwise. weights may be null (then 0 is sent).
 void WriteTokens(const ExchangeShape& shape, int64_t rank, const char* x, const int32_t* dest,
                  const int32_t* row_pos, const float* weights, DispatchRecvBuffer* const* peers);
 

@@ -56,8 +56,8 @@ void PlanGroups(const int32_t* all_counts, const Placement& placement, const Cap
 }
 
 int64_t AssignRows(const int32_t* topk_idx, int64_t tokens, int64_t k, int64_t rank,
-                   const int32_t* all_counts, const Placement& placement,
-                   const int32_t* keep_limit, const int32_t* group_offset, int32_t* row_pos) {
+                   const int32_t* all_counts, const Placement& placement, const int32_t* keep_limit,
+                   const int32_t* group_offset, int32_t* row_pos) {
   const int64_t num_experts = placement.num_experts;
   // next_index[e]: index within expert e of this rank's next row = rows from lower source ranks.
   std::vector<int64_t> next_index(num_experts, 0);

@@ -39,12 +39,12 @@ void PlanGroups(const int32_t* all_counts, const Placement& placement, const Cap
                 int32_t* keep_limit, int32_t* group_offset, int32_t* group_sizes,
                 int32_t* tokens_per_expert);
 
-// Assigns each (t, k) of source rank `rank` its row in the destination's expert-major buffer, in the
-// order (source rank, t, k) within an expert, or -1 when invalid or dropped.
-// row_pos: [T, K]. Returns the number of valid rows dropped over capacity.
+// Assigns each (t, k) of source rank `rank` its row in the destination's expert-major buffer, in
+// the order (source rank, t, k) within an expert, or -1 when invalid or dropped. row_pos: [T, K].
+// Returns the number of valid rows dropped over capacity.
 int64_t AssignRows(const int32_t* topk_idx, int64_t tokens, int64_t k, int64_t rank,
-                   const int32_t* all_counts, const Placement& placement,
-                   const int32_t* keep_limit, const int32_t* group_offset, int32_t* row_pos);
+                   const int32_t* all_counts, const Placement& placement, const int32_t* keep_limit,
+                   const int32_t* group_offset, int32_t* row_pos);
 
 // Rows each source rank loses over capacity, from the same all-gathered counts: every rank can
 // tell every other's drops, so strict mode fails on all ranks at once. dropped: [R].

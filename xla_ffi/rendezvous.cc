@@ -57,8 +57,8 @@ Status Rendezvous::Arrive(int64_t rank, const Published& published,
     std::lock_guard<std::mutex> lock(mu_);
     if (rank < 0 || rank >= num_ranks_ || present_[0][rank]) {
       std::ostringstream msg;
-      msg << "jax_hybridep: rendezvous '" << name_ << "' (call site " << key_.site
-          << ", EP group " << key_.group << "): EP rank " << rank
+      msg << "jax_hybridep: rendezvous '" << name_ << "' (call site " << key_.site << ", EP group "
+          << key_.group << "): EP rank " << rank
           << (rank < 0 || rank >= num_ranks_ ? " is out of range" : " arrived twice")
           << " for an EP size of " << num_ranks_
           << "; every device of one EP group must have a distinct rank (are all non-EP mesh "
@@ -97,9 +97,8 @@ Status Rendezvous::Wait(int phase, int64_t rank, std::chrono::milliseconds timeo
   ++count_[phase];
   cv_.notify_all();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  const bool complete = cv_.wait_until(lock, deadline, [&] {
-    return failed_ || count_[phase] == num_ranks_;
-  });
+  const bool complete =
+      cv_.wait_until(lock, deadline, [&] { return failed_ || count_[phase] == num_ranks_; });
   if (failed_) return Status{false, false, failure_};
   if (complete) return Status::Ok();
   std::vector<int64_t> missing, arrived;

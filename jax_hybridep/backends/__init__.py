@@ -28,8 +28,9 @@ def resolve(config: DispatchConfig, topology: Topology, manual_axes) -> str:
     if reason is None:
         return ffi.NAME
     if requested == ffi.NAME:
-        raise ValueError(f"backend='ffi' cannot run this dispatch: {reason}. Use backend='xla' "
-                         "or 'auto'.")
+        raise ValueError(
+            f"backend='ffi' cannot run this dispatch: {reason}. Use backend='xla' or 'auto'."
+        )
     return xla.NAME
 
 

@@ -120,9 +120,7 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
     zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)
-    rows, *_ = _send(
-        handle.plan, g, zeros, handle.row_pos, handle.dest, handle.rank, handle.group
-    )
+    rows, *_ = _send(handle.plan, g, zeros, handle.row_pos, handle.dest, handle.rank, handle.group)
     return rows
 
 

@@ -112,8 +112,10 @@ def _send_metadata(plan: Plan, row_pos, dest):
             jnp.broadcast_to(jnp.arange(plan.num_ranks), send_slot.shape),
             jnp.where(to_rank, send_slot, tokens),
         ]
-        .set(jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32)[:, None], send_slot.shape),
-             mode="drop")
+        .set(
+            jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32)[:, None], send_slot.shape),
+            mode="drop",
+        )
     )
     return send_token, send_slot
 
@@ -150,13 +152,11 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     flat_pos = recv_row_pos.reshape(-1)
     target = jnp.where(flat_pos >= 0, flat_pos, plan.rows)
     slot_ids = jnp.repeat(jnp.arange(num_ranks * tokens, dtype=jnp.int32), plan.k)
-    row_src = jnp.full(plan.rows, num_ranks * tokens, jnp.int32).at[target].set(
-        slot_ids, mode="drop"
+    row_src = (
+        jnp.full(plan.rows, num_ranks * tokens, jnp.int32).at[target].set(slot_ids, mode="drop")
     )
     tokens_out = _expand_rows(plan, recv_x, row_src)
-    row_weights = jnp.zeros(plan.rows, jnp.float32).at[target].set(
-        recv_w.reshape(-1), mode="drop"
-    )
+    row_weights = jnp.zeros(plan.rows, jnp.float32).at[target].set(recv_w.reshape(-1), mode="drop")
     handle = Handle(
         row_pos=row_pos,
         dest=dest,
