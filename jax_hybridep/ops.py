@@ -61,6 +61,11 @@ class Dispatched:
     stats: DispatchStats
     handle: Handle
 
+    @property
+    def capacity(self) -> int | None:
+        """Rows kept per local expert (static), or None when dropless."""
+        return self.handle.plan.capacity
+
 
 jax.tree_util.register_dataclass(
     DispatchStats, data_fields=["dropped", "invalid", "tokens_per_expert"], meta_fields=[]

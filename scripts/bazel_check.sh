@@ -125,6 +125,6 @@ loader.exec_module(mod)
 regs = mod.cpu_registrations()
 assert regs and all(name.startswith("jax_hybridep_") for name in regs), regs
 assert mod.with_cuda is False, "host-only build reports CUDA"
-assert mod.open_rendezvous_count() == 0
+assert mod.open_exchange_count() == 0
 print(f"bazel_check: OK, {path} imports; {len(regs)} CPU handlers: {', '.join(sorted(regs))}")
 EOF

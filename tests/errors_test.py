@@ -247,12 +247,10 @@ def test_rendezvous_timeout_names_missing_ranks_and_process_stays_usable(ep4):
         return jax.lax.cond(skip, lambda: skipped, lambda: inner(x, idx, w))
 
     start = time.monotonic()
-    with pytest.raises(
-        Exception, match=r"timed out after 1 s .*EP ranks \[0\] of 4 did not arrive"
-    ):
+    with pytest.raises(Exception, match=r"timed out after 1 s: EP ranks \[0\] of 4 did not arrive"):
         jax.block_until_ready(_run(mesh, rank0_skips, X, IDX, W))
     assert time.monotonic() - start < 30
-    assert _native.module().open_rendezvous_count() == 0
+    assert _native.module().open_exchange_count() == 0
     fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=8, backend="ffi"))
     out, _ = fn(X, IDX, W, np.ones((8, 4, 4), np.float32))
     np.testing.assert_allclose(out, np.full((16, 4), 8.0))  # 2 rows of weight 1, each 4 * 1s

@@ -5,7 +5,9 @@
 // EP rank and group arrive as operands (from axis_index), never from the device ordinal.
 #include "xla_ffi/cpu_handlers.h"
 
+#include <algorithm>
 #include <chrono>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,10 +22,17 @@ namespace ffi = xla::ffi;
 namespace {
 
 ffi::Error ToError(const Status& status) {
-  if (status.ok) return ffi::Error::Success();
-  return ffi::Error(
-      status.deadline_exceeded ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kAborted,
-      status.message);
+  switch (status.code) {
+    case Status::Code::kOk:
+      return ffi::Error::Success();
+    case Status::Code::kDeadlineExceeded:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message);
+    case Status::Code::kFailedPrecondition:
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, status.message);
+    case Status::Code::kAborted:
+      break;
+  }
+  return ffi::Error(ffi::ErrorCode::kAborted, status.message);
 }
 
 ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
@@ -40,6 +49,13 @@ ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
   }
 }
 
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(std::move(error));
+  return future;
+}
+
 std::string FormatList(const std::vector<int64_t>& values) {
   std::ostringstream out;
   out << "[";
@@ -48,85 +64,89 @@ std::string FormatList(const std::vector<int64_t>& values) {
   return out.str();
 }
 
-// The ranks of one exchange: join, publish, write into peers, wait, read, leave.
-class Exchange {
- public:
-  Exchange(const char* name, ffi::RunId run_id, int64_t site, int32_t group, int32_t rank,
-           int64_t num_ranks, int64_t timeout_ms)
-      : rank_(rank),
-        num_ranks_(num_ranks),
-        timeout_(timeout_ms),
-        rendezvous_(JoinRendezvous(name, run_id.run_id, site, group, rank, num_ranks)) {}
-  ~Exchange() { LeaveRendezvous(rendezvous_, num_ranks_); }
-
-  ffi::Error Arrive(const Published& mine) {
-    return ToError(rendezvous_->Arrive(rank_, mine, timeout_));
-  }
-  ffi::Error Depart() { return ToError(rendezvous_->Depart(rank_, timeout_)); }
-  template <typename T>
-  T* Peer(int64_t rank, int64_t index = 0) const {
-    return static_cast<T*>(rendezvous_->Peer(rank, index));
-  }
-  template <typename T>
-  std::vector<T*> Peers(int64_t index = 0) const {
-    std::vector<T*> peers(num_ranks_);
-    for (int64_t r = 0; r < num_ranks_; ++r) peers[r] = Peer<T>(r, index);
-    return peers;
-  }
-
- private:
-  const int32_t rank_;
-  const int64_t num_ranks_;
-  const std::chrono::milliseconds timeout_;
-  std::shared_ptr<Rendezvous> rendezvous_;
+// Where this call meets its peers: (execution, call site, EP group, this rank).
+struct CallSite {
+  ffi::RunId run_id;
+  int64_t site;
+  int32_t group;
+  int32_t rank;
+  int64_t num_ranks;
+  int64_t timeout_ms;
 };
 
-// Layout: all-gather per-(source rank, expert) counts through the rendezvous, then assign rows.
-ffi::Error LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
-                      ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf, int64_t site,
-                      int64_t num_ranks, int64_t num_slots, int64_t capacity, int64_t rows,
-                      int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
-                      ffi::Span<const int64_t> expert_slot, bool strict, int64_t timeout_ms,
-                      ffi::ResultBuffer<ffi::S32> row_pos, ffi::ResultBuffer<ffi::S32> group_sizes,
-                      ffi::ResultBuffer<ffi::S32> tokens_per_expert,
-                      ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::S32> invalid) {
+CallSite MakeCallSite(ffi::RunId run_id, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                      int64_t site, int64_t num_ranks, int64_t timeout_ms) {
+  return {run_id, site, group.typed_data()[0], rank.typed_data()[0], num_ranks, timeout_ms};
+}
+
+// Joins the exchange; the returned future completes when this rank's read step has run. The
+// handler returns at once, so a device thread never waits for its peers (see rendezvous.h).
+ffi::Future Exchange(const char* name, const CallSite& call, Participant participant) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  participant.done = [promise](const Status& status) mutable {
+    if (status.ok()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(ToError(status));
+    }
+  };
+  JoinExchange(name, call.run_id.run_id, call.site, call.group, call.rank, call.num_ranks,
+               std::chrono::milliseconds(call.timeout_ms), std::move(participant));
+  return future;
+}
+
+// Layout: all-gather per-(source rank, expert) counts, then assign every (t, k) its row.
+ffi::Future LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
+                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
+                       int64_t num_ranks, int64_t num_slots, int64_t capacity, int64_t rows,
+                       int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
+                       ffi::Span<const int64_t> expert_slot, bool strict, int64_t timeout_ms,
+                       ffi::ResultBuffer<ffi::S32> row_pos, ffi::ResultBuffer<ffi::S32> group_sizes,
+                       ffi::ResultBuffer<ffi::S32> tokens_per_expert,
+                       ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::S32> invalid) {
+  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t tokens = topk_idx.dimensions()[0], k = topk_idx.dimensions()[1];
   const int64_t num_experts = static_cast<int64_t>(expert_rank.size());
-  const int32_t rank = rank_buf.typed_data()[0], group = group_buf.typed_data()[0];
-  const Placement placement{expert_rank.begin(), expert_slot.begin(), num_experts, num_ranks,
-                            num_slots};
+  // The attribute spans live in the executable; copy them, the steps may run after we return.
+  auto rank_of = std::make_shared<std::vector<int64_t>>(expert_rank.begin(), expert_rank.end());
+  auto slot_of = std::make_shared<std::vector<int64_t>>(expert_slot.begin(), expert_slot.end());
+  // This rank's counts, E per-expert entries then the invalid-id count; peers read them all.
+  auto counts = std::make_shared<std::vector<int32_t>>(num_experts + 1);
+  (*counts)[num_experts] = static_cast<int32_t>(
+      CountRows(topk_idx.typed_data(), tokens, k, num_experts, counts->data()));
+  auto gathered = std::make_shared<std::vector<std::vector<int32_t>>>(num_ranks);
 
-  // Published: this rank's counts, E per-expert entries then the invalid-id count.
-  std::vector<int32_t> mine(num_experts + 1);
-  mine[num_experts] =
-      static_cast<int32_t>(CountRows(topk_idx.typed_data(), tokens, k, num_experts, mine.data()));
-  std::vector<int32_t> all_counts(num_ranks * num_experts);
-  std::vector<int64_t> invalid_per_rank(num_ranks);
-  {
-    Exchange exchange("layout", run_id, site, group, rank, num_ranks, timeout_ms);
-    if (ffi::Error err = exchange.Arrive({mine.data()}); err.failure()) return err;
-    for (int64_t r = 0; r < num_ranks; ++r) {
-      const int32_t* theirs = exchange.Peer<int32_t>(r);
-      std::copy(theirs, theirs + num_experts, all_counts.begin() + r * num_experts);
-      invalid_per_rank[r] = theirs[num_experts];
+  Participant p;
+  p.published = {counts->data()};
+  p.write = [counts, gathered, num_experts](const std::vector<Published>& peers) {
+    // Reading peers' counts here is safe: every rank's counts stay alive until all read steps.
+    for (size_t r = 0; r < peers.size(); ++r) {
+      const int32_t* theirs = static_cast<const int32_t*>(peers[r][0]);
+      (*gathered)[r].assign(theirs, theirs + num_experts + 1);
     }
-    if (ffi::Error err = exchange.Depart(); err.failure()) return err;
-  }
-
-  std::vector<int32_t> keep_limit(num_experts), group_offset(num_experts);
-  std::vector<int32_t> all_group_sizes(num_ranks * num_slots);
-  PlanGroups(all_counts.data(), placement, CapacityPlan{capacity, rows, pad_multiple},
-             keep_limit.data(), group_offset.data(), all_group_sizes.data(),
-             tokens_per_expert->typed_data());
-  const int64_t my_dropped =
-      AssignRows(topk_idx.typed_data(), tokens, k, rank, all_counts.data(), placement,
-                 keep_limit.data(), group_offset.data(), row_pos->typed_data());
-  std::copy(all_group_sizes.begin() + rank * num_slots,
-            all_group_sizes.begin() + (rank + 1) * num_slots, group_sizes->typed_data());
-  dropped->typed_data()[0] = static_cast<int32_t>(my_dropped);
-  invalid->typed_data()[0] = static_cast<int32_t>(invalid_per_rank[rank]);
-
-  if (strict) {
+  };
+  p.read = [=, idx = topk_idx.typed_data(), row_pos = row_pos->typed_data(),
+            group_sizes = group_sizes->typed_data(),
+            tokens_per_expert = tokens_per_expert->typed_data(), dropped = dropped->typed_data(),
+            invalid = invalid->typed_data()]() -> Status {
+    const Placement placement{rank_of->data(), slot_of->data(), num_experts, num_ranks, num_slots};
+    std::vector<int32_t> all_counts(num_ranks * num_experts);
+    std::vector<int64_t> invalid_per_rank(num_ranks);
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      std::copy_n((*gathered)[r].begin(), num_experts, all_counts.begin() + r * num_experts);
+      invalid_per_rank[r] = (*gathered)[r][num_experts];
+    }
+    std::vector<int32_t> keep_limit(num_experts), group_offset(num_experts);
+    std::vector<int32_t> all_group_sizes(num_ranks * num_slots);
+    PlanGroups(all_counts.data(), placement, CapacityPlan{capacity, rows, pad_multiple},
+               keep_limit.data(), group_offset.data(), all_group_sizes.data(), tokens_per_expert);
+    dropped[0] =
+        static_cast<int32_t>(AssignRows(idx, tokens, k, call.rank, all_counts.data(), placement,
+                                        keep_limit.data(), group_offset.data(), row_pos));
+    std::copy_n(all_group_sizes.begin() + call.rank * num_slots, num_slots, group_sizes);
+    invalid[0] = static_cast<int32_t>(invalid_per_rank[call.rank]);
+    if (!strict) return Status::Ok();
     std::vector<int64_t> dropped_per_rank(num_ranks);
     DroppedPerSource(all_counts.data(), num_ranks, num_experts, keep_limit.data(),
                      dropped_per_rank.data());
@@ -135,92 +155,119 @@ ffi::Error LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
       total_dropped += dropped_per_rank[r];
       total_invalid += invalid_per_rank[r];
     }
-    if (total_dropped + total_invalid > 0) {
-      // Must match jax_hybridep/errors.py:strict_mode_message word for word.
-      std::ostringstream msg;
-      msg << "jax_hybridep strict mode: " << total_dropped << " row(s) dropped over capacity and "
-          << total_invalid << " invalid expert id(s) in EP group " << group
-          << "; dropped per EP rank " << FormatList(dropped_per_rank) << ", invalid per EP rank "
-          << FormatList(invalid_per_rank);
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg.str());
-    }
-  }
-  return ffi::Error::Success();
+    if (total_dropped + total_invalid == 0) return Status::Ok();
+    // Must match jax_hybridep/errors.py:strict_mode_message word for word.
+    std::ostringstream msg;
+    msg << "jax_hybridep strict mode: " << total_dropped << " row(s) dropped over capacity and "
+        << total_invalid << " invalid expert id(s) in EP group " << call.group
+        << "; dropped per EP rank " << FormatList(dropped_per_rank) << ", invalid per EP rank "
+        << FormatList(invalid_per_rank);
+    return Status{Status::Code::kFailedPrecondition, msg.str()};
+  };
+  return Exchange("layout", call, std::move(p));
 }
 
 // Dispatch: one copy per (token, destination rank) into the destination's receive buffer, then
 // the destination expands it into expert-major rows.
-ffi::Error DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights,
-                        ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
-                        ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                        int64_t site, int64_t num_ranks, int64_t timeout_ms,
-                        ffi::Result<ffi::AnyBuffer> tokens, ffi::ResultBuffer<ffi::F32> row_weights,
-                        ffi::ResultBuffer<ffi::S32> recv_row_pos,
-                        ffi::ResultBuffer<ffi::S32> recv_token) {
-  if (auto dtype = ToDtype(x.element_type(), "x"); dtype.has_error()) return dtype.error();
+ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights,
+                         ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
+                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
+                         int64_t num_ranks, int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> tokens,
+                         ffi::ResultBuffer<ffi::F32> row_weights,
+                         ffi::ResultBuffer<ffi::S32> recv_row_pos,
+                         ffi::ResultBuffer<ffi::S32> recv_token) {
+  if (auto dtype = ToDtype(x.element_type(), "x"); dtype.has_error()) {
+    return Failed(dtype.error());
+  }
+  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t T = x.dimensions()[0];
   const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], tokens->dimensions()[0],
                             static_cast<int64_t>(x.size_bytes()) / T};
-  const int32_t rank = rank_buf.typed_data()[0], group = group_buf.typed_data()[0];
+  struct Staging {
+    std::vector<char> tokens;
+    std::vector<float> weights;
+    DispatchRecvBuffer recv;
+  };
+  auto staging = std::make_shared<Staging>();
+  staging->tokens.resize(shape.ranks * T * shape.row_bytes);
+  staging->weights.resize(shape.ranks * T * shape.k);
+  staging->recv = {staging->tokens.data(), recv_token->typed_data(), recv_row_pos->typed_data(),
+                   staging->weights.data()};
+  ClearRecvMetadata(shape, staging->recv.token_ids, staging->recv.row_pos);
 
-  std::vector<char> staged_tokens(shape.ranks * T * shape.row_bytes);
-  std::vector<float> staged_weights(shape.ranks * T * shape.k);
-  DispatchRecvBuffer mine{staged_tokens.data(), recv_token->typed_data(),
-                          recv_row_pos->typed_data(), staged_weights.data()};
-  ClearRecvMetadata(shape, mine.token_ids, mine.row_pos);
-
-  Exchange exchange("dispatch", run_id, site, group, rank, num_ranks, timeout_ms);
-  if (ffi::Error err = exchange.Arrive({&mine}); err.failure()) return err;
-  WriteTokens(shape, rank, static_cast<const char*>(x.untyped_data()), dest.typed_data(),
-              row_pos.typed_data(), weights.typed_data(),
-              exchange.Peers<DispatchRecvBuffer>().data());
-  if (ffi::Error err = exchange.Depart(); err.failure()) return err;
-  ExpandRows(shape, mine, static_cast<char*>(tokens->untyped_data()), row_weights->typed_data());
-  return ffi::Error::Success();
+  Participant p;
+  p.published = {&staging->recv};
+  p.write = [=, x = static_cast<const char*>(x.untyped_data()), dest = dest.typed_data(),
+             row_pos = row_pos.typed_data(),
+             weights = weights.typed_data()](const std::vector<Published>& peers) {
+    std::vector<DispatchRecvBuffer*> recv(peers.size());
+    for (size_t r = 0; r < peers.size(); ++r) {
+      recv[r] = static_cast<DispatchRecvBuffer*>(peers[r][0]);
+    }
+    WriteTokens(shape, call.rank, x, dest, row_pos, weights, recv.data());
+  };
+  p.read = [=, out = static_cast<char*>(tokens->untyped_data()),
+            out_weights = row_weights->typed_data()]() {
+    ExpandRows(shape, staging->recv, out, out_weights);
+    return Status::Ok();
+  };
+  return Exchange("dispatch", call, std::move(p));
 }
 
 // Combine: each destination sums its rows per received token and writes the partial into the
 // source's buffer; the source adds the partials in ascending destination rank.
-ffi::Error CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
-                       ffi::Buffer<ffi::S32> recv_token, ffi::Buffer<ffi::S32> recv_row_pos,
-                       ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank_buf,
-                       ffi::Buffer<ffi::S32> group_buf, int64_t site, int64_t num_ranks,
-                       bool weighted, int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
+                        ffi::Buffer<ffi::S32> recv_token, ffi::Buffer<ffi::S32> recv_row_pos,
+                        ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
+                        ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks, bool weighted,
+                        int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = ToDtype(y.element_type(), "y");
-  if (dtype.has_error()) return dtype.error();
-  const int64_t T = out->dimensions()[0], C = y.dimensions()[0];
-  const ExchangeShape shape{num_ranks, T, dest.dimensions()[1], C,
+  if (dtype.has_error()) return Failed(dtype.error());
+  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
+  const int64_t T = out->dimensions()[0];
+  const ExchangeShape shape{num_ranks, T, dest.dimensions()[1], y.dimensions()[0],
                             static_cast<int64_t>(out->size_bytes()) / T};
-  const int32_t rank = rank_buf.typed_data()[0], group = group_buf.typed_data()[0];
+  auto partials = std::make_shared<std::vector<char>>(shape.ranks * T * shape.row_bytes);
 
-  std::vector<char> partials(shape.ranks * T * shape.row_bytes);
-  Exchange exchange("combine", run_id, site, group, rank, num_ranks, timeout_ms);
-  if (ffi::Error err = exchange.Arrive({partials.data()}); err.failure()) return err;
-  WritePartials(shape, rank, dtype.value(), static_cast<const char*>(y.untyped_data()),
-                weighted ? weights.typed_data() : nullptr, recv_token.typed_data(),
-                recv_row_pos.typed_data(), exchange.Peers<char>().data());
-  if (ffi::Error err = exchange.Depart(); err.failure()) return err;
-  ReducePartials(shape, dtype.value(), partials.data(), dest.typed_data(),
-                 static_cast<char*>(out->untyped_data()));
-  return ffi::Error::Success();
+  Participant p;
+  p.published = {partials->data()};
+  p.write = [=, y = static_cast<const char*>(y.untyped_data()),
+             weights = weighted ? weights.typed_data() : nullptr,
+             token_ids = recv_token.typed_data(),
+             row_pos = recv_row_pos.typed_data()](const std::vector<Published>& peers) {
+    std::vector<char*> peer_partials(peers.size());
+    for (size_t r = 0; r < peers.size(); ++r) peer_partials[r] = static_cast<char*>(peers[r][0]);
+    WritePartials(shape, call.rank, dtype.value(), y, weights, token_ids, row_pos,
+                  peer_partials.data());
+  };
+  p.read = [=, dest = dest.typed_data(), out = static_cast<char*>(out->untyped_data())]() {
+    ReducePartials(shape, dtype.value(), partials->data(), dest, out);
+    return Status::Ok();
+  };
+  return Exchange("combine", call, std::move(p));
 }
 
 // Returns one float per row to the (t, k) it came from (the routing-weight gradient).
-ffi::Error ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
-                               ffi::Buffer<ffi::S32> recv_token, ffi::Buffer<ffi::S32> recv_row_pos,
-                               ffi::Buffer<ffi::S32> rank_buf, ffi::Buffer<ffi::S32> group_buf,
-                               int64_t site, int64_t num_ranks, int64_t timeout_ms,
-                               ffi::ResultBuffer<ffi::F32> out) {
+ffi::Future ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
+                                ffi::Buffer<ffi::S32> recv_token,
+                                ffi::Buffer<ffi::S32> recv_row_pos, ffi::Buffer<ffi::S32> rank,
+                                ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
+                                int64_t timeout_ms, ffi::ResultBuffer<ffi::F32> out) {
+  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t T = out->dimensions()[0], K = out->dimensions()[1];
   const ExchangeShape shape{num_ranks, T, K, values.dimensions()[0], 0};
-  const int32_t rank = rank_buf.typed_data()[0], group = group_buf.typed_data()[0];
   std::fill(out->typed_data(), out->typed_data() + T * K, 0.0f);
 
-  Exchange exchange("row values", run_id, site, group, rank, num_ranks, timeout_ms);
-  if (ffi::Error err = exchange.Arrive({out->typed_data()}); err.failure()) return err;
-  WriteRowValues(shape, values.typed_data(), recv_token.typed_data(), recv_row_pos.typed_data(),
-                 exchange.Peers<float>().data());
-  return exchange.Depart();
+  Participant p;
+  p.published = {out->typed_data()};
+  p.write = [=, values = values.typed_data(), token_ids = recv_token.typed_data(),
+             row_pos = recv_row_pos.typed_data()](const std::vector<Published>& peers) {
+    std::vector<float*> peer_out(peers.size());
+    for (size_t r = 0; r < peers.size(); ++r) peer_out[r] = static_cast<float*>(peers[r][0]);
+    WriteRowValues(shape, values, token_ids, row_pos, peer_out.data());
+  };
+  p.read = [] { return Status::Ok(); };
+  return Exchange("row values", call, std::move(p));
 }
 
 }  // namespace

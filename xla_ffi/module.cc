@@ -4,9 +4,14 @@
 #include <string>
 
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/numeric.h"
 #include "xla_ffi/rendezvous.h"
+
+#ifdef JAX_HYBRIDEP_WITH_CUDA
+#include "xla_ffi/cuda/bindings.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -45,11 +50,12 @@ NB_MODULE(_hybridep, m) {
   m.doc() = "jax_hybridep native kernels and XLA FFI handlers";
   m.def("cpu_registrations", &jax_hybridep::CpuRegistrations,
         "FFI target name -> handler capsule, for platform 'cpu'.");
-  m.def("open_rendezvous_count", &jax_hybridep::OpenRendezvousCount,
-        "Rendezvous still open in this process (0 when idle).");
+  m.def("open_exchange_count", &jax_hybridep::OpenExchangeCount,
+        "Exchanges waiting for ranks in this process (0 when idle).");
   m.def("round_trip", &jax_hybridep::RoundTrip, nb::arg("dtype"), nb::arg("values"));
 #ifdef JAX_HYBRIDEP_WITH_CUDA
   m.attr("with_cuda") = true;
+  jax_hybridep::RegisterCudaBindings(m);
 #else
   m.attr("with_cuda") = false;
 #endif

@@ -1,12 +1,54 @@
 #include "xla_ffi/rendezvous.h"
 
+#include <condition_variable>
 #include <deque>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <sstream>
+#include <thread>
 #include <tuple>
+#include <utility>
 
 namespace jax_hybridep {
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Key {
+  int64_t run_id, site, group, generation;
+  bool operator<(const Key& o) const {
+    return std::tie(run_id, site, group, generation) <
+           std::tie(o.run_id, o.site, o.group, o.generation);
+  }
+};
+
+struct Exchange {
+  std::string name;
+  Key key;
+  std::chrono::milliseconds timeout;
+  Clock::time_point deadline;
+  std::vector<std::optional<Participant>> ranks;
+  int64_t arrived = 0;
+};
+
+struct Registry {
+  std::mutex mu;
+  std::condition_variable watchdog_wakeup;
+  bool watchdog_started = false;
+  std::map<Key, std::unique_ptr<Exchange>> open;
+  // (site, group, rank) -> (run id, calls so far in that run): the generation of the next call.
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<int64_t, int64_t>> calls;
+  // Runs in which an exchange failed, with the first failure: the run's later exchanges fail at
+  // once instead of each waiting out its timeout for ranks that have stopped.
+  std::deque<std::pair<int64_t, std::string>> failed_runs;
+};
+
+Registry& GetRegistry() {
+  static Registry* registry = new Registry();  // never destroyed: the watchdog outlives main
+  return *registry;
+}
 
 std::string FormatRanks(const std::vector<int64_t>& ranks) {
   std::ostringstream out;
@@ -16,147 +58,161 @@ std::string FormatRanks(const std::vector<int64_t>& ranks) {
   return out.str();
 }
 
-struct Registry {
-  std::mutex mu;
-  std::map<RendezvousKey, std::shared_ptr<Rendezvous>> open;
-  std::map<RendezvousKey, int64_t> left;
-  // (site, group, rank) -> (run id, calls so far in that run): the generation of the next call.
-  std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<int64_t, int64_t>> calls;
-  // Runs in which a rendezvous failed: later rendezvous of the run fail at once instead of each
-  // waiting out its own timeout for ranks that have already stopped.
-  std::deque<std::pair<int64_t, std::string>> failed_runs;
-};
-
-Registry& GetRegistry() {
-  static Registry* registry = new Registry();  // never destroyed: handlers may run at exit
-  return *registry;
+std::string Describe(const Exchange& ex) {
+  std::ostringstream out;
+  out << "jax_hybridep: exchange '" << ex.name << "' (call site " << ex.key.site << ", EP group "
+      << ex.key.group << ", generation " << ex.key.generation << ")";
+  return out.str();
 }
 
-const std::string* FailedRun(Registry& registry, int64_t run_id) {
+const std::string* FailedRun(const Registry& registry, int64_t run_id) {
   for (const auto& [id, message] : registry.failed_runs) {
     if (id == run_id) return &message;
   }
   return nullptr;
 }
 
-}  // namespace
-
-bool RendezvousKey::operator<(const RendezvousKey& other) const {
-  return std::tie(run_id, site, group, generation) <
-         std::tie(other.run_id, other.site, other.group, other.generation);
+void RecordFailedRun(Registry& registry, int64_t run_id, const std::string& message) {
+  if (FailedRun(registry, run_id) != nullptr) return;
+  registry.failed_runs.emplace_back(run_id, message);
+  if (registry.failed_runs.size() > 64) registry.failed_runs.pop_front();
 }
 
-Rendezvous::Rendezvous(std::string name, RendezvousKey key, int64_t num_ranks)
-    : name_(std::move(name)), key_(key), num_ranks_(num_ranks), published_(num_ranks) {
-  for (auto& present : present_) present.assign(num_ranks, false);
+// Completes a rank on a thread of its own: its callback resumes that device's XLA work, which may
+// block (e.g. in a collective) and must not hold up the thread that completed it.
+void CompleteDetached(Participant participant, Status status) {
+  std::thread([participant = std::move(participant), status = std::move(status)] {
+    participant.done(status);
+  }).detach();
 }
 
-Status Rendezvous::Arrive(int64_t rank, const Published& published,
-                          std::chrono::milliseconds timeout) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (rank < 0 || rank >= num_ranks_ || present_[0][rank]) {
-      std::ostringstream msg;
-      msg << "jax_hybridep: rendezvous '" << name_ << "' (call site " << key_.site << ", EP group "
-          << key_.group << "): EP rank " << rank
-          << (rank < 0 || rank >= num_ranks_ ? " is out of range" : " arrived twice")
-          << " for an EP size of " << num_ranks_
-          << "; every device of one EP group must have a distinct rank (are all non-EP mesh "
-             "axes manual in the shard_map?)";
-      failed_ = true;
-      failure_ = msg.str();
-      cv_.notify_all();
-      return Status{false, false, failure_};
-    }
-    published_[rank] = published;
+// Fails every rank of `ex` that has arrived. Called without the registry lock held.
+void FailArrived(Exchange& ex, const Status& status) {
+  for (auto& participant : ex.ranks) {
+    if (participant.has_value()) CompleteDetached(std::move(*participant), status);
   }
-  return Wait(0, rank, timeout);
 }
 
-void Rendezvous::Fail(const std::string& message) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!failed_) {
-    failed_ = true;
-    failure_ = message;
-  }
-  cv_.notify_all();
-}
-
-std::string Rendezvous::failure() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return failed_ ? failure_ : std::string();
-}
-
-Status Rendezvous::Depart(int64_t rank, std::chrono::milliseconds timeout) {
-  return Wait(1, rank, timeout);
-}
-
-Status Rendezvous::Wait(int phase, int64_t rank, std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  present_[phase][rank] = true;
-  ++count_[phase];
-  cv_.notify_all();
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  const bool complete =
-      cv_.wait_until(lock, deadline, [&] { return failed_ || count_[phase] == num_ranks_; });
-  if (failed_) return Status{false, false, failure_};
-  if (complete) return Status::Ok();
-  std::vector<int64_t> missing, arrived;
-  for (int64_t r = 0; r < num_ranks_; ++r) (present_[phase][r] ? arrived : missing).push_back(r);
-  std::ostringstream msg;
-  msg << "jax_hybridep: rendezvous '" << name_ << "' (call site " << key_.site << ", EP group "
-      << key_.group << ", generation " << key_.generation << ") timed out after "
-      << timeout.count() / 1000.0 << " s " << (phase == 0 ? "before the exchange" : "during it")
-      << ": EP ranks " << FormatRanks(missing) << " of " << num_ranks_
-      << " did not arrive (arrived: " << FormatRanks(arrived)
-      << "). A rank stopped, or ranks ran different programs; raise the timeout with "
-         "DispatchConfig(timeout_s=...) or JAX_HYBRIDEP_TIMEOUT_S if they are merely slow.";
-  failed_ = true;
-  failure_ = msg.str();
-  cv_.notify_all();
-  return Status{false, true, failure_};
-}
-
-std::shared_ptr<Rendezvous> JoinRendezvous(const std::string& name, int64_t run_id, int64_t site,
-                                           int64_t group, int64_t rank, int64_t num_ranks) {
+void Watchdog() {
   Registry& registry = GetRegistry();
-  std::lock_guard<std::mutex> lock(registry.mu);
+  std::unique_lock<std::mutex> lock(registry.mu);
+  while (true) {
+    auto earliest = registry.open.end();
+    for (auto it = registry.open.begin(); it != registry.open.end(); ++it) {
+      if (earliest == registry.open.end() || it->second->deadline < earliest->second->deadline) {
+        earliest = it;
+      }
+    }
+    if (earliest == registry.open.end()) {
+      registry.watchdog_wakeup.wait(lock);
+      continue;
+    }
+    if (Clock::now() < earliest->second->deadline) {
+      registry.watchdog_wakeup.wait_until(lock, earliest->second->deadline);
+      continue;
+    }
+    std::unique_ptr<Exchange> ex = std::move(earliest->second);
+    registry.open.erase(earliest);
+    std::vector<int64_t> missing, arrived;
+    for (int64_t r = 0; r < static_cast<int64_t>(ex->ranks.size()); ++r) {
+      (ex->ranks[r].has_value() ? arrived : missing).push_back(r);
+    }
+    std::ostringstream msg;
+    msg << Describe(*ex) << " timed out after " << ex->timeout.count() / 1000.0 << " s: EP ranks "
+        << FormatRanks(missing) << " of " << ex->ranks.size()
+        << " did not arrive (arrived: " << FormatRanks(arrived)
+        << "). A rank stopped or ranks ran different programs; if they are merely slow, raise "
+           "DispatchConfig(timeout_s=...) or JAX_HYBRIDEP_TIMEOUT_S.";
+    const Status status{Status::Code::kDeadlineExceeded, msg.str()};
+    RecordFailedRun(registry, ex->key.run_id, status.message);
+    lock.unlock();
+    FailArrived(*ex, status);
+    lock.lock();
+  }
+}
+
+// The generation of this rank's next call at (site, group) in run `run_id`.
+int64_t NextGeneration(Registry& registry, int64_t run_id, int64_t site, int64_t group,
+                       int64_t rank) {
   auto& [last_run, calls] = registry.calls[{site, group, rank}];
   if (last_run != run_id) {
     last_run = run_id;
     calls = 0;
   }
-  const RendezvousKey key{run_id, site, group, calls++};
+  return calls++;
+}
+
+}  // namespace
+
+void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t group,
+                  int64_t rank, int64_t num_ranks, std::chrono::milliseconds timeout,
+                  Participant participant) {
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::mutex> lock(registry.mu);
+  const Key key{run_id, site, group, NextGeneration(registry, run_id, site, group, rank)};
+  if (const std::string* failure = FailedRun(registry, run_id)) {
+    Status status{Status::Code::kAborted, "jax_hybridep: exchange '" + name +
+                                              "' skipped: an earlier exchange of this "
+                                              "execution failed: " +
+                                              *failure};
+    lock.unlock();
+    participant.done(status);
+    return;
+  }
   auto [it, inserted] = registry.open.try_emplace(key, nullptr);
   if (inserted) {
-    it->second = std::make_shared<Rendezvous>(name, key, num_ranks);
-    registry.left[key] = 0;
-    if (const std::string* failure = FailedRun(registry, run_id)) {
-      it->second->Fail("jax_hybridep: rendezvous '" + name +
-                       "' skipped: an earlier exchange of this execution failed: " + *failure);
+    it->second =
+        std::make_unique<Exchange>(Exchange{name, key, timeout, Clock::now() + timeout,
+                                            std::vector<std::optional<Participant>>(num_ranks), 0});
+    if (!registry.watchdog_started) {
+      registry.watchdog_started = true;
+      std::thread(Watchdog).detach();
+    }
+    registry.watchdog_wakeup.notify_one();
+  }
+  Exchange& ex = *it->second;
+  if (rank < 0 || rank >= num_ranks || ex.ranks[rank].has_value() ||
+      static_cast<int64_t>(ex.ranks.size()) != num_ranks) {
+    std::ostringstream msg;
+    msg << Describe(ex) << ": EP rank " << rank << " of " << num_ranks
+        << " is out of range, arrived twice, or disagrees on the EP size (" << ex.ranks.size()
+        << "); every device of one EP group needs a distinct rank (are all "
+        << "non-EP mesh axes manual in the shard_map?)";
+    const Status status{Status::Code::kFailedPrecondition, msg.str()};
+    std::unique_ptr<Exchange> failed = std::move(it->second);
+    registry.open.erase(it);
+    RecordFailedRun(registry, run_id, status.message);
+    lock.unlock();
+    FailArrived(*failed, status);
+    participant.done(status);
+    return;
+  }
+  ex.ranks[rank] = std::move(participant);
+  if (++ex.arrived < num_ranks) return;
+
+  // Last to arrive: run the exchange for everyone, outside the lock.
+  std::unique_ptr<Exchange> mine = std::move(it->second);
+  registry.open.erase(it);
+  lock.unlock();
+  std::vector<Published> published(num_ranks);
+  for (int64_t r = 0; r < num_ranks; ++r) published[r] = mine->ranks[r]->published;
+  for (int64_t r = 0; r < num_ranks; ++r) mine->ranks[r]->write(published);
+  std::vector<Status> statuses(num_ranks);
+  for (int64_t r = 0; r < num_ranks; ++r) statuses[r] = mine->ranks[r]->read();
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    if (!statuses[r].ok()) {
+      std::lock_guard<std::mutex> relock(registry.mu);
+      RecordFailedRun(registry, run_id, statuses[r].message);
+      break;
     }
   }
-  return it->second;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    if (r != rank) CompleteDetached(std::move(*mine->ranks[r]), statuses[r]);
+  }
+  mine->ranks[rank]->done(statuses[rank]);
 }
 
-void LeaveRendezvous(const std::shared_ptr<Rendezvous>& rendezvous, int64_t num_ranks) {
-  Registry& registry = GetRegistry();
-  const std::string failure = rendezvous->failure();
-  std::lock_guard<std::mutex> lock(registry.mu);
-  const RendezvousKey& key = rendezvous->key();
-  if (!failure.empty() && FailedRun(registry, key.run_id) == nullptr) {
-    registry.failed_runs.emplace_back(key.run_id, failure);
-    if (registry.failed_runs.size() > 64) registry.failed_runs.pop_front();
-  }
-  auto it = registry.open.find(key);
-  if (it == registry.open.end() || it->second != rendezvous) return;
-  if (!failure.empty() || ++registry.left[key] == num_ranks) {
-    registry.open.erase(it);
-    registry.left.erase(key);
-  }
-}
-
-int64_t OpenRendezvousCount() {
+int64_t OpenExchangeCount() {
   Registry& registry = GetRegistry();
   std::lock_guard<std::mutex> lock(registry.mu);
   return static_cast<int64_t>(registry.open.size());

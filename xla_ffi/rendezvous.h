@@ -1,91 +1,66 @@
-// Process-wide rendezvous for the ranks of one exchange (host direct-write transport).
+// Process-wide meeting point for the ranks of one exchange (host direct-write transport).
 //
-// XLA:CPU runs each device's instance of a custom call on its own thread, concurrently, so the
-// ranks of an EP group that live in one process meet here: each publishes pointers to its buffers,
-// waits for the others, writes into theirs, and waits again before reading its own.
+// XLA:CPU runs each device's program on its own thread, and its thunk executor may order
+// independent thunks differently on different devices. A custom call that blocked its device
+// thread until its peers arrived could therefore deadlock against an XLA collective that a peer
+// entered first. So nothing here blocks: each rank arrives with its buffers and the steps it
+// contributes (write into peers, then read its own), and returns at once; the last rank to arrive
+// runs every rank's write steps, then every rank's read steps, then completes each rank's
+// callback (the handlers complete their asynchronous FFI results from it).
 //
 // A rendezvous is keyed by (execution, call site, EP group, generation) (DESIGN §2.1.7): the run
 // id is shared by all devices of one execution; the call site is a trace-time id; the group comes
 // from the non-EP mesh axes; the generation counts repeated executions of one call site within an
-// execution (scan, remat). Waits time out with an error naming the ranks that did not arrive, and
-// leave no state behind, so the process stays usable.
+// execution (scan, remat). A watchdog fails a rendezvous that is not complete by its deadline with
+// an error naming the ranks that did not arrive, and fails the rest of that execution's exchanges
+// at once; no state is left behind, so the process stays usable.
 #ifndef JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
 #define JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
 
 #include <array>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
+#include <functional>
 #include <string>
 #include <vector>
 
 namespace jax_hybridep {
 
-struct RendezvousKey {
-  int64_t run_id;
-  int64_t site;
-  int64_t group;
-  int64_t generation;
-  bool operator<(const RendezvousKey& other) const;
-};
-
-// Success or a message (DEADLINE_EXCEEDED-style failures and protocol misuse).
+// Success, or a failure with its message.
 struct Status {
-  bool ok = true;
-  bool deadline_exceeded = false;
+  enum class Code { kOk, kDeadlineExceeded, kAborted, kFailedPrecondition };
+  Code code = Code::kOk;
   std::string message;
+
+  bool ok() const { return code == Code::kOk; }
   static Status Ok() { return {}; }
 };
 
 inline constexpr int kMaxPublished = 4;
+// Pointers a rank makes visible to its peers (its receive buffers, or data to read).
 using Published = std::array<void*, kMaxPublished>;
 
-class Rendezvous {
- public:
-  Rendezvous(std::string name, RendezvousKey key, int64_t num_ranks);
-
-  // Publishes `rank`'s pointers and waits until every rank has published (or the deadline).
-  Status Arrive(int64_t rank, const Published& published, std::chrono::milliseconds timeout);
-  // Waits until every rank has finished writing into its peers' buffers (or the deadline).
-  Status Depart(int64_t rank, std::chrono::milliseconds timeout);
-
-  // Valid after a successful Arrive.
-  void* Peer(int64_t rank, int64_t index) const { return published_[rank][index]; }
-
-  // Makes every current and future wait fail with `message`.
-  void Fail(const std::string& message);
-  // The failure message, or empty.
-  std::string failure();
-  const RendezvousKey& key() const { return key_; }
-
- private:
-  Status Wait(int phase, int64_t rank, std::chrono::milliseconds timeout);
-
-  const std::string name_;
-  const RendezvousKey key_;
-  const int64_t num_ranks_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Published> published_;
-  std::array<std::vector<bool>, 2> present_;
-  std::array<int64_t, 2> count_{0, 0};
-  bool failed_ = false;
-  std::string failure_;
+// What one rank brings to an exchange.
+struct Participant {
+  Published published{};
+  // Step 1, once every rank has arrived: write into the peers' published buffers.
+  std::function<void(const std::vector<Published>& peers)> write;
+  // Step 2, once every rank has written: read this rank's own buffers.
+  std::function<Status()> read;
+  // Called exactly once with the outcome; after it, no step of this rank runs again.
+  std::function<void(const Status&)> done;
 };
 
-// Joins (creating if needed) the rendezvous for this call. `name` labels errors. Each rank
-// must call LeaveRendezvous once it has read its buffers (after Depart) or after a failure.
-std::shared_ptr<Rendezvous> JoinRendezvous(const std::string& name, int64_t run_id, int64_t site,
-                                           int64_t group, int64_t rank, int64_t num_ranks);
-// Forgets the rendezvous once every rank has left, or at once after a failure; a failure also
-// fails the rest of that execution's rendezvous at once, instead of each waiting out a timeout
-// for ranks that have stopped.
-void LeaveRendezvous(const std::shared_ptr<Rendezvous>& rendezvous, int64_t num_ranks);
+// Adds `participant` as `rank` of this call's exchange (`name` labels errors). When this rank is
+// the last to arrive, every rank's steps run on the calling thread and this rank's `done` is
+// called before returning; the other ranks' `done` run on threads of their own, so a callback
+// that resumes XLA work cannot hold up the caller.
+void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t group,
+                  int64_t rank, int64_t num_ranks, std::chrono::milliseconds timeout,
+                  Participant participant);
 
-// Number of rendezvous currently open (for tests: 0 when the process is idle).
-int64_t OpenRendezvousCount();
+// Number of exchanges waiting for ranks (for tests: 0 when the process is idle).
+int64_t OpenExchangeCount();
 
 }  // namespace jax_hybridep
 

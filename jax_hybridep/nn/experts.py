@@ -1,0 +1,66 @@
+"""Per-shard expert computation over expert-major rows (the output of `dispatch`).
+
+`group_sizes[e]` consecutive rows belong to local expert e, packed from row 0; rows after the
+last group are padding. On GPUs the experts run as `jax.lax.ragged_dot`. On CPU `ragged_dot`
+lowers to a dense masked computation (E_local x the FLOPs and memory), so with a capacity each
+expert instead runs over a window of `capacity` rows starting at its group (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_hybridep import compat
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    """SwiGLU FFN: (silu(x @ w_gate) * (x @ w_up)) @ w_down."""
+    return jnp.dot(jax.nn.silu(jnp.dot(x, w_gate)) * jnp.dot(x, w_up), w_down)
+
+
+def _ragged_swiglu(rows, group_sizes, w_gate, w_up, w_down):
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes))
+    h = h * jax.lax.ragged_dot(rows, w_up, group_sizes)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)
+
+
+def _windowed_swiglu(rows, group_sizes, w_gate, w_up, w_down, capacity):
+    """Each expert over `capacity` rows from its group's start; rows outside its group give 0."""
+    num_rows = rows.shape[0]
+    # Windows may run past the last row: pad so dynamic_slice never shifts a window back.
+    padded = jnp.concatenate([rows, jnp.zeros((capacity, rows.shape[1]), rows.dtype)])
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    out = jnp.zeros((num_rows + capacity, w_down.shape[-1]), rows.dtype)
+    varying = frozenset().union(*(compat.varying_axes(a) for a in (rows, w_gate, w_up, w_down)))
+    out = compat.mark_varying(out, varying)  # the scan carry must vary like what it absorbs
+
+    def one_expert(out, per_expert):
+        start, size, wg, wu, wd = per_expert
+        window = jax.lax.dynamic_slice_in_dim(padded, start, capacity)
+        y = swiglu(window, wg, wu, wd)
+        y = jnp.where((jnp.arange(capacity) < size)[:, None], y, 0).astype(out.dtype)
+        # Experts go in ascending order and each group starts where the previous one ends, so a
+        # window's tail (zeros) is overwritten by the next expert's rows.
+        return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=0), None
+
+    out, _ = jax.lax.scan(one_expert, out, (starts, group_sizes, w_gate, w_up, w_down))
+    return out[:num_rows]
+
+
+def expert_swiglu(rows, group_sizes, w_gate, w_up, w_down, *, capacity=None, platform="cpu"):
+    """SwiGLU of each local expert over its rows.
+
+    Args:
+      rows: [C, H] expert-major rows.
+      group_sizes: [L] int32 rows per local expert.
+      w_gate, w_up: [L, H, F]; w_down: [L, F, H'].
+      capacity: rows per expert when the dispatch had a capacity (enables the CPU window path).
+      platform: "cpu" or an accelerator platform name.
+
+    Returns:
+      [C, H'] in rows' dtype; padding rows are 0.
+    """
+    if platform == "cpu" and capacity is not None:
+        return _windowed_swiglu(rows, group_sizes, w_gate, w_up, w_down, capacity)
+    return _ragged_swiglu(rows, group_sizes, w_gate, w_up, w_down).astype(rows.dtype)

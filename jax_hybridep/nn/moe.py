@@ -1,0 +1,207 @@
+"""MoE block (Flax NNX): router -> `dispatch` -> SwiGLU experts -> `combine` (+ a shared expert).
+
+Sharding model: the block takes global activations `x [..., d_model]` under `jax.jit`; inside, a
+`jax.shard_map` over every mesh axis gives each device its slice of the tokens, the expert weights
+are sharded over the EP axes (expert dim) and replicated over the others (e.g. a "data" axis), and
+the gate and shared expert are replicated. The block does not care how many levels the topology
+has; only `dispatch`/`combine` do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+import jax_hybridep as hep
+from jax_hybridep.nn.experts import expert_swiglu, swiglu
+from jax_hybridep.nn.router import Router, RouterConfig, route
+
+DISPATCH_NAME = "moe_dispatch"  # checkpoint_name of the dispatched rows (for remat policies)
+COMBINE_NAME = "moe_combine"  # checkpoint_name of the combined output
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEAux:
+    """What the block reports besides its output (global over the batch).
+
+    Attributes:
+      loss: aux_loss_coef * aux_loss + z_loss_coef * z_loss, to add to the training loss.
+      aux_loss, z_loss: raw router losses, averaged over shards.
+      tokens_per_expert: [E] int32 rows routed to each expert, summed over EP groups, before drops.
+      dropped: [] int32 rows dropped over capacity, all shards.
+    """
+
+    loss: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    MoEAux,
+    data_fields=["loss", "aux_loss", "z_loss", "tokens_per_expert", "dropped"],
+    meta_fields=[],
+)
+
+
+def _param(rngs, shape, sharding, mesh, dtype):
+    """A parameter initialised N(0, 1/fan_in) with its mesh sharding recorded (fan_in: dim -2)."""
+    init = nnx.initializers.normal(stddev=shape[-2] ** -0.5)
+    return nnx.Param(nnx.with_partitioning(init, sharding, mesh=mesh)(rngs.params(), shape, dtype))
+
+
+class SharedExpert(nnx.Module):
+    """An always-on SwiGLU expert applied to every token (replicated weights)."""
+
+    def __init__(self, d_model, d_ff, *, mesh, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.gate = _param(rngs, (d_model, d_ff), (None, None), mesh, param_dtype)
+        self.up = _param(rngs, (d_model, d_ff), (None, None), mesh, param_dtype)
+        self.down = _param(rngs, (d_ff, d_model), (None, None), mesh, param_dtype)
+
+    def __call__(self, x):
+        dtype = x.dtype
+        return swiglu(
+            x,
+            self.gate[...].astype(dtype),
+            self.up[...].astype(dtype),
+            self.down[...].astype(dtype),
+        )
+
+
+class MoEBlock(nnx.Module):
+    """Top-k routed SwiGLU experts (stacked [E, ...] weights sharded over the EP axes).
+
+    Args:
+      d_model: model width H.
+      d_ff: expert hidden width F.
+      router: RouterConfig (num_experts and top_k live there).
+      mesh: the device mesh (AxisType.Auto axes).
+      topology: hep.Topology over (some of) the mesh's axes: the EP group.
+      dispatch: hep.DispatchConfig; num_experts defaults to the router's.
+      shared_expert_ff: hidden width of an always-on shared SwiGLU expert, or None.
+      dtype: compute dtype of the experts (the rows travel in it).
+      param_dtype: parameter dtype.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        router: RouterConfig,
+        mesh: jax.sharding.Mesh,
+        topology: hep.Topology,
+        dispatch: hep.DispatchConfig | None = None,
+        shared_expert_ff: int | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        dispatch = dispatch or hep.DispatchConfig(num_experts=router.num_experts)
+        if dispatch.num_experts != router.num_experts:
+            raise ValueError(
+                f"dispatch.num_experts={dispatch.num_experts} differs from "
+                f"router.num_experts={router.num_experts}"
+            )
+        self.mesh, self.topology, self.dispatch_config = mesh, topology, dispatch
+        self.dtype = dtype
+        self.router = Router(d_model, router, rngs=rngs, param_dtype=param_dtype)
+        ep = topology.ep_axes  # the expert dim spans every EP axis
+        e = router.num_experts
+
+        self.w_gate = _param(rngs, (e, d_model, d_ff), (ep, None, None), mesh, param_dtype)
+        self.w_up = _param(rngs, (e, d_model, d_ff), (ep, None, None), mesh, param_dtype)
+        self.w_down = _param(rngs, (e, d_ff, d_model), (ep, None, None), mesh, param_dtype)
+        self.shared = (
+            SharedExpert(d_model, shared_expert_ff, mesh=mesh, rngs=rngs, param_dtype=param_dtype)
+            if shared_expert_ff is not None
+            else None
+        )
+
+    def __call__(self, x) -> tuple[jax.Array, MoEAux]:
+        """x [..., d_model] -> (y [..., d_model] in x's dtype, MoEAux)."""
+        lead, d_model = x.shape[:-1], x.shape[-1]
+        tokens = x.reshape(-1, d_model)
+        shards = self.mesh.devices.size
+        if tokens.shape[0] % shards:
+            raise ValueError(
+                f"MoEBlock: {tokens.shape[0]} tokens (x shape {x.shape}) do not split evenly over "
+                f"the {shards} devices of mesh {dict(self.mesh.shape)}"
+            )
+        all_axes = P(tuple(self.mesh.axis_names))
+        expert_spec = P(self.topology.ep_axes)
+        routed = jax.shard_map(
+            self._per_shard,
+            mesh=self.mesh,
+            in_specs=(all_axes, P(), P(), expert_spec, expert_spec, expert_spec),
+            out_specs=(all_axes, all_axes, all_axes, all_axes, all_axes),
+        )
+        y, aux_loss, z_loss, per_expert, dropped = routed(
+            tokens.astype(self.dtype),
+            self.router.gate[...],
+            self.router.bias[...],
+            self.w_gate[...].astype(self.dtype),
+            self.w_up[...].astype(self.dtype),
+            self.w_down[...].astype(self.dtype),
+        )
+        if self.shared is not None:
+            y = y + self.shared(tokens.astype(self.dtype))
+        # tokens_per_expert is the same on every rank of an EP group: count each group once.
+        ep_size = self.topology.ep_size
+        per_group = per_expert.reshape(-1, ep_size, per_expert.shape[-1])[:, 0]
+        cfg = self.router.config
+        aux_loss, z_loss = jnp.mean(aux_loss), jnp.mean(z_loss)
+        aux = MoEAux(
+            loss=cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            tokens_per_expert=jnp.sum(per_group, axis=0),
+            dropped=jnp.sum(dropped),
+        )
+        return y.reshape(*lead, -1).astype(x.dtype), aux
+
+    def _per_shard(self, x, gate, bias, w_gate, w_up, w_down):
+        routing = route(
+            jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32)), bias, self.router.config
+        )
+        d = hep.dispatch(
+            x,
+            routing.topk_idx,
+            routing.topk_weights,
+            topology=self.topology,
+            config=self.dispatch_config,
+        )
+        rows = checkpoint_name(d.tokens, DISPATCH_NAME)
+        y = expert_swiglu(
+            rows,
+            d.group_sizes,
+            w_gate,
+            w_up,
+            w_down,
+            capacity=d.capacity,
+            platform=self.topology.platform,
+        )
+        out = checkpoint_name(hep.combine(y, d.handle, weights=d.weights), COMBINE_NAME)
+        return (
+            out,
+            routing.aux_loss[None],
+            routing.z_loss[None],
+            d.stats.tokens_per_expert[None],
+            d.stats.dropped[None],
+        )
+
+    def update_router_bias(self, tokens_per_expert):
+        """Auxiliary-loss-free balancing step (no-op when router.bias_update_rate is 0)."""
+        self.router.update_bias(tokens_per_expert)
+
+
+def num_params(block: MoEBlock) -> int:
+    """Parameter count of a block (all experts)."""
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(block, nnx.Param)))
