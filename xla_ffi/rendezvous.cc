@@ -131,6 +131,16 @@ void Watchdog() {
   }
 }
 
+// Runs fn(0..n-1), each index on its own thread (the caller takes index 0): every rank's step
+// touches its own slice of the peers' buffers, so they run in parallel like the devices would.
+void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
+  std::vector<std::thread> threads;
+  threads.reserve(n > 0 ? n - 1 : 0);
+  for (int64_t i = 1; i < n; ++i) threads.emplace_back(fn, i);
+  if (n > 0) fn(0);
+  for (std::thread& thread : threads) thread.join();
+}
+
 // The generation of this rank's next call at (site, group) in run `run_id`.
 int64_t NextGeneration(Registry& registry, int64_t run_id, int64_t site, int64_t group,
                        int64_t rank) {
@@ -196,9 +206,9 @@ void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t
   lock.unlock();
   std::vector<Published> published(num_ranks);
   for (int64_t r = 0; r < num_ranks; ++r) published[r] = mine->ranks[r]->published;
-  for (int64_t r = 0; r < num_ranks; ++r) mine->ranks[r]->write(published);
+  ParallelFor(num_ranks, [&](int64_t r) { mine->ranks[r]->write(published); });
   std::vector<Status> statuses(num_ranks);
-  for (int64_t r = 0; r < num_ranks; ++r) statuses[r] = mine->ranks[r]->read();
+  ParallelFor(num_ranks, [&](int64_t r) { statuses[r] = mine->ranks[r]->read(); });
   for (int64_t r = 0; r < num_ranks; ++r) {
     if (!statuses[r].ok()) {
       std::lock_guard<std::mutex> relock(registry.mu);

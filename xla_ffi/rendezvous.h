@@ -5,8 +5,9 @@
 // thread until its peers arrived could therefore deadlock against an XLA collective that a peer
 // entered first. So nothing here blocks: each rank arrives with its buffers and the steps it
 // contributes (write into peers, then read its own), and returns at once; the last rank to arrive
-// runs every rank's write steps, then every rank's read steps, then completes each rank's
-// callback (the handlers complete their asynchronous FFI results from it).
+// runs every rank's write steps (in parallel, a thread per rank), then every rank's read steps,
+// then completes each rank's callback (the handlers complete their asynchronous FFI results
+// from it).
 //
 // A rendezvous is keyed by (execution, call site, EP group, generation) (DESIGN §2.1.7): the run
 // id is shared by all devices of one execution; the call site is a trace-time id; the group comes
@@ -52,7 +53,7 @@ struct Participant {
 };
 
 // Adds `participant` as `rank` of this call's exchange (`name` labels errors). When this rank is
-// the last to arrive, every rank's steps run on the calling thread and this rank's `done` is
+// the last to arrive, every rank's steps run from the calling thread and this rank's `done` is
 // called before returning; the other ranks' `done` run on threads of their own, so a callback
 // that resumes XLA work cannot hold up the caller.
 void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t group,
