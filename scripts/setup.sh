@@ -43,6 +43,6 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # build environment, which would download a second jaxlib).
 "${pip[@]}" install "jax>=0.11.2" "jaxlib>=0.11.2" "scikit-build-core>=0.10" "nanobind>=2.4" \
   cmake ninja
-"${pip[@]}" install --no-build-isolation -e ".[test]"
+"${pip[@]}" install --no-build-isolation -e ".[test,examples]"
 .venv/bin/python -c "import jax, jax_hybridep._hybridep as m; print(f'setup: jax {jax.__version__},' \
   f' native module built (CUDA kernels: {m.with_cuda})')"
