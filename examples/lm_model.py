@@ -1,0 +1,178 @@
+"""A small decoder-only transformer LM whose FFNs are jax_hybridep's expert-parallel MoE block.
+
+Layout (pre-norm): byte embedding -> N x [RMSNorm -> causal multi-head self-attention with rotary
+positions -> residual; RMSNorm -> `jax_hybridep.nn.MoEBlock` -> residual] -> RMSNorm -> LM head.
+
+Sharding model: the model is called on global [B, S] arrays under `jax.jit` on a mesh whose axes
+are all `AxisType.Auto`. Attention and the dense layers are left to the compiler (the batch is
+sharded over every mesh axis, dense parameters are replicated); each MoE block shards its tokens
+over all mesh axes itself and places its experts over the EP axes (the mesh axes other than
+"data"), dispatching and combining inside its own `shard_map`. `make_mesh` builds that mesh and
+topology from a "data=2,ep=4"-style spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType
+
+import jax_hybridep as hep
+from jax_hybridep import nn as hnn
+
+DATA_AXIS = "data"  # the one mesh axis that is not part of the EP topology
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Model sizes and the MoE routing/dispatch settings.
+
+    Attributes:
+      vocab_size: 256 for bytes.
+      d_model, d_ff: model width and each expert's hidden width.
+      layers, heads: transformer depth and attention heads (d_model % heads == 0, even head dim).
+      experts, top_k: routed experts per MoE block and experts per token.
+      capacity_factor: per-expert capacity factor of the dispatch; None means dropless.
+      backend: dispatch/combine backend, "auto", "xla" or "ffi".
+      aux_loss_coef, z_loss_coef: weights of the router's balancing and z losses.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    d_ff: int = 128
+    layers: int = 2
+    heads: int = 4
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float | None = None
+    backend: str = "auto"
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+
+    def __post_init__(self):
+        if self.d_model % self.heads or (self.d_model // self.heads) % 2:
+            raise ValueError(
+                f"d_model={self.d_model} must split into heads={self.heads} heads of even size "
+                "(rotary embeddings rotate pairs of features)"
+            )
+
+
+def rotary(x, positions, base: float = 10000.0):
+    """Rotary position embedding of x [B, S, heads, head_dim] at positions [S]."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [S, half]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention with rotary positions (no biases)."""
+
+    def __init__(self, d_model: int, heads: int, *, rngs: nnx.Rngs):
+        self.heads = heads
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        """x [B, S, D] -> [B, S, D]."""
+        b, s, d = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3, self.heads, d // self.heads), 3, axis=2)
+        positions = jnp.arange(s)
+        q, k, v = rotary(q[:, :, 0], positions), rotary(k[:, :, 0], positions), v[:, :, 0]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(d // self.heads))
+        causal = jnp.tril(jnp.ones((s, s), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MoE sublayers, each with a residual."""
+
+    def __init__(self, config: ModelConfig, mesh, topology, *, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.attn = CausalSelfAttention(config.d_model, config.heads, rngs=rngs)
+        self.moe_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        router = hnn.RouterConfig(
+            num_experts=config.experts,
+            top_k=config.top_k,
+            score_fn="softmax",
+            normalize=True,
+            aux_loss_coef=config.aux_loss_coef,
+            z_loss_coef=config.z_loss_coef,
+        )
+        dispatch = hep.DispatchConfig(
+            num_experts=config.experts,
+            capacity_factor=config.capacity_factor,
+            backend=config.backend,
+        )
+        self.moe = hnn.MoEBlock(
+            config.d_model,
+            config.d_ff,
+            router=router,
+            mesh=mesh,
+            topology=topology,
+            dispatch=dispatch,
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        """x [B, S, D] -> (x [B, S, D], MoEAux)."""
+        x = x + self.attn(self.attn_norm(x))
+        y, aux = self.moe(self.moe_norm(x))
+        return x + y, aux
+
+
+class MoETransformer(nnx.Module):
+    """Decoder-only byte LM: returns logits and the MoE blocks' auxiliary outputs."""
+
+    def __init__(self, config: ModelConfig, mesh, topology, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(config, mesh, topology, rngs=rngs) for _ in range(config.layers)]
+        )
+        self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        """tokens [B, S] int32 -> (logits [B, S, vocab] float32, list of MoEAux, one per layer)."""
+        x = self.embed(tokens)
+        auxes = []
+        for layer in self.layers:
+            x, aux = layer(x)
+            auxes.append(aux)
+        return self.head(self.norm(x)).astype(jnp.float32), auxes
+
+    def update_router_biases(self, auxes):
+        """Auxiliary-loss-free bias step of every block (a no-op at bias_update_rate 0)."""
+        for layer, aux in zip(self.layers, auxes, strict=True):
+            layer.moe.update_router_bias(aux.tokens_per_expert)
+
+
+def make_mesh(spec: str | None, devices) -> tuple[jax.sharding.Mesh, hep.Topology]:
+    """Mesh and EP topology from "name=size,..." (e.g. "ep=8", "data=2,ep=4").
+
+    The mesh spans the first prod(sizes) devices, all axes `AxisType.Auto`; every axis except
+    "data" is an EP level (slow -> fast in the order given). None means "ep=<all devices>".
+    """
+    if spec is None:
+        spec = f"ep={len(devices)}"
+    try:
+        pairs = [item.split("=") for item in spec.split(",")]
+        names, sizes = [n.strip() for n, _ in pairs], [int(s) for _, s in pairs]
+    except ValueError:
+        raise ValueError(f"--mesh must look like 'ep=8' or 'data=2,ep=4', got {spec!r}") from None
+    if math.prod(sizes) > len(devices):
+        raise ValueError(f"--mesh={spec} needs {math.prod(sizes)} devices, have {len(devices)}")
+    if all(n == DATA_AXIS for n in names):
+        raise ValueError(f"--mesh={spec} has no EP axis (every axis but '{DATA_AXIS}' is EP)")
+    grid = np.asarray(devices[: math.prod(sizes)]).reshape(sizes)
+    mesh = jax.sharding.Mesh(grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+    return mesh, hep.Topology.from_mesh(mesh, levels=[n for n in names if n != DATA_AXIS])

@@ -1,0 +1,394 @@
+"""Main job: train a small MoE byte-level LM with optax, experts dispatched by jax_hybridep.
+
+A decoder-only transformer (`lm_model.py`) whose FFNs are `jax_hybridep.nn.MoEBlock`s learns
+next-byte prediction on the Python standard library's own source (`lm_data.py`; nothing is
+downloaded). One `jax.jit`-compiled step does forward, backward (through dispatch/combine's VJPs)
+and an AdamW update with warmup + cosine decay and global-norm clipping. Runs on all local GPUs,
+or on 8 fake CPU devices when there are none; the mesh is given by --mesh ("ep=8",
+"data=2,ep=4", ...), and every axis except "data" belongs to the EP topology.
+
+    python examples/train_moe.py [--steps=500] [--mesh=data=2,ep=4] [--backend=xla] ...
+    python examples/train_moe.py --resume --steps=1000  # continue from the saved checkpoint
+
+Writes to --output_dir: metrics.json (losses per step), train_moe.png (loss curves and expert
+load), checkpoint/ (orbax: model, optimizer state and step). The last line printed is
+`eval loss: <value>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from lm_data import VOCAB_SIZE, ByteData
+from lm_model import ModelConfig, MoETransformer, make_mesh
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on (the flags, as one value that tests can build directly).
+
+    Attributes:
+      steps: total optimizer steps (a resumed run continues up to this many).
+      batch, seq_len: sequences per step and bytes per sequence.
+      d_model, d_ff, layers, heads, experts, top_k: model sizes (see `lm_model.ModelConfig`).
+      mesh: mesh axis sizes, e.g. "ep=8" or "data=2,ep=4"; None means "ep=<all devices>".
+      backend: dispatch/combine backend, "auto", "xla" or "ffi".
+      capacity_factor: per-expert capacity factor; None or <= 0 means dropless.
+      lr: peak learning rate of the warmup + cosine schedule.
+      seed: initialisation and data seed.
+      output_dir: where metrics, plot and checkpoint go.
+      eval_every: evaluate every this many steps (and at the end).
+      resume: restore the checkpoint in output_dir and continue from its step.
+      eval_batches: held-out batches per evaluation.
+      progress: show a live progress bar (only drawn on a terminal).
+    """
+
+    steps: int = 500
+    batch: int = 16
+    seq_len: int = 128
+    d_model: int = 128
+    d_ff: int = 256
+    layers: int = 2
+    heads: int = 4
+    experts: int = 8
+    top_k: int = 2
+    mesh: str | None = None
+    backend: str = "auto"
+    capacity_factor: float | None = None
+    lr: float = 3e-3
+    seed: int = 0
+    output_dir: str = "/tmp/train_moe"
+    eval_every: int = 50
+    resume: bool = False
+    eval_batches: int = 4
+    progress: bool = True
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (no decay on vectors: norms) under warmup + cosine."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=max(1, min(100, cfg.steps // 10)),
+        decay_steps=max(cfg.steps, 2),
+        end_value=cfg.lr * 0.1,
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask),
+    )
+
+
+def build_steps(graphdef, tx, state_shardings, replicated):
+    """The jitted train step and eval step over the (params, rest) split of the model.
+
+    `state_shardings` (of params, rest, opt_state) pin the updated state to the shardings it came
+    in with, so one compiled step serves every iteration and the checkpoint.
+    """
+
+    def loss_fn(params, rest, inputs, targets):
+        model = nnx.merge(graphdef, params, rest)
+        logits, auxes = model(inputs)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        aux = sum(a.loss for a in auxes)
+        return ce + aux, (ce, aux, auxes)
+
+    def train_step(params, rest, opt_state, inputs, targets):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (ce, aux, auxes)), grads = grad_fn(params, rest, inputs, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # The aux-loss-free router bias follows a rule, not the gradient: update it after.
+        model = nnx.merge(graphdef, params, rest)
+        model.update_router_biases(auxes)
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        metrics = dict(
+            loss=loss,
+            ce=ce,
+            aux=aux,
+            grad_norm=optax.tree.norm(grads),
+            dropped=sum(a.dropped for a in auxes),
+            tokens_per_expert=jnp.stack([a.tokens_per_expert for a in auxes]),
+        )
+        return params, rest, opt_state, metrics
+
+    def eval_step(params, rest, inputs, targets):
+        return loss_fn(params, rest, inputs, targets)[1][0]
+
+    train_step = jax.jit(
+        train_step, donate_argnums=(0, 1, 2), out_shardings=(*state_shardings, replicated)
+    )
+    return train_step, jax.jit(eval_step, out_shardings=replicated)
+
+
+def ran_backend(hlo_text: str) -> str:
+    """Which dispatch backend a compiled program runs, read off its custom-call targets."""
+    if "jax_hybridep_dispatch" in hlo_text:
+        return "ffi (XLA FFI custom calls jax_hybridep_*)"
+    return "xla (jax.lax.all_to_all collectives)"
+
+
+def imbalance(tokens_per_expert: np.ndarray) -> float:
+    """Worst layer's max/mean tokens per expert (1.0 is perfectly balanced)."""
+    load = np.asarray(tokens_per_expert, np.float64)
+    return float(np.max(load.max(axis=-1) / np.maximum(load.mean(axis=-1), 1e-9)))
+
+
+def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert) -> None:
+    """Loss curves (train and eval) beside the last step's tokens per expert, per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_load) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["ce"] for r in train], label="train", lw=0.8)
+    ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+    ax_loss.set(xlabel="step", ylabel="next-byte cross-entropy (nats)", title="loss")
+    ax_loss.legend()
+    load = np.asarray(tokens_per_expert)
+    width = 0.8 / len(load)
+    for layer, counts in enumerate(load):
+        x = np.arange(len(counts)) + (layer - (len(load) - 1) / 2) * width
+        ax_load.bar(x, counts, width, label=f"layer {layer}")
+    ax_load.set(xlabel="expert", ylabel="tokens (last step)", title="expert load")
+    ax_load.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig, console: Console | None = None) -> dict:
+    """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict."""
+    console = console or Console(soft_wrap=True)
+    if cfg.steps < 0 or cfg.eval_every < 1:
+        raise ValueError(f"need steps >= 0 and eval_every >= 1, got {cfg.steps}, {cfg.eval_every}")
+    mesh, topology = make_mesh(cfg.mesh, jax.devices())
+    capacity = cfg.capacity_factor if cfg.capacity_factor and cfg.capacity_factor > 0 else None
+    model_cfg = ModelConfig(
+        vocab_size=VOCAB_SIZE,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        experts=cfg.experts,
+        top_k=cfg.top_k,
+        capacity_factor=capacity,
+        backend=cfg.backend,
+    )
+    model = MoETransformer(model_cfg, mesh, topology, rngs=nnx.Rngs(cfg.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # Dense parameters replicate; the MoE block's own sharding annotations place its experts.
+    params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
+    rest = jax.device_put(rest, nnx.get_named_sharding(rest, mesh))
+    tx = make_optimizer(cfg)
+    # Scalars that depend on no input (Adam's count) come out on one device; replicate them so
+    # the checkpoint's restore target names the mesh for every leaf.
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.tree.map(
+        lambda a: a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, replicated),
+        jax.jit(tx.init)(params),
+    )
+
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    ckpt_dir = os.path.join(os.path.abspath(cfg.output_dir), "checkpoint")
+    metrics_path = os.path.join(cfg.output_dir, "metrics.json")
+    start = 0
+    history = dict(train=[], eval=[])
+    with ocp.CheckpointManager(
+        ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=1)
+    ) as mgr:
+        if cfg.resume:
+            if mgr.latest_step() is None:
+                raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
+            target = dict(params=params, rest=rest, opt_state=opt_state)
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+            start = mgr.latest_step()
+            restored = mgr.restore(start, args=ocp.args.StandardRestore(abstract))
+            params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
+            if os.path.exists(metrics_path):
+                with open(metrics_path) as f:
+                    old = json.load(f)
+                history["train"] = [r for r in old["train"] if r["step"] < start]
+                # The restored state is evaluated again at `start`: it must match the saved run.
+                history["eval"] = [r for r in old["eval"] if r["step"] < start]
+                history["tokens_per_expert"] = old.get("tokens_per_expert")
+            console.print(f"resumed from step {start} ({ckpt_dir})")
+        else:
+            for old_step in mgr.all_steps():  # a fresh run replaces what an earlier one left
+                mgr.delete(old_step)
+
+        history, params, rest, opt_state, backend = _loop(
+            cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console
+        )
+        if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
+            state = dict(params=params, rest=rest, opt_state=opt_state)
+            mgr.save(cfg.steps, args=ocp.args.StandardSave(state), force=True)
+            mgr.wait_until_finished()
+
+    final_eval = history["eval"][-1]["loss"]
+    result = dict(
+        config=dataclasses.asdict(cfg),
+        backend=backend,
+        start_step=start,
+        final_eval_loss=final_eval,
+        **history,
+    )
+    with open(metrics_path, "w") as f:
+        json.dump(result, f, indent=1)
+    if history["train"] and history.get("tokens_per_expert"):
+        save_plot(
+            os.path.join(cfg.output_dir, "train_moe.png"),
+            history["train"],
+            history["eval"],
+            history["tokens_per_expert"],
+        )
+    console.print(f"wrote {metrics_path}, train_moe.png and checkpoint/ to {cfg.output_dir}")
+    console.print(f"eval loss: {final_eval:.4f}", highlight=False)
+    return result
+
+
+def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console):
+    """The training loop proper: compile once, step, evaluate, report progress."""
+    data = ByteData.load()
+    num_devices = mesh.devices.size
+    # The batch is sharded over every mesh axis when it divides evenly, else replicated.
+    batch_spec = P(tuple(mesh.axis_names)) if cfg.batch % num_devices == 0 else P()
+    sharding = NamedSharding(mesh, batch_spec)
+    put = lambda a: jax.device_put(a, sharding)  # noqa: E731
+    eval_set = [
+        tuple(map(put, b)) for b in data.eval_batches(cfg.eval_batches, cfg.batch, cfg.seq_len)
+    ]
+    shardings = jax.tree.map(lambda a: a.sharding, (params, rest, opt_state))
+    train_step, eval_step = build_steps(graphdef, tx, shardings, NamedSharding(mesh, P()))
+
+    def evaluate(step):
+        loss = float(np.mean([float(eval_step(params, rest, x, y)) for x, y in eval_set]))
+        history["eval"].append(dict(step=step, loss=loss))
+        return loss
+
+    inputs, targets = map(put, data.train_batch(cfg.seed, start, cfg.batch, cfg.seq_len))
+    t0 = time.perf_counter()
+    compiled = train_step.lower(params, rest, opt_state, inputs, targets).compile()
+    backend = ran_backend(compiled.as_text())
+    console.print(
+        f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}, "
+        f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}), "
+        f"{cfg.batch}x{cfg.seq_len} bytes/step; compiled in {time.perf_counter() - t0:.1f}s"
+    )
+    console.print(f"backend: {backend}")
+    evaluate(start)
+    tokens_per_expert = None
+    progress = Progress(
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        BarColumn(bar_width=20),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not (cfg.progress and console.is_terminal),
+    )
+    with progress:
+        task = progress.add_task("train", total=cfg.steps, completed=start, stats="")
+        for step in range(start, cfg.steps):
+            if step > start:
+                inputs, targets = map(put, data.train_batch(cfg.seed, step, cfg.batch, cfg.seq_len))
+            t = time.perf_counter()
+            params, rest, opt_state, m = compiled(params, rest, opt_state, inputs, targets)
+            m = jax.device_get(m)
+            seconds = time.perf_counter() - t
+            tokens_per_expert = m["tokens_per_expert"]
+            record = dict(
+                step=step,
+                loss=float(m["loss"]),
+                ce=float(m["ce"]),
+                aux=float(m["aux"]),
+                grad_norm=float(m["grad_norm"]),
+                dropped=int(m["dropped"]),
+                imbalance=imbalance(tokens_per_expert),
+                tokens_per_s=cfg.batch * cfg.seq_len / seconds,
+            )
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+            history["train"].append(record)
+            stats = (
+                f"loss {record['ce']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"dropped {record['dropped']} | imbalance {record['imbalance']:.2f}"
+            )
+            progress.update(task, completed=step + 1, stats=stats)
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                eval_loss = evaluate(step + 1)
+                progress.console.print(
+                    f"step {step + 1:5d}: {stats} | eval loss {eval_loss:.3f}", highlight=False
+                )
+    if tokens_per_expert is not None:
+        history["tokens_per_expert"] = np.asarray(tokens_per_expert).tolist()
+    return history, params, rest, opt_state, backend
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command-line flags, one per TrainConfig field (defined only when run as a script, so
+    importing this module, e.g. from a test, leaves absl's global flag registry alone)."""
+    d = TrainConfig()
+    flags.DEFINE_integer("steps", d.steps, "total training steps (a resumed run continues to it)")
+    flags.DEFINE_integer("batch", d.batch, "sequences per step")
+    flags.DEFINE_integer("seq_len", d.seq_len, "bytes per sequence")
+    flags.DEFINE_integer("d_model", d.d_model, "model width")
+    flags.DEFINE_integer("d_ff", d.d_ff, "expert FFN hidden width")
+    flags.DEFINE_integer("layers", d.layers, "transformer layers")
+    flags.DEFINE_integer("heads", d.heads, "attention heads")
+    flags.DEFINE_integer("experts", d.experts, "routed experts per layer")
+    flags.DEFINE_integer("top_k", d.top_k, "experts per token")
+    flags.DEFINE_string(
+        "mesh", None, "mesh axis sizes, e.g. 'ep=8' or 'data=2,ep=4' (default: ep=all)"
+    )
+    flags.DEFINE_enum("backend", d.backend, ["auto", "xla", "ffi"], "dispatch/combine backend")
+    flags.DEFINE_float(
+        "capacity_factor", None, "per-expert capacity factor; unset or <= 0: dropless"
+    )
+    flags.DEFINE_float("lr", d.lr, "peak learning rate")
+    flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")
+    flags.DEFINE_string("output_dir", d.output_dir, "metrics, plot and checkpoint go here")
+    flags.DEFINE_integer("eval_every", d.eval_every, "evaluate every this many steps")
+    flags.DEFINE_bool("resume", False, "restore the checkpoint in --output_dir and continue")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    # Fake CPU devices when there is no GPU; must precede any backend use (it is ignored on GPUs).
+    jax.config.update("jax_num_cpu_devices", 8)
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name in FLAGS]
+    train(TrainConfig(**{n: FLAGS[n].value for n in names}))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
