@@ -5,10 +5,8 @@ statically. Its arrays are per shard; the common ones mean the same in every bac
 
 * `row_pos [T, K]`: the destination row of each (t, k), -1 when invalid or dropped.
 * `dest [T, K]`: the destination EP rank of each kept (t, k), -1 otherwise.
-* `recv_row_pos [R, T, K]`: receive slot (source rank, j) -> its row per k, -1 for none.
-* `recv_token [R, T]`: receive slot (source rank, j) -> the source's token index, -1 if empty.
 * `rank`, `group`: this shard's EP rank and EP-group id (int32 scalars).
-* `private`: backend-specific arrays.
+* `private`: backend-specific arrays (receive-side metadata, per-level send layouts).
 """
 
 from __future__ import annotations
@@ -35,11 +33,9 @@ class Layout:
 class Handle:
     row_pos: jax.Array
     dest: jax.Array
-    recv_row_pos: jax.Array
-    recv_token: jax.Array
     rank: jax.Array
     group: jax.Array
-    private: tuple[jax.Array, ...]
+    private: tuple
     plan: Plan
 
     @property
@@ -49,7 +45,7 @@ class Handle:
 
 jax.tree_util.register_dataclass(
     Handle,
-    data_fields=["row_pos", "dest", "recv_row_pos", "recv_token", "rank", "group", "private"],
+    data_fields=["row_pos", "dest", "rank", "group", "private"],
     meta_fields=["plan"],
 )
 jax.tree_util.register_dataclass(

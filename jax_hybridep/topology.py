@@ -94,4 +94,11 @@ class Topology:
 
     @property
     def level_sizes(self) -> tuple[int, ...]:
+        """Ranks per level group: the product of the level's axis sizes."""
         return tuple(math.prod(self.axis_size(a) for a in level) for level in self.levels)
+
+    @property
+    def level_strides(self) -> tuple[int, ...]:
+        """EP-rank stride of each level: rank = sum of coordinate * stride (row-major)."""
+        sizes = self.level_sizes
+        return tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))

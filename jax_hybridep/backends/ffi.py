@@ -37,6 +37,8 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
             f"this build has no '{plan_topology.platform}' handlers for the ffi backend "
             f"(available: {PLATFORMS})"
         )
+    if len(plan_topology.levels) > 1:
+        return "multi-level topologies run on the xla backend only, for now"
     if not plan_topology.single_process:
         return (
             "the EP group spans several processes; the ffi direct-write transport only connects "
@@ -113,7 +115,7 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     tokens, row_weights, recv_row_pos, recv_token = _send(
         plan, x, weights, row_pos, dest, rank, group
     )
-    handle = Handle(row_pos, dest, recv_row_pos, recv_token, rank, group, (), plan)
+    handle = Handle(row_pos, dest, rank, group, (recv_row_pos, recv_token), plan)
     return tokens, row_weights, handle
 
 
@@ -126,15 +128,15 @@ def redispatch(handle: Handle, g):
 
 def combine(handle: Handle, y, weights):
     plan = handle.plan
+    recv_row_pos, recv_token = handle.private
     weighted = weights is not None
     if not weighted:
         weights = jnp.zeros((plan.rows,), jnp.float32)  # ignored by the handler
     return _call(
         "combine",
         jax.ShapeDtypeStruct((plan.tokens, y.shape[1]), y.dtype),
-        y, weights, handle.recv_token, handle.recv_row_pos, handle.dest, handle.rank,
-        handle.group,
-        like=(y, handle.recv_row_pos),
+        y, weights, recv_token, recv_row_pos, handle.dest, handle.rank, handle.group,
+        like=(y, recv_row_pos),
         plan=plan,
         weighted=np.bool_(weighted),
     )  # fmt: skip
@@ -143,10 +145,11 @@ def combine(handle: Handle, y, weights):
 def return_row_values(handle: Handle, values):
     """[T, K] float32: values[row] sent back to the (t, k) each row came from; 0 elsewhere."""
     plan = handle.plan
+    recv_row_pos, recv_token = handle.private
     return _call(
         "return_row_values",
         jax.ShapeDtypeStruct((plan.tokens, plan.k), jnp.float32),
-        values, handle.recv_token, handle.recv_row_pos, handle.rank, handle.group,
-        like=(values, handle.recv_row_pos),
+        values, recv_token, recv_row_pos, handle.rank, handle.group,
+        like=(values, recv_row_pos),
         plan=plan,
     )  # fmt: skip

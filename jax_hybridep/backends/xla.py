@@ -1,10 +1,11 @@
 """The `xla` backend: pure JAX on static padded buffers; the oracle for every other backend.
 
-Per shard, inside `jax.shard_map` over the EP axes. One exchange level = layout (all-gather of
-per-expert counts, then every (t, k)'s row), pack (one copy per (token, destination rank) into a
-[R, T, H] send buffer, compacted in ascending t), `jax.lax.all_to_all`, and expansion into
-expert-major rows on the receiver. Combine writes its float32 adds out one by one in the §2.1
-order (k ascending, then destination rank ascending), so the `ffi` backend can match it bitwise.
+Per shard, inside `jax.shard_map` over the EP axes. Layout all-gathers per-expert counts over the
+whole EP group and gives every (t, k) its row; then each level (slow -> fast) packs one copy per
+(item, destination peer) into a static [S, M, H] buffer, compacted in ascending item order, and
+exchanges it with `jax.lax.all_to_all` over that level's axes; the last level's receiver expands
+into expert-major rows. Combine writes its float32 adds out one by one in the §2.1 order (k
+ascending, then peers ascending at each level), so the `ffi` backend can match it bitwise.
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ from jax_hybridep.errors import StrictModeError, strict_mode_message
 from jax_hybridep.handle import Handle, Layout
 
 NAME = "xla"
-
-
-def _all_to_all(plan: Plan, x):
-    return jax.lax.all_to_all(x, plan.topology.ep_axes, 0, 0, tiled=True)
 
 
 def _append_zero_row(x):
@@ -101,115 +98,148 @@ def layout(plan: Plan, topk_idx, rank, group) -> Layout:
     return Layout(row_pos, size_rs[rank], tokens_per_expert, dropped, invalid)
 
 
-def _send_metadata(plan: Plan, row_pos, dest):
-    """send_token [R, T]: slot (d, j) -> token; send_slot [T, R]: token t -> its slot on d."""
-    tokens = row_pos.shape[0]
-    to_rank = jnp.any(dest[:, :, None] == jnp.arange(plan.num_ranks), axis=1)  # [T, R]
-    send_slot = jnp.where(to_rank, jnp.cumsum(to_rank, axis=0, dtype=jnp.int32) - 1, -1)
-    send_token = (
-        jnp.full((plan.num_ranks, tokens), -1, jnp.int32)
+# ----------------------------------------------------------------------------- levels
+#
+# Dispatch walks the levels slow -> fast. Entering level l, a rank holds M_l items (M_0 = T: its
+# tokens), each with per-k metadata: the destination EP rank (-1 when that k has no row in this
+# rank's subtree), the destination row and the routing weight. At level l the item goes once to
+# every peer (the ranks differing from this one only in level l's coordinate) whose subtree holds
+# one of its rows, carrying only the metadata of those rows. The S_l * M_l received items are the
+# next level's items; after the last level every item's rows are on this rank and expand into
+# expert-major rows. Combine walks back fast -> slow: partial sums per item, added over the peers
+# of each level in ascending order, rounded to y's dtype as they cross (DESIGN §2.1.4).
+
+
+def _level_all_to_all(plan: Plan, level: int, x):
+    """Tiled all_to_all over one level's axes: chunk p of axis 0 goes to peer p."""
+    return jax.lax.all_to_all(x, plan.topology.levels[level], 0, 0, tiled=True)
+
+
+def _route_level(plan: Plan, level: int, held_dest):
+    """For held items [M] with destinations [M, K]: their peer per k and the send layout.
+
+    Returns (coord [M, K]: the peer at this level of each k's destination, -1 for none;
+    send_item [S, M]: slot (p, j) -> item, -1 for empty; send_slot [M, S]: item -> its slot on p).
+    """
+    size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+    held = held_dest.shape[0]
+    coord = jnp.where(held_dest >= 0, (held_dest // stride) % size, -1)
+    to_peer = jnp.any(coord[:, :, None] == jnp.arange(size), axis=1)  # [M, S]
+    send_slot = jnp.where(to_peer, jnp.cumsum(to_peer, axis=0, dtype=jnp.int32) - 1, -1)
+    send_item = (
+        jnp.full((size, held), -1, jnp.int32)
         .at[
-            jnp.broadcast_to(jnp.arange(plan.num_ranks), send_slot.shape),
-            jnp.where(to_rank, send_slot, tokens),
+            jnp.broadcast_to(jnp.arange(size), send_slot.shape),
+            jnp.where(to_peer, send_slot, held),
         ]
         .set(
-            jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32)[:, None], send_slot.shape),
+            jnp.broadcast_to(jnp.arange(held, dtype=jnp.int32)[:, None], send_slot.shape),
             mode="drop",
         )
     )
-    return send_token, send_slot
+    return coord, send_item, send_slot
 
 
-def _pack(send_token, x):
-    """[R, T, ...]: x[send_token], zero where the slot is empty."""
-    return _append_zero_row(x)[jnp.where(send_token >= 0, send_token, x.shape[0])]
+def _pack(send_item, x):
+    """[S * M, ...]: x[send_item], zero where the slot is empty."""
+    packed = _append_zero_row(x)[jnp.where(send_item >= 0, send_item, x.shape[0])]
+    return packed.reshape((-1,) + x.shape[1:])
 
 
-def _expand_rows(plan: Plan, recv_rows, row_src):
-    """Expert-major rows [C, H] from the received [R, T, H] buffer (zero rows where unfilled)."""
-    return _append_zero_row(recv_rows.reshape(-1, recv_rows.shape[-1]))[row_src]
+def _pack_metadata(send_item, coord, values, fill):
+    """[S * M, K]: each sent item's values for the k whose destination is that peer, else fill."""
+    size = send_item.shape[0]
+    here = coord[None, :, :] == jnp.arange(size)[:, None, None]  # [S, M, K]
+    per_peer = jnp.where(here, values[None], fill)
+    picked = jnp.take_along_axis(per_peer, jnp.maximum(send_item, 0)[:, :, None], axis=1)
+    return jnp.where((send_item >= 0)[:, :, None], picked, fill).reshape(-1, values.shape[1])
+
+
+def _expand_rows(plan: Plan, held_rows, row_src):
+    """Expert-major rows [C, H] from the held items [M, H] (zero rows where unfilled)."""
+    return _append_zero_row(held_rows)[row_src]
 
 
 def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
-    num_ranks, tokens = plan.num_ranks, plan.tokens
-    send_token, send_slot = _send_metadata(plan, row_pos, dest)
-    here = dest[None, :, :] == jnp.arange(num_ranks)[:, None, None]  # [R, T, K]
-    pos_by_rank = jnp.where(here, row_pos[None], -1)
-    w_by_rank = jnp.where(here, weights[None], 0.0)
-    gather = jnp.where(send_token >= 0, send_token, 0)[:, :, None]
-    send_pos = jnp.where(
-        (send_token >= 0)[:, :, None], jnp.take_along_axis(pos_by_rank, gather, axis=1), -1
-    )
-    send_w = jnp.where(
-        (send_token >= 0)[:, :, None], jnp.take_along_axis(w_by_rank, gather, axis=1), 0.0
-    )
-    meta = jnp.concatenate([send_token[:, :, None], send_pos], axis=2)  # [R, T, 1 + K]
-    recv_meta = _all_to_all(plan, meta)
-    recv_token, recv_row_pos = recv_meta[:, :, 0], recv_meta[:, :, 1:]
-    recv_w = _all_to_all(plan, send_w)
-    recv_x = _all_to_all(plan, _pack(send_token, x))
+    k = plan.k
+    held_x, held_dest, held_pos, held_w = x, dest, row_pos, weights
+    levels = []  # per level: (send_item, send_slot, held_dest), for combine and the VJPs
+    for level in range(len(plan.topology.levels)):
+        coord, send_item, send_slot = _route_level(plan, level, held_dest)
+        levels.append((send_item, send_slot, held_dest))
+        meta = jnp.concatenate(
+            [_pack_metadata(send_item, coord, held_dest, -1),
+             _pack_metadata(send_item, coord, held_pos, -1)], axis=1)  # fmt: skip
+        meta = _level_all_to_all(plan, level, meta)
+        held_dest, held_pos = meta[:, :k], meta[:, k:]
+        held_w = _level_all_to_all(plan, level, _pack_metadata(send_item, coord, held_w, 0.0))
+        held_x = _level_all_to_all(plan, level, _pack(send_item, held_x))
 
-    flat_pos = recv_row_pos.reshape(-1)
+    flat_pos = held_pos.reshape(-1)
     target = jnp.where(flat_pos >= 0, flat_pos, plan.rows)
-    slot_ids = jnp.repeat(jnp.arange(num_ranks * tokens, dtype=jnp.int32), plan.k)
-    row_src = (
-        jnp.full(plan.rows, num_ranks * tokens, jnp.int32).at[target].set(slot_ids, mode="drop")
-    )
-    tokens_out = _expand_rows(plan, recv_x, row_src)
-    row_weights = jnp.zeros(plan.rows, jnp.float32).at[target].set(recv_w.reshape(-1), mode="drop")
-    handle = Handle(
-        row_pos=row_pos,
-        dest=dest,
-        recv_row_pos=recv_row_pos,
-        recv_token=recv_token,
-        rank=rank,
-        group=group,
-        private=(send_token, send_slot, row_src),
-        plan=plan,
-    )
+    held = held_pos.shape[0]
+    item_ids = jnp.repeat(jnp.arange(held, dtype=jnp.int32), k)
+    row_src = jnp.full(plan.rows, held, jnp.int32).at[target].set(item_ids, mode="drop")
+    tokens_out = _expand_rows(plan, held_x, row_src)
+    row_weights = jnp.zeros(plan.rows, jnp.float32).at[target].set(held_w.reshape(-1), mode="drop")
+    handle = Handle(row_pos, dest, rank, group, (tuple(levels), held_pos, row_src), plan)
     return tokens_out, row_weights, handle
 
 
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
-    send_token, _, row_src = handle.private
-    return _expand_rows(handle.plan, _all_to_all(handle.plan, _pack(send_token, g)), row_src)
+    levels, _, row_src = handle.private
+    held = g
+    for level, (send_item, _, _) in enumerate(levels):
+        held = _level_all_to_all(handle.plan, level, _pack(send_item, held))
+    return _expand_rows(handle.plan, held, row_src)
+
+
+def _reduce_level(plan: Plan, level: int, send_slot, partials, dtype):
+    """Per held item: its peers' partials [S * M, H] added in ascending peer order, in float32."""
+    size = plan.topology.level_sizes[level]
+    back = _level_all_to_all(plan, level, partials).reshape(size, -1, partials.shape[-1])
+
+    def add_partial(p, acc):
+        slot = send_slot[:, p]
+        part = back[p][jnp.maximum(slot, 0)].astype(jnp.float32)
+        return jnp.where((slot >= 0)[:, None], acc + part, acc)
+
+    zeros = jnp.zeros((send_slot.shape[0], partials.shape[-1]), jnp.float32)
+    zeros = compat.mark_varying(zeros, compat.varying_axes(back))
+    return jax.lax.fori_loop(0, size, add_partial, zeros).astype(dtype)
 
 
 def combine(handle: Handle, y, weights):
     plan = handle.plan
+    levels, held_pos, _ = handle.private
     rows = y.astype(jnp.float32)
     if weights is not None:
         # The barrier keeps XLA from contracting this multiply with the adds below into an FMA,
         # which the host kernels (built with -ffp-contract=off) do not do.
         rows = jax.lax.optimization_barrier(rows * weights[:, None])
     rows = _append_zero_row(rows)
-    acc = jnp.zeros((plan.num_ranks, plan.tokens, y.shape[1]), jnp.float32)
-    for kk in range(plan.k):  # destination: this rank's rows of each received token, k ascending
-        pos = handle.recv_row_pos[:, :, kk]
-        acc = jnp.where((pos >= 0)[..., None], acc + rows[jnp.where(pos >= 0, pos, plan.rows)], acc)
-    partials = _all_to_all(plan, acc.astype(y.dtype))  # [R (destination), T (slot), H]
-    _, send_slot, _ = handle.private
-
-    def add_partial(d, acc):  # source: partials in ascending destination rank
-        slot = send_slot[:, d]
-        part = partials[d][jnp.maximum(slot, 0)].astype(jnp.float32)
-        return jnp.where((slot >= 0)[:, None], acc + part, acc)
-
-    zeros = jnp.zeros((plan.tokens, y.shape[1]), jnp.float32)
-    zeros = compat.mark_varying(zeros, compat.varying_axes(partials))
-    out = jax.lax.fori_loop(0, plan.num_ranks, add_partial, zeros)
-    return out.astype(y.dtype)
+    acc = jnp.zeros((held_pos.shape[0], y.shape[1]), jnp.float32)
+    for kk in range(plan.k):  # this rank's rows of each held item, k ascending
+        pos = held_pos[:, kk]
+        acc = jnp.where((pos >= 0)[:, None], acc + rows[jnp.where(pos >= 0, pos, plan.rows)], acc)
+    partials = acc.astype(y.dtype)
+    for level in reversed(range(len(levels))):
+        partials = _reduce_level(plan, level, levels[level][1], partials, y.dtype)
+    return partials
 
 
 def return_row_values(handle: Handle, values):
     """[T, K] float32: values[row] sent back to the (t, k) each row came from; 0 elsewhere."""
     plan = handle.plan
-    pos = handle.recv_row_pos
-    per_slot = _append_zero_row(values)[jnp.where(pos >= 0, pos, plan.rows)]  # [R, T, K]
-    back = _all_to_all(plan, per_slot)  # [R (destination), T (slot), K]
-    _, send_slot, _ = handle.private
-    dest = jnp.maximum(handle.dest, 0)
-    slot = jnp.take_along_axis(send_slot, dest, axis=1)  # [T, K]
-    picked = back[dest, jnp.maximum(slot, 0), jnp.arange(plan.k)[None, :]]
-    return jnp.where(handle.row_pos >= 0, picked, 0.0)
+    levels, held_pos, _ = handle.private
+    per_item = _append_zero_row(values)[jnp.where(held_pos >= 0, held_pos, plan.rows)]
+    for level in reversed(range(len(levels))):
+        _, send_slot, held_dest = levels[level]
+        size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+        back = _level_all_to_all(plan, level, per_item).reshape(size, -1, plan.k)
+        coord = jnp.where(held_dest >= 0, (held_dest // stride) % size, 0)
+        slot = jnp.maximum(jnp.take_along_axis(send_slot, coord, axis=1), 0)
+        picked = back[coord, slot, jnp.arange(plan.k)[None, :]]
+        per_item = jnp.where(held_dest >= 0, picked, 0.0)
+    return per_item
