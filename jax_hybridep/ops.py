@@ -34,11 +34,15 @@ class DispatchStats:
       dropped: [] int32, this shard's valid rows dropped over capacity.
       invalid: [] int32, this shard's expert ids outside [-1, E).
       tokens_per_expert: [E] int32, rows routed to each expert over the EP group, before drops.
+      level_rows: [levels] int32, token copies this shard sent to other ranks at each level
+        (slow -> fast): the payload rows that crossed that level, each H x itemsize bytes
+        (`jax_hybridep.traffic.level_bytes`).
     """
 
     dropped: jax.Array
     invalid: jax.Array
     tokens_per_expert: jax.Array
+    level_rows: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +72,9 @@ class Dispatched:
 
 
 jax.tree_util.register_dataclass(
-    DispatchStats, data_fields=["dropped", "invalid", "tokens_per_expert"], meta_fields=[]
+    DispatchStats,
+    data_fields=["dropped", "invalid", "tokens_per_expert", "level_rows"],
+    meta_fields=[],
 )
 jax.tree_util.register_dataclass(
     Dispatched,
@@ -167,7 +173,8 @@ def dispatch(
     tokens, row_weights, handle = _dispatch_rows(
         plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, rank, group
     )
-    stats = DispatchStats(lay.dropped, lay.invalid, lay.tokens_per_expert)
+    level_rows = impl.level_rows(handle)
+    stats = DispatchStats(lay.dropped, lay.invalid, lay.tokens_per_expert, level_rows)
     return Dispatched(tokens, row_weights, lay.group_sizes, lay.row_pos >= 0, stats, handle)
 
 

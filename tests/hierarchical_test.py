@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_hybridep as hep
+from jax_hybridep import traffic
 from jax_hybridep.reference import dense_moe
 
 BACKENDS = ("xla",)
@@ -116,3 +117,34 @@ def test_random_routings(data, mesh_name):
     x, _, w, experts = _problem(9, n, num_experts, k)
     for backend in BACKENDS:
         _check(mesh_name, backend, x, idx, w, experts, grads=False)
+
+
+@pytest.mark.parametrize("mesh_name", ["node2_local4", "dc2_node2_local4"])
+def test_traffic_counts_one_copy_per_destination_group(mesh_name):
+    """Run-time level rows equal an independent count of (token, destination group) pairs and
+    never exceed flat per-(token, rank) sending; the program's all-to-alls move exactly the
+    padded per-level buffers."""
+    shape, names = MESHES[mesh_name]
+    ep = int(np.prod(shape))
+    num_experts, k = 2 * ep, 4
+    x, idx, w, experts = _problem(21, ep * T, num_experts, k)
+    hier, flat = _fns(mesh_name, "xla", num_experts)
+    _, (_, _, _, kept, stats) = hier(x, idx, w, experts)
+    topo = hep.Topology.from_mesh(make_mesh(shape, names), names)
+    per_expert = num_experts // ep
+    dest = np.where(np.asarray(kept).reshape(ep, T, k), idx.reshape(ep, T, k) // per_expert, -1)
+    rows = np.asarray(stats.level_rows).sum(axis=0)
+    np.testing.assert_array_equal(rows, traffic.routed_pairs(dest, topo))
+    np.testing.assert_array_equal(
+        traffic.level_bytes(rows, H, np.float32), traffic.routed_pairs(dest, topo) * H * 4
+    )
+    assert rows[0] <= traffic.flat_pairs(dest)
+    _, (_, _, _, _, flat_stats) = flat(x, idx, w, experts)
+    assert int(np.asarray(flat_stats.level_rows).sum()) == traffic.flat_pairs(dest)
+
+    hlo = hier.lower(x, idx, w, experts).compile().as_text()
+    moved = {
+        (groups, size) for kind, size, groups in traffic.all_to_all_bytes(hlo) if kind == "f32"
+    }
+    for level, size in zip(names, traffic.padded_level_bytes(topo, T, H, np.float32), strict=True):
+        assert any(level in groups and n == size for groups, n in moved), (level, size, moved)

@@ -119,6 +119,14 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     return tokens, row_weights, handle
 
 
+def level_rows(handle: Handle):
+    """[1] int32: token copies this shard sent to other ranks (one per (token, remote rank))."""
+    dest = handle.dest
+    ranks = jnp.arange(handle.plan.num_ranks)
+    to_rank = jnp.any(dest[:, :, None] == ranks, axis=1) & (ranks != handle.rank)  # [T, R]
+    return jnp.sum(to_rank, dtype=jnp.int32)[None]
+
+
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
     zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)

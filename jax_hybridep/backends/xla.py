@@ -186,6 +186,19 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     return tokens_out, row_weights, handle
 
 
+def level_rows(handle: Handle):
+    """[levels] int32: item copies this shard sent to other ranks at each level (the payload rows
+    that crossed that level's links; copies a rank keeps for itself do not count)."""
+    levels, _, _ = handle.private
+    sizes, strides = handle.plan.topology.level_sizes, handle.plan.topology.level_strides
+    counts = []
+    for (send_item, _, _), size, stride in zip(levels, sizes, strides, strict=True):
+        own = (handle.rank // stride) % size
+        to_others = (send_item >= 0) & (jnp.arange(size) != own)[:, None]
+        counts.append(jnp.sum(to_others, dtype=jnp.int32))
+    return jnp.stack(counts)
+
+
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
     levels, _, row_src = handle.private

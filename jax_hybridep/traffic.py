@@ -1,0 +1,91 @@
+"""Traffic accounting: what crosses each level, at run time and in the compiled program.
+
+* Run time: `Dispatched.stats.level_rows [levels]` counts, per shard, the token copies it sent to
+  other ranks at each level; `level_bytes` turns them into payload bytes.
+* Independent count: `routed_pairs` counts, from the routing alone, the (token, destination
+  group) pairs that must cross each level; summed over an EP group's shards, `level_rows` equals
+  it exactly (one copy per (token, destination group), DESIGN §2.1.1).
+* Program: `padded_level_bytes` is the payload a rank's static buffers move per level, and
+  `all_to_all_bytes` reads the all-to-all payload sizes out of compiled HLO text to check it.
+
+Host-side helpers on concrete values (numpy), not for use inside `jit`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from jax_hybridep.topology import Topology
+
+
+def level_bytes(level_rows, hidden: int, dtype) -> np.ndarray:
+    """Payload bytes per level: rows x hidden x itemsize (int64, exact)."""
+    return np.asarray(level_rows, np.int64) * hidden * np.dtype(dtype).itemsize
+
+
+def routed_pairs(dest, topology: Topology) -> np.ndarray:
+    """[levels] int64: copies that must cross each level for one EP group.
+
+    Args:
+      dest: [R, T, K] destination EP rank of each kept (source rank, t, k), -1 otherwise.
+      topology: the EP topology.
+
+    At level l a copy of token t travels to every distinct destination prefix (coordinates of
+    levels 0..l) whose level-l coordinate differs from the source's; a rank never sends to itself.
+    """
+    dest = np.asarray(dest)
+    num_ranks, tokens, _ = dest.shape
+    sizes, strides = topology.level_sizes, topology.level_strides
+    counts = np.zeros(len(sizes), np.int64)
+    for src in range(num_ranks):
+        for t in range(tokens):
+            ranks = {int(d) for d in dest[src, t] if d >= 0}
+            for level, (size, stride) in enumerate(zip(sizes, strides, strict=True)):
+                own = (src // stride) % size
+                prefixes = {d // stride for d in ranks if (d // stride) % size != own}
+                counts[level] += len(prefixes)
+    return counts
+
+
+def flat_pairs(dest) -> int:
+    """Copies flat EP sends: one per (token, destination rank other than the source)."""
+    dest = np.asarray(dest)
+    return sum(
+        len({int(d) for d in dest[src, t] if d >= 0 and d != src})
+        for src in range(dest.shape[0])
+        for t in range(dest.shape[1])
+    )
+
+
+def padded_level_bytes(topology: Topology, tokens: int, hidden: int, dtype) -> list[int]:
+    """Payload bytes one rank's static send buffer holds per level: S_l x M_l x H x itemsize,
+    with M_0 = T and M_{l+1} = S_l x M_l (every level is dropless)."""
+    out, held = [], tokens
+    for size in topology.level_sizes:
+        out.append(size * held * hidden * np.dtype(dtype).itemsize)
+        held *= size
+    return out
+
+
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "f64": 8, "s64": 8}
+_ALL_TO_ALL = re.compile(r"= \(?([^=]*?)\)? all-to-all\(.*?replica_groups=(\S+(?: \{[^}]*\})?)")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def all_to_all_bytes(hlo_text: str) -> list[tuple[str, int, str]]:
+    """Every all-to-all in compiled HLO text: (element type, result bytes, replica groups).
+
+    XLA may split one all-to-all into a tuple of per-peer operands; their bytes are summed.
+    """
+    out = []
+    for result, groups in _ALL_TO_ALL.findall(hlo_text):
+        arrays = _ARRAY.findall(result)
+        total = sum(
+            math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[kind]
+            for kind, dims in arrays
+        )
+        out.append((arrays[0][0], total, groups))
+    return out
