@@ -1,10 +1,10 @@
 """Inter-node traffic of hierarchical vs flat dispatch under DeepSeek-V3 routing.
 
 DeepSeek-V3's router (256 experts, top-8, experts grouped by node, each token limited to 4 of 8
-nodes) on a (node=8, local=8) mesh of 64 fake CPU devices (DeepSeek-V3: 8 GPUs a node), with scaled-down tokens. Counts, from
-the ops' own run-time stats, the token copies that cross the node level: hierarchical dispatch
-sends one per (token, destination node); flat EP sends one per (token, destination rank). Prints
-a markdown table (recorded in docs/benchmarks.md).
+nodes) on a (node=8, local=8) mesh of 64 fake CPU devices (8 GPUs a node, as DeepSeek-V3 ran),
+with scaled-down tokens. Counts, from the ops' own run-time stats, the token copies that cross the
+node level: hierarchical dispatch sends one per (token, destination node); flat EP sends one per
+(token, destination rank). Prints a markdown table (recorded in docs/benchmarks.md).
 
     python examples/traffic_report.py [--tokens=256] [--hidden=7168]
 """
