@@ -1,0 +1,98 @@
+"""Dispatch/combine over 2 processes x 4 CPU devices via jax.distributed (gloo); a dead peer.
+
+Every test launches tests/mp_worker.py twice (tests/mp_launch.py) on a (node=2, local=4) mesh,
+"node" being the process. One launch covers a dropless and a capacity case, values and gradients
+(x, topk_weights, expert weights) against the dense reference; the workers report JSON and both
+must exit 0. The dead-peer tests check that a process whose peer died abruptly is ended by the
+distributed runtime's heartbeat check within 60 s instead of hanging in a collective.
+"""
+
+import pytest
+from mp_launch import launch, tails
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+WORKER_TIMEOUT_S = 240
+DEAD_PEER_LIMIT_S = 60
+TOL_OUT, TOL_GRAD = 1e-5, 1e-4
+
+
+def _run_check(backend, levels):
+    procs = launch(
+        f"--backend={backend}", f"--levels={levels}", "--case=check", timeout_s=WORKER_TIMEOUT_S
+    )
+    assert [p.returncode for p in procs] == [0, 0], tails(procs)
+    results = [p.result for p in procs]
+    assert None not in results, tails(procs)
+    # Both hosts gathered the same global arrays and built the same reference.
+    assert results[0] == results[1], tails(procs)
+    assert results[0]["single_process"] is False  # the EP group really spans both processes
+    return results[0], procs
+
+
+def _assert_matches_dense(result, procs):
+    assert result["status"] == "ok", result.get("error")
+    for name, case in result["cases"].items():
+        msg = f"{name}: {case}\n{tails(procs)}"
+        assert case["err_out"] < TOL_OUT, msg
+        for grad in ("err_grad_x", "err_grad_weights", "err_grad_experts"):
+            assert case[grad] < TOL_GRAD, msg
+        assert case["kept_matches_model"], msg
+        assert case["dropped"] == case["dropped_model"], msg
+        assert case["invalid"] == case["invalid_model"], msg
+        assert case["no_expert_ids"] > 0, msg  # the routing did exercise "-1"
+    assert result["cases"]["dropless"]["dropped"] == 0
+    assert result["cases"]["dropless"]["invalid"] > 0
+    assert result["cases"]["capacity"]["dropped"] > 0
+
+
+@pytest.mark.parametrize("backend", ["xla", "auto"])
+def test_flat_group_over_two_processes(backend):
+    """One EP level over (node, local): xla runs; auto falls back to xla (no ffi custom call)."""
+    result, procs = _run_check(backend, "flat")
+    _assert_matches_dense(result, procs)
+    assert not any(case["ran_ffi"] for case in result["cases"].values())
+
+
+def test_ffi_refuses_a_flat_group_over_processes():
+    """Explicit ffi cannot connect devices of different processes: a trace-time ValueError."""
+    result, procs = _run_check("ffi", "flat")
+    assert result["status"] == "raised", result
+    assert "process" in result["error"], result["error"]
+
+
+@pytest.mark.parametrize("backend", ["xla", "auto"])
+def test_two_level_topology_over_two_processes(backend):
+    """Levels (node, local): node across processes, local inside one (xla composes the levels)."""
+    result, procs = _run_check(backend, "hier")
+    _assert_matches_dense(result, procs)
+    assert not any(case["ran_ffi"] for case in result["cases"].values())
+
+
+def test_ffi_refuses_a_two_level_topology_for_now():
+    """The ffi backend has no multi-level path yet: a clear trace-time ValueError, not a hang."""
+    result, procs = _run_check("ffi", "hier")
+    assert result["status"] == "raised", result
+    assert "multi-level" in result["error"], result["error"]
+
+
+@pytest.mark.parametrize("die", ["before", "during"])
+def test_dead_peer_ends_the_survivor(die):
+    """Process 1 os._exit()s before / inside a step; process 0, blocked in a collective, exits
+    non-zero within 60 s of the death (the heartbeat check aborts it; gloo alone would hang)."""
+    procs = launch(
+        "--backend=xla",
+        "--levels=flat",
+        "--case=dead_peer",
+        f"--die={die}",
+        timeout_s=WORKER_TIMEOUT_S // 2,
+    )
+    survivor, dead = procs
+    assert dead.returncode == 1, tails(procs)
+    assert f"dying {'mid-step' if die == 'during' else 'before the step'}" in dead.output
+    assert survivor.returncode is not None, f"process 0 hung until killed\n{tails(procs)}"
+    assert survivor.returncode != 0, tails(procs)
+    assert survivor.result is None, tails(procs)  # it never finished its steps
+    detection_s = survivor.exit_s - dead.exit_s
+    print(f"dead peer ({die}): process 0 exited rc={survivor.returncode} {detection_s:.1f} s later")
+    assert 0 <= detection_s < DEAD_PEER_LIMIT_S, tails(procs)
