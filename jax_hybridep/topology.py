@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,8 @@ class Topology:
       mesh_shape: all axis sizes of the mesh, in mesh order.
       single_process: whether every device of the mesh belongs to this process.
       platform: the devices' platform ("cpu", "gpu", ...).
+      level_local: per level, whether each rank's peers at that level (the ranks differing only in
+        that level's coordinate) live in its own process, so they can exchange by direct write.
     """
 
     levels: tuple[tuple[str, ...], ...]
@@ -32,6 +35,7 @@ class Topology:
     mesh_shape: tuple[int, ...]
     single_process: bool = True
     platform: str = "cpu"
+    level_local: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         if not self.levels or any(not level for level in self.levels):
@@ -60,14 +64,26 @@ class Topology:
         if isinstance(levels, str):
             levels = (levels,)
         norm = tuple((lvl,) if isinstance(lvl, str) else tuple(lvl) for lvl in levels)
-        devices = mesh.devices.flat
-        process = jax.process_index()
+        names = tuple(mesh.axis_names)
+        processes = np.vectorize(lambda d: d.process_index)(mesh.devices)
+        level_local = []
+        for level in norm:
+            if any(axis not in names for axis in level):
+                break  # __post_init__ reports the unknown axes
+            # Move the level's axes last: each row is then one group of level peers.
+            axes = [names.index(a) for a in level]
+            rest = [i for i in range(len(names)) if i not in axes]
+            groups = processes.transpose(rest + axes).reshape(
+                -1, math.prod(processes.shape[i] for i in axes)
+            )
+            level_local.append(bool(np.all(groups == groups[:, :1])))
         return cls(
             levels=norm,
-            mesh_axes=tuple(mesh.axis_names),
+            mesh_axes=names,
             mesh_shape=tuple(mesh.devices.shape),
-            single_process=all(d.process_index == process for d in devices),
+            single_process=bool(np.all(processes == jax.process_index())),
             platform=mesh.devices.flat[0].platform,
+            level_local=tuple(level_local) if len(level_local) == len(norm) else None,
         )
 
     @property

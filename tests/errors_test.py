@@ -171,21 +171,6 @@ def test_handle_from_another_topology_or_backend(ep4):
         hep.combine(jnp.ones((8, 4)), object())
 
 
-def test_ffi_across_processes_raises_and_auto_falls_back(ep4):
-    mesh, topo = ep4
-    multi = dataclasses.replace(topo, single_process=False)  # as Topology.from_mesh would see it
-    with pytest.raises(ValueError, match="EP group spans several processes"):
-        _run(
-            mesh,
-            _dispatch_tokens(multi, hep.DispatchConfig(num_experts=8, backend="ffi")),
-            X,
-            IDX,
-            W,
-        )
-    tokens = _run(mesh, _dispatch_tokens(multi, hep.DispatchConfig(num_experts=8)), X, IDX, W)
-    assert tokens.shape == (4 * 32, 4)
-
-
 def test_ffi_needs_every_mesh_axis_manual():
     mesh = make_mesh((2, 4), ("data", "ep"))
     topo = hep.Topology.from_mesh(mesh, ("ep",))

@@ -9,12 +9,10 @@ from jax_hybridep import _native
 
 def test_handlers_registered():
     targets = set(_native.module().cpu_registrations())
-    assert targets == {
-        "jax_hybridep_layout",
-        "jax_hybridep_dispatch",
-        "jax_hybridep_combine",
-        "jax_hybridep_return_row_values",
-    }
+    one_level = {"layout", "layout_gathered", "dispatch", "combine", "return_row_values"}
+    per_level = {"level_send", "level_pack", "expand_items", "item_partials",
+                 "blocks_all_to_all", "level_reduce", "level_pick"}  # fmt: skip
+    assert targets == {f"jax_hybridep_{name}" for name in one_level | per_level}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -1,4 +1,4 @@
-// XLA FFI handlers (platform Host) for one direct-write exchange level.
+// XLA FFI handlers (platform Host): layout, and dispatch/combine for one-level topologies.
 //
 // Every device of an EP group calls the same handler at the same time on its own thread; they meet
 // in a process-wide rendezvous (rendezvous.h) and write straight into each other's buffers. The
@@ -14,47 +14,13 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/exchange.h"
+#include "xla_ffi/ffi_support.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/rendezvous.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;
 namespace {
-
-ffi::Error ToError(const Status& status) {
-  switch (status.code) {
-    case Status::Code::kOk:
-      return ffi::Error::Success();
-    case Status::Code::kDeadlineExceeded:
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message);
-    case Status::Code::kFailedPrecondition:
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, status.message);
-    case Status::Code::kAborted:
-      break;
-  }
-  return ffi::Error(ffi::ErrorCode::kAborted, status.message);
-}
-
-ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
-  switch (type) {
-    case ffi::DataType::F32:
-      return Dtype::kF32;
-    case ffi::DataType::BF16:
-      return Dtype::kBF16;
-    case ffi::DataType::F16:
-      return Dtype::kF16;
-    default:
-      return ffi::Unexpected(ffi::Error::InvalidArgument(std::string("jax_hybridep: ") + what +
-                                                         " must be float32, bfloat16 or float16"));
-  }
-}
-
-ffi::Future Failed(ffi::Error error) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetError(std::move(error));
-  return future;
-}
 
 std::string FormatList(const std::vector<int64_t>& values) {
   std::ostringstream out;
@@ -64,39 +30,77 @@ std::string FormatList(const std::vector<int64_t>& values) {
   return out.str();
 }
 
-// Where this call meets its peers: (execution, call site, EP group, this rank).
-struct CallSite {
-  ffi::RunId run_id;
-  int64_t site;
-  int32_t group;
-  int32_t rank;
-  int64_t num_ranks;
-  int64_t timeout_ms;
+// The static layout attributes, copied: the attribute spans live in the executable, and the
+// layout may run after the handler returned.
+struct LayoutAttrs {
+  int64_t num_ranks, num_slots, capacity, rows, pad_multiple;
+  std::vector<int64_t> expert_rank, expert_slot;
+  bool strict;
 };
 
-CallSite MakeCallSite(ffi::RunId run_id, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                      int64_t site, int64_t num_ranks, int64_t timeout_ms) {
-  return {run_id, site, group.typed_data()[0], rank.typed_data()[0], num_ranks, timeout_ms};
+struct LayoutOutputs {
+  int32_t *row_pos, *group_sizes, *tokens_per_expert, *dropped, *invalid;
+};
+
+// Assigns every (t, k) of `rank` its row from the gathered counts [R, E + 1] (per expert, then the
+// invalid-id count), and fills the outputs; in strict mode, any drop or invalid id anywhere in the
+// group is an error (the same on every rank).
+Status ComputeLayout(const LayoutAttrs& attrs, const int32_t* topk_idx, int64_t tokens, int64_t k,
+                     int32_t rank, int32_t group, const int32_t* gathered,
+                     const LayoutOutputs& out) {
+  const int64_t num_ranks = attrs.num_ranks, num_slots = attrs.num_slots;
+  const int64_t num_experts = static_cast<int64_t>(attrs.expert_rank.size());
+  const Placement placement{attrs.expert_rank.data(), attrs.expert_slot.data(), num_experts,
+                            num_ranks, num_slots};
+  std::vector<int32_t> all_counts(num_ranks * num_experts);
+  std::vector<int64_t> invalid_per_rank(num_ranks);
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    std::copy_n(gathered + r * (num_experts + 1), num_experts,
+                all_counts.begin() + r * num_experts);
+    invalid_per_rank[r] = gathered[r * (num_experts + 1) + num_experts];
+  }
+  std::vector<int32_t> keep_limit(num_experts), group_offset(num_experts);
+  std::vector<int32_t> all_group_sizes(num_ranks * num_slots);
+  PlanGroups(all_counts.data(), placement,
+             CapacityPlan{attrs.capacity, attrs.rows, attrs.pad_multiple}, keep_limit.data(),
+             group_offset.data(), all_group_sizes.data(), out.tokens_per_expert);
+  out.dropped[0] =
+      static_cast<int32_t>(AssignRows(topk_idx, tokens, k, rank, all_counts.data(), placement,
+                                      keep_limit.data(), group_offset.data(), out.row_pos));
+  std::copy_n(all_group_sizes.begin() + rank * num_slots, num_slots, out.group_sizes);
+  out.invalid[0] = static_cast<int32_t>(invalid_per_rank[rank]);
+  if (!attrs.strict) return Status::Ok();
+  std::vector<int64_t> dropped_per_rank(num_ranks);
+  DroppedPerSource(all_counts.data(), num_ranks, num_experts, keep_limit.data(),
+                   dropped_per_rank.data());
+  int64_t total_dropped = 0, total_invalid = 0;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    total_dropped += dropped_per_rank[r];
+    total_invalid += invalid_per_rank[r];
+  }
+  if (total_dropped + total_invalid == 0) return Status::Ok();
+  // Must match jax_hybridep/errors.py:strict_mode_message word for word.
+  std::ostringstream msg;
+  msg << "jax_hybridep strict mode: " << total_dropped << " row(s) dropped over capacity and "
+      << total_invalid << " invalid expert id(s) in EP group " << group << "; dropped per EP rank "
+      << FormatList(dropped_per_rank) << ", invalid per EP rank " << FormatList(invalid_per_rank);
+  return Status{Status::Code::kFailedPrecondition, msg.str()};
 }
 
-// Joins the exchange; the returned future completes when this rank's read step has run. The
-// handler returns at once, so a device thread never waits for its peers (see rendezvous.h).
-ffi::Future Exchange(const char* name, const CallSite& call, Participant participant) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  participant.done = [promise](const Status& status) mutable {
-    if (status.ok()) {
-      promise.SetAvailable();
-    } else {
-      promise.SetError(ToError(status));
-    }
-  };
-  JoinExchange(name, call.run_id.run_id, call.site, call.group, call.rank, call.num_ranks,
-               std::chrono::milliseconds(call.timeout_ms), std::move(participant));
-  return future;
+LayoutAttrs MakeLayoutAttrs(int64_t num_ranks, int64_t num_slots, int64_t capacity, int64_t rows,
+                            int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
+                            ffi::Span<const int64_t> expert_slot, bool strict) {
+  return {num_ranks,
+          num_slots,
+          capacity,
+          rows,
+          pad_multiple,
+          std::vector<int64_t>(expert_rank.begin(), expert_rank.end()),
+          std::vector<int64_t>(expert_slot.begin(), expert_slot.end()),
+          strict};
 }
 
-// Layout: all-gather per-(source rank, expert) counts, then assign every (t, k) its row.
+// Layout: all-gather per-(source rank, expert) counts through the rendezvous, then assign rows.
 ffi::Future LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
                        ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
                        int64_t num_ranks, int64_t num_slots, int64_t capacity, int64_t rows,
@@ -107,15 +111,14 @@ ffi::Future LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
                        ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::S32> invalid) {
   const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t tokens = topk_idx.dimensions()[0], k = topk_idx.dimensions()[1];
-  const int64_t num_experts = static_cast<int64_t>(expert_rank.size());
-  // The attribute spans live in the executable; copy them, the steps may run after we return.
-  auto rank_of = std::make_shared<std::vector<int64_t>>(expert_rank.begin(), expert_rank.end());
-  auto slot_of = std::make_shared<std::vector<int64_t>>(expert_slot.begin(), expert_slot.end());
+  auto attrs = std::make_shared<LayoutAttrs>(MakeLayoutAttrs(
+      num_ranks, num_slots, capacity, rows, pad_multiple, expert_rank, expert_slot, strict));
+  const int64_t num_experts = static_cast<int64_t>(attrs->expert_rank.size());
   // This rank's counts, E per-expert entries then the invalid-id count; peers read them all.
   auto counts = std::make_shared<std::vector<int32_t>>(num_experts + 1);
   (*counts)[num_experts] = static_cast<int32_t>(
       CountRows(topk_idx.typed_data(), tokens, k, num_experts, counts->data()));
-  auto gathered = std::make_shared<std::vector<std::vector<int32_t>>>(num_ranks);
+  auto gathered = std::make_shared<std::vector<int32_t>>(num_ranks * (num_experts + 1));
 
   Participant p;
   p.published = {counts->data()};
@@ -123,48 +126,34 @@ ffi::Future LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
     // Reading peers' counts here is safe: every rank's counts stay alive until all read steps.
     for (size_t r = 0; r < peers.size(); ++r) {
       const int32_t* theirs = static_cast<const int32_t*>(peers[r][0]);
-      (*gathered)[r].assign(theirs, theirs + num_experts + 1);
+      std::copy_n(theirs, num_experts + 1, gathered->begin() + r * (num_experts + 1));
     }
   };
-  p.read = [=, idx = topk_idx.typed_data(), row_pos = row_pos->typed_data(),
-            group_sizes = group_sizes->typed_data(),
-            tokens_per_expert = tokens_per_expert->typed_data(), dropped = dropped->typed_data(),
-            invalid = invalid->typed_data()]() -> Status {
-    const Placement placement{rank_of->data(), slot_of->data(), num_experts, num_ranks, num_slots};
-    std::vector<int32_t> all_counts(num_ranks * num_experts);
-    std::vector<int64_t> invalid_per_rank(num_ranks);
-    for (int64_t r = 0; r < num_ranks; ++r) {
-      std::copy_n((*gathered)[r].begin(), num_experts, all_counts.begin() + r * num_experts);
-      invalid_per_rank[r] = (*gathered)[r][num_experts];
-    }
-    std::vector<int32_t> keep_limit(num_experts), group_offset(num_experts);
-    std::vector<int32_t> all_group_sizes(num_ranks * num_slots);
-    PlanGroups(all_counts.data(), placement, CapacityPlan{capacity, rows, pad_multiple},
-               keep_limit.data(), group_offset.data(), all_group_sizes.data(), tokens_per_expert);
-    dropped[0] =
-        static_cast<int32_t>(AssignRows(idx, tokens, k, call.rank, all_counts.data(), placement,
-                                        keep_limit.data(), group_offset.data(), row_pos));
-    std::copy_n(all_group_sizes.begin() + call.rank * num_slots, num_slots, group_sizes);
-    invalid[0] = static_cast<int32_t>(invalid_per_rank[call.rank]);
-    if (!strict) return Status::Ok();
-    std::vector<int64_t> dropped_per_rank(num_ranks);
-    DroppedPerSource(all_counts.data(), num_ranks, num_experts, keep_limit.data(),
-                     dropped_per_rank.data());
-    int64_t total_dropped = 0, total_invalid = 0;
-    for (int64_t r = 0; r < num_ranks; ++r) {
-      total_dropped += dropped_per_rank[r];
-      total_invalid += invalid_per_rank[r];
-    }
-    if (total_dropped + total_invalid == 0) return Status::Ok();
-    // Must match jax_hybridep/errors.py:strict_mode_message word for word.
-    std::ostringstream msg;
-    msg << "jax_hybridep strict mode: " << total_dropped << " row(s) dropped over capacity and "
-        << total_invalid << " invalid expert id(s) in EP group " << call.group
-        << "; dropped per EP rank " << FormatList(dropped_per_rank) << ", invalid per EP rank "
-        << FormatList(invalid_per_rank);
-    return Status{Status::Code::kFailedPrecondition, msg.str()};
+  const LayoutOutputs out{row_pos->typed_data(), group_sizes->typed_data(),
+                          tokens_per_expert->typed_data(), dropped->typed_data(),
+                          invalid->typed_data()};
+  p.read = [=, idx = topk_idx.typed_data()]() {
+    return ComputeLayout(*attrs, idx, tokens, k, call.rank, call.group, gathered->data(), out);
   };
   return Exchange("layout", call, std::move(p));
+}
+
+// Layout from counts already all-gathered by an XLA collective (EP groups across processes).
+ffi::Error LayoutGatheredImpl(
+    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> gathered, ffi::Buffer<ffi::S32> rank,
+    ffi::Buffer<ffi::S32> group, int64_t num_ranks, int64_t num_slots, int64_t capacity,
+    int64_t rows, int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
+    ffi::Span<const int64_t> expert_slot, bool strict, ffi::ResultBuffer<ffi::S32> row_pos,
+    ffi::ResultBuffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::S32> tokens_per_expert,
+    ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::S32> invalid) {
+  const LayoutAttrs attrs = MakeLayoutAttrs(num_ranks, num_slots, capacity, rows, pad_multiple,
+                                            expert_rank, expert_slot, strict);
+  const LayoutOutputs out{row_pos->typed_data(), group_sizes->typed_data(),
+                          tokens_per_expert->typed_data(), dropped->typed_data(),
+                          invalid->typed_data()};
+  return ToError(ComputeLayout(attrs, topk_idx.typed_data(), topk_idx.dimensions()[0],
+                               topk_idx.dimensions()[1], rank.typed_data()[0],
+                               group.typed_data()[0], gathered.typed_data(), out));
 }
 
 // Dispatch: one copy per (token, destination rank) into the destination's receive buffer, then
@@ -294,6 +283,26 @@ XLA_FFI_DEFINE_HANDLER(kLayout, LayoutImpl,
                            .Ret<ffi::Buffer<ffi::S32>>()    // dropped []
                            .Ret<ffi::Buffer<ffi::S32>>());  // invalid []
 
+XLA_FFI_DEFINE_HANDLER(kLayoutGathered, LayoutGatheredImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // gathered counts [R, E + 1]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                           .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("num_slots")
+                           .Attr<int64_t>("capacity")
+                           .Attr<int64_t>("rows")
+                           .Attr<int64_t>("pad_multiple")
+                           .Attr<ffi::Span<const int64_t>>("expert_rank")
+                           .Attr<ffi::Span<const int64_t>>("expert_slot")
+                           .Attr<bool>("strict")
+                           .Ret<ffi::Buffer<ffi::S32>>()    // row_pos [T, K]
+                           .Ret<ffi::Buffer<ffi::S32>>()    // group_sizes [E_local]
+                           .Ret<ffi::Buffer<ffi::S32>>()    // tokens_per_expert [E]
+                           .Ret<ffi::Buffer<ffi::S32>>()    // dropped []
+                           .Ret<ffi::Buffer<ffi::S32>>());  // invalid []
+
 XLA_FFI_DEFINE_HANDLER(kDispatch, DispatchImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::RunId>()
@@ -341,12 +350,15 @@ XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
                            .Ret<ffi::Buffer<ffi::F32>>());  // out [T, K]
 
 std::vector<HandlerEntry> CpuHandlers() {
-  return {
+  std::vector<HandlerEntry> handlers = {
       {"jax_hybridep_layout", kLayout},
+      {"jax_hybridep_layout_gathered", kLayoutGathered},
       {"jax_hybridep_dispatch", kDispatch},
       {"jax_hybridep_combine", kCombine},
       {"jax_hybridep_return_row_values", kReturnRowValues},
   };
+  for (const HandlerEntry& entry : CpuLevelHandlers()) handlers.push_back(entry);
+  return handlers;
 }
 
 }  // namespace jax_hybridep

@@ -13,7 +13,10 @@ struct HandlerEntry {
   XLA_FFI_Handler* handler;
 };
 
+// Every host handler: the one-level ones (cpu_handlers.cc) and the per-level steps of multi-level
+// topologies (cpu_level_handlers.cc).
 std::vector<HandlerEntry> CpuHandlers();
+std::vector<HandlerEntry> CpuLevelHandlers();
 
 }  // namespace jax_hybridep
 

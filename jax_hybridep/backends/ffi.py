@@ -1,9 +1,12 @@
-"""The `ffi` backend: XLA FFI custom calls with C++ host handlers (xla_ffi/cpu_handlers.cc).
+"""The `ffi` backend: XLA FFI custom calls with C++ host handlers (xla_ffi/cpu_*handlers.cc).
 
-Per shard, inside `jax.shard_map`. The fast level uses the direct-write transport: the ranks of an
-EP group meet in a process-wide rendezvous (keyed by execution, call site, EP group and
-generation; DESIGN §2.1.7) and each writes straight into its peers' receive buffers. The EP rank
-and group id are operands, so the handlers never guess them from device ordinals.
+Per shard, inside `jax.shard_map`. Levels whose ranks share a process use the direct-write
+transport: the ranks meet in a process-wide rendezvous (keyed by execution, call site, group and
+generation; DESIGN §2.1.7) and each writes straight into its peers' buffers. Levels that cross
+processes pack with a custom call and exchange with an XLA all-to-all. A one-level topology in one
+process takes the fused path (one custom call per direction); every other topology composes the
+per-level steps in the same order as the `xla` backend, so both agree bitwise. The EP rank and
+group ids are operands, so the handlers never guess them from device ordinals.
 """
 
 from __future__ import annotations
@@ -37,13 +40,6 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
             f"this build has no '{plan_topology.platform}' handlers for the ffi backend "
             f"(available: {PLATFORMS})"
         )
-    if len(plan_topology.levels) > 1:
-        return "multi-level topologies run on the xla backend only, for now"
-    if not plan_topology.single_process:
-        return (
-            "the EP group spans several processes; the ffi direct-write transport only connects "
-            "devices of one process"
-        )
     unmanaged = [a for a in plan_topology.group_axes if a not in manual_axes]
     if unmanaged:
         return (
@@ -54,14 +50,15 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
     return None
 
 
-def _call(name, out_types, *args, like, plan: Plan, **attrs):
-    results = jax.ffi.ffi_call(f"jax_hybridep_{name}", out_types)(
-        *args,
-        site=np.int64(next(_sites)),
-        num_ranks=np.int64(plan.num_ranks),
-        timeout_ms=np.int64(round(plan.config.resolved_timeout_s * 1000)),
-        **attrs,
-    )
+def _call(name, out_types, *args, like, plan: Plan, exchange=True, **attrs):
+    """One custom call; an exchange also gets its call site, group size and timeout."""
+    if exchange:
+        attrs = dict(
+            site=np.int64(next(_sites)),
+            timeout_ms=np.int64(round(plan.config.resolved_timeout_s * 1000)),
+            **{"num_ranks": np.int64(plan.num_ranks), **attrs},
+        )
+    results = jax.ffi.ffi_call(f"jax_hybridep_{name}", out_types)(*args, **attrs)
     # FFI results come back typed as not varying over the manual axes; they vary like the
     # inputs and across the EP group.
     axes = set(plan.topology.ep_axes) | set(plan.topology.group_axes)
@@ -75,15 +72,10 @@ def _i32(shape):
     return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
-def layout(plan: Plan, topk_idx, rank, group) -> Layout:
+def _layout_attrs(plan: Plan):
     config = plan.config
-    row_pos, group_sizes, tokens_per_expert, dropped, invalid = _call(
-        "layout",
-        (_i32(topk_idx.shape), _i32((plan.num_slots,)), _i32((plan.num_experts,)), _i32(()),
-         _i32(())),
-        topk_idx, rank, group,
-        like=(topk_idx,),
-        plan=plan,
+    return dict(
+        num_ranks=np.int64(plan.num_ranks),
         num_slots=np.int64(plan.num_slots),
         capacity=np.int64(-1 if plan.capacity is None else plan.capacity),
         rows=np.int64(plan.rows),
@@ -91,8 +83,35 @@ def layout(plan: Plan, topk_idx, rank, group) -> Layout:
         expert_rank=np.asarray(plan.expert_rank, np.int64),
         expert_slot=np.asarray(plan.expert_slot, np.int64),
         strict=np.bool_(config.strict),
-    )  # fmt: skip
-    return Layout(row_pos, group_sizes, tokens_per_expert, dropped, invalid)
+    )
+
+
+def layout(plan: Plan, topk_idx, rank, group) -> Layout:
+    out_types = (_i32(topk_idx.shape), _i32((plan.num_slots,)), _i32((plan.num_experts,)),
+                 _i32(()), _i32(()))  # fmt: skip
+    if plan.topology.single_process:  # counts all-gathered through the rendezvous
+        outs = _call("layout", out_types, topk_idx, rank, group, like=(topk_idx,), plan=plan,
+                     **_layout_attrs(plan))  # fmt: skip
+    else:  # counts all-gathered by an XLA collective across the processes
+        num_experts = plan.num_experts
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        expert = jnp.where(valid, topk_idx, num_experts).reshape(-1)
+        counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert].add(1)[:num_experts]
+        invalid = jnp.sum((topk_idx != -1) & ~valid, dtype=jnp.int32)
+        gathered = jax.lax.all_gather(jnp.concatenate([counts, invalid[None]]),
+                                      plan.topology.ep_axes)  # fmt: skip
+        outs = _call("layout_gathered", out_types, topk_idx, gathered, rank, group,
+                     like=(topk_idx, gathered), plan=plan, exchange=False,
+                     **_layout_attrs(plan))  # fmt: skip
+    return Layout(*outs)
+
+
+def _fused(plan: Plan) -> bool:
+    """One level inside one process: the fused one-call-per-direction path."""
+    return len(plan.topology.levels) == 1 and plan.topology.level_local[0]
+
+
+# ----------------------------------------------------------------------------- fused (one level)
 
 
 def _send(plan: Plan, x, weights, row_pos, dest, rank, group):
@@ -111,35 +130,9 @@ def _send(plan: Plan, x, weights, row_pos, dest, rank, group):
     )  # fmt: skip
 
 
-def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
-    tokens, row_weights, recv_row_pos, recv_token = _send(
-        plan, x, weights, row_pos, dest, rank, group
-    )
-    handle = Handle(row_pos, dest, rank, group, (recv_row_pos, recv_token), plan)
-    return tokens, row_weights, handle
-
-
-def level_rows(handle: Handle):
-    """[1] int32: token copies this shard sent to other ranks (one per (token, remote rank))."""
-    dest = handle.dest
-    ranks = jnp.arange(handle.plan.num_ranks)
-    to_rank = jnp.any(dest[:, :, None] == ranks, axis=1) & (ranks != handle.rank)  # [T, R]
-    return jnp.sum(to_rank, dtype=jnp.int32)[None]
-
-
-def redispatch(handle: Handle, g):
-    """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
-    zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)
-    rows, *_ = _send(handle.plan, g, zeros, handle.row_pos, handle.dest, handle.rank, handle.group)
-    return rows
-
-
-def combine(handle: Handle, y, weights):
+def _fused_combine(handle: Handle, y, weights, weighted):
     plan = handle.plan
     recv_row_pos, recv_token = handle.private
-    weighted = weights is not None
-    if not weighted:
-        weights = jnp.zeros((plan.rows,), jnp.float32)  # ignored by the handler
     return _call(
         "combine",
         jax.ShapeDtypeStruct((plan.tokens, y.shape[1]), y.dtype),
@@ -150,8 +143,7 @@ def combine(handle: Handle, y, weights):
     )  # fmt: skip
 
 
-def return_row_values(handle: Handle, values):
-    """[T, K] float32: values[row] sent back to the (t, k) each row came from; 0 elsewhere."""
+def _fused_return_row_values(handle: Handle, values):
     plan = handle.plan
     recv_row_pos, recv_token = handle.private
     return _call(
@@ -161,3 +153,173 @@ def return_row_values(handle: Handle, values):
         like=(values, recv_row_pos),
         plan=plan,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- level by level
+#
+# The same walk as the xla backend (see its module): per level, each held item goes once to every
+# peer holding one of its rows; the last level expands into rows; combine returns partials level
+# by level and each sender adds its peers' in ascending order.
+
+
+def _level_peer(plan: Plan, level: int, rank, group):
+    """This rank's coordinate in the level and an id of its level group (for the rendezvous)."""
+    size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+    coord = (rank // stride) % size
+    return coord, group * plan.num_ranks + (rank - coord * stride)
+
+
+def _level_exchange(plan: Plan, level: int, data, rank, group):
+    """All-to-all of [S * n, ...] over one level: direct write in-process, else XLA's."""
+    if not plan.topology.level_local[level]:
+        return jax.lax.all_to_all(data, plan.topology.levels[level], 0, 0, tiled=True)
+    coord, level_group = _level_peer(plan, level, rank, group)
+    size = plan.topology.level_sizes[level]
+    return _call("blocks_all_to_all", jax.ShapeDtypeStruct(data.shape, data.dtype), data, coord,
+                 level_group, like=(data,), plan=plan, num_ranks=np.int64(size))  # fmt: skip
+
+
+def _send_level(plan: Plan, level: int, held, rank, group):
+    """(next level's items, send_slot [M, S]) for held items (rows, dest, pos, weights)."""
+    rows, dest = held[0], held[1]
+    size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+    items, k = dest.shape
+    out_types = (
+        jax.ShapeDtypeStruct((size * items, rows.shape[1]), rows.dtype),
+        _i32((size * items, k)),
+        _i32((size * items, k)),
+        jax.ShapeDtypeStruct((size * items, k), jnp.float32),
+        _i32((items, size)),
+    )
+    attrs = dict(num_ranks=np.int64(size), stride=np.int64(stride))
+    if plan.topology.level_local[level]:
+        coord, level_group = _level_peer(plan, level, rank, group)
+        *nxt, send_slot = _call("level_send", out_types, *held, coord, level_group, like=held,
+                                plan=plan, **attrs)  # fmt: skip
+        return tuple(nxt), send_slot
+    *packed, send_slot = _call("level_pack", out_types, *held, like=held, plan=plan,
+                               exchange=False, **attrs)  # fmt: skip
+    axes = plan.topology.levels[level]
+    return tuple(jax.lax.all_to_all(a, axes, 0, 0, tiled=True) for a in packed), send_slot
+
+
+def _walk_levels(plan: Plan, held, rank, group):
+    """Sends held items through every level; returns the last items and per-level records."""
+    levels = []  # per level: (send_slot, held_dest, held_pos)
+    for level in range(len(plan.topology.levels)):
+        nxt, send_slot = _send_level(plan, level, held, rank, group)
+        levels.append((send_slot, held[1], held[2]))
+        held = nxt
+    return held, tuple(levels)
+
+
+def _expand(plan: Plan, held):
+    rows, _, pos, weights = held
+    return _call(
+        "expand_items",
+        (jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype),
+         jax.ShapeDtypeStruct((plan.rows,), jnp.float32)),
+        rows, pos, weights, like=(rows, pos), plan=plan, exchange=False,
+    )  # fmt: skip
+
+
+def _levels_redispatch(handle: Handle, g):
+    levels, held_pos = handle.private
+    plan, held = handle.plan, g
+    for level, (_, dest, pos) in enumerate(levels):
+        zeros = jnp.zeros(dest.shape, jnp.float32)
+        (held, *_), _ = _send_level(plan, level, (held, dest, pos, zeros), handle.rank,
+                                    handle.group)  # fmt: skip
+    return _expand(plan, (held, None, held_pos, jnp.zeros(held_pos.shape, jnp.float32)))[0]
+
+
+def _levels_combine(handle: Handle, y, weights, weighted):
+    plan = handle.plan
+    levels, held_pos = handle.private
+    partials = _call(
+        "item_partials",
+        jax.ShapeDtypeStruct((held_pos.shape[0], y.shape[1]), y.dtype),
+        y, weights, held_pos, like=(y, held_pos), plan=plan, exchange=False,
+        weighted=np.bool_(weighted),
+    )  # fmt: skip
+    for level in reversed(range(len(levels))):
+        send_slot = levels[level][0]
+        back = _level_exchange(plan, level, partials, handle.rank, handle.group)
+        partials = _call(
+            "level_reduce",
+            jax.ShapeDtypeStruct((send_slot.shape[0], y.shape[1]), y.dtype),
+            back, send_slot, like=(back, send_slot), plan=plan, exchange=False,
+        )  # fmt: skip
+    return partials
+
+
+def _levels_return_row_values(handle: Handle, values):
+    plan = handle.plan
+    levels, held_pos = handle.private
+    per_item = jnp.where(held_pos >= 0, jnp.append(values, 0.0)[held_pos], 0.0)
+    for level in reversed(range(len(levels))):
+        send_slot, held_dest, _ = levels[level]
+        back = _level_exchange(plan, level, per_item, handle.rank, handle.group)
+        per_item = _call(
+            "level_pick",
+            jax.ShapeDtypeStruct(held_dest.shape, jnp.float32),
+            back, send_slot, held_dest, like=(back, held_dest), plan=plan, exchange=False,
+            stride=np.int64(plan.topology.level_strides[level]),
+        )  # fmt: skip
+    return per_item
+
+
+# ----------------------------------------------------------------------------- backend interface
+
+
+def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
+    if _fused(plan):
+        tokens, row_weights, recv_row_pos, recv_token = _send(
+            plan, x, weights, row_pos, dest, rank, group
+        )
+        return tokens, row_weights, Handle(row_pos, dest, rank, group,
+                                           (recv_row_pos, recv_token), plan)  # fmt: skip
+    held, levels = _walk_levels(plan, (x, dest, row_pos, weights), rank, group)
+    tokens, row_weights = _expand(plan, held)
+    return tokens, row_weights, Handle(row_pos, dest, rank, group, (levels, held[2]), plan)
+
+
+def level_rows(handle: Handle):
+    """[levels] int32: item copies this shard sent to other ranks at each level."""
+    plan = handle.plan
+    if _fused(plan):  # one copy per (token, remote rank)
+        ranks = jnp.arange(plan.num_ranks)
+        to_rank = jnp.any(handle.dest[:, :, None] == ranks, axis=1) & (ranks != handle.rank)
+        return jnp.sum(to_rank, dtype=jnp.int32)[None]
+    levels, _ = handle.private
+    counts = []
+    for level, (send_slot, _, _) in enumerate(levels):
+        size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+        own = (handle.rank // stride) % size
+        counts.append(jnp.sum((send_slot >= 0) & (jnp.arange(size) != own), dtype=jnp.int32))
+    return jnp.stack(counts)
+
+
+def redispatch(handle: Handle, g):
+    """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
+    if not _fused(handle.plan):
+        return _levels_redispatch(handle, g)
+    zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)
+    rows, *_ = _send(handle.plan, g, zeros, handle.row_pos, handle.dest, handle.rank, handle.group)
+    return rows
+
+
+def combine(handle: Handle, y, weights):
+    weighted = weights is not None
+    if not weighted:
+        weights = jnp.zeros((handle.plan.rows,), jnp.float32)  # ignored by the handlers
+    if _fused(handle.plan):
+        return _fused_combine(handle, y, weights, weighted)
+    return _levels_combine(handle, y, weights, weighted)
+
+
+def return_row_values(handle: Handle, values):
+    """[T, K] float32: values[row] sent back to the (t, k) each row came from; 0 elsewhere."""
+    if _fused(handle.plan):
+        return _fused_return_row_values(handle, values)
+    return _levels_return_row_values(handle, values)

@@ -1,0 +1,120 @@
+#include "xla_ffi/levels.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace jax_hybridep {
+
+void ClearItems(const LevelShape& shape, int64_t count, const LevelItems& items) {
+  std::memset(items.rows, 0, count * shape.row_bytes);
+  std::fill(items.dest, items.dest + count * shape.k, -1);
+  std::fill(items.pos, items.pos + count * shape.k, -1);
+  std::fill(items.weights, items.weights + count * shape.k, 0.0f);
+}
+
+void SendLevel(const LevelShape& shape, const LevelItems& held, const LevelItems* const* out,
+               const int64_t* base, int32_t* send_slot) {
+  const int64_t S = shape.size, K = shape.k;
+  std::vector<int64_t> next(S, 0);
+  std::vector<int64_t> peer_of(K);
+  for (int64_t m = 0; m < shape.items; ++m) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t d = held.dest[m * K + j];
+      peer_of[j] = d >= 0 ? (d / shape.stride) % S : -1;
+    }
+    for (int64_t p = 0; p < S; ++p) {
+      send_slot[m * S + p] = -1;
+      if (std::find(peer_of.begin(), peer_of.end(), p) == peer_of.end()) continue;
+      const int64_t j_slot = next[p]++;
+      send_slot[m * S + p] = static_cast<int32_t>(j_slot);
+      const LevelItems& dst = *out[p];
+      const int64_t slot = base[p] + j_slot;
+      std::memcpy(dst.rows + slot * shape.row_bytes, held.rows + m * shape.row_bytes,
+                  shape.row_bytes);
+      for (int64_t j = 0; j < K; ++j) {
+        const bool here = peer_of[j] == p;
+        dst.dest[slot * K + j] = here ? held.dest[m * K + j] : -1;
+        dst.pos[slot * K + j] = here ? held.pos[m * K + j] : -1;
+        dst.weights[slot * K + j] = here ? held.weights[m * K + j] : 0.0f;
+      }
+    }
+  }
+}
+
+void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows, char* out_rows,
+                 float* out_weights) {
+  std::memset(out_rows, 0, rows * shape.row_bytes);
+  std::fill(out_weights, out_weights + rows, 0.0f);
+  for (int64_t m = 0; m < shape.items; ++m) {
+    for (int64_t j = 0; j < shape.k; ++j) {
+      const int32_t row = items.pos[m * shape.k + j];
+      if (row < 0) continue;
+      std::memcpy(out_rows + row * shape.row_bytes, items.rows + m * shape.row_bytes,
+                  shape.row_bytes);
+      out_weights[row] = items.weights[m * shape.k + j];
+    }
+  }
+}
+
+void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, const char* y,
+                  const float* weights, const int32_t* pos, char* partials) {
+  const int64_t hidden = row_bytes / DtypeBytes(dtype);
+  std::vector<float> acc(hidden);
+  for (int64_t m = 0; m < items; ++m) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t row = pos[m * k + j];
+      if (row < 0) continue;
+      for (int64_t h = 0; h < hidden; ++h) {
+        float v = LoadAsFloat(y, row * hidden + h, dtype);
+        if (weights != nullptr) v = v * weights[row];
+        acc[h] = acc[h] + v;
+      }
+    }
+    char* out = partials + m * row_bytes;
+    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(out, h, acc[h], dtype);
+  }
+}
+
+void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* back, const int32_t* send_slot,
+                 char* out) {
+  const int64_t S = shape.size, M = shape.items;
+  const int64_t hidden = shape.row_bytes / DtypeBytes(dtype);
+  std::vector<float> acc(hidden);
+  for (int64_t m = 0; m < M; ++m) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t p = 0; p < S; ++p) {
+      const int32_t slot = send_slot[m * S + p];
+      if (slot < 0) continue;
+      const char* partial = back + (p * M + slot) * shape.row_bytes;
+      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + LoadAsFloat(partial, h, dtype);
+    }
+    char* row = out + m * shape.row_bytes;
+    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(row, h, acc[h], dtype);
+  }
+}
+
+void PickLevelValues(const LevelShape& shape, const float* back, const int32_t* send_slot,
+                     const int32_t* held_dest, float* out) {
+  const int64_t S = shape.size, M = shape.items, K = shape.k;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t d = held_dest[m * K + j];
+      out[m * K + j] = 0.0f;
+      if (d < 0) continue;
+      const int64_t p = (d / shape.stride) % S;
+      const int32_t slot = send_slot[m * S + p];
+      if (slot >= 0) out[m * K + j] = back[(p * M + slot) * K + j];
+    }
+  }
+}
+
+void WriteBlocks(int64_t size, int64_t block_bytes, int64_t coord, const char* src,
+                 char* const* peer_dst) {
+  for (int64_t p = 0; p < size; ++p) {
+    std::memcpy(peer_dst[p] + coord * block_bytes, src + p * block_bytes, block_bytes);
+  }
+}
+
+}  // namespace jax_hybridep
