@@ -139,6 +139,7 @@ def _block(mesh_shape, names, levels, backend, capacity_factor, shared, top_k=2,
         # all-reduce over "data" (fixed by the non-blocking host exchange, rendezvous.h).
         ((2, 4), ("data", "ep"), ("ep",), 4.0, False),
         ((2, 2), ("x", "y"), (("x", "y"),), None, False),
+        ((2, 2), ("node", "local"), ("node", "local"), 2.0, False),  # hierarchical topology
     ],
 )
 def test_block_matches_dense_moe(backend, mesh_shape, names, levels, capacity_factor, shared):
