@@ -157,13 +157,16 @@ class MoETransformer(nnx.Module):
 
 
 def make_mesh(spec: str | None, devices) -> tuple[jax.sharding.Mesh, hep.Topology]:
-    """Mesh and EP topology from "name=size,..." (e.g. "ep=8", "data=2,ep=4").
+    """Mesh and EP topology from "name=size,..." (e.g. "node=2,local=4", "ep=8", "data=2,ep=4").
 
     The mesh spans the first prod(sizes) devices, all axes `AxisType.Auto`; every axis except
-    "data" is an EP level (slow -> fast in the order given). None means "ep=<all devices>".
+    "data" is an EP level (slow -> fast in the order given). None means "ep=<all devices>" on
+    accelerators and "node=2,local=<devices/2>" (a two-level topology) for fake CPU devices.
     """
     if spec is None:
-        spec = f"ep={len(devices)}"
+        n = len(devices)
+        cpu = devices[0].platform == "cpu"
+        spec = f"node=2,local={n // 2}" if cpu and n >= 4 and n % 2 == 0 else f"ep={n}"
     try:
         pairs = [item.split("=") for item in spec.split(",")]
         names, sizes = [n.strip() for n, _ in pairs], [int(s) for _, s in pairs]

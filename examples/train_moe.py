@@ -4,8 +4,9 @@ A decoder-only transformer (`lm_model.py`) whose FFNs are `jax_hybridep.nn.MoEBl
 next-byte prediction on the Python standard library's own source (`lm_data.py`; nothing is
 downloaded). One `jax.jit`-compiled step does forward, backward (through dispatch/combine's VJPs)
 and an AdamW update with warmup + cosine decay and global-norm clipping. Runs on all local GPUs,
-or on 8 fake CPU devices when there are none; the mesh is given by --mesh ("ep=8",
-"data=2,ep=4", ...), and every axis except "data" belongs to the EP topology.
+or on 8 fake CPU devices when there are none; the mesh is given by --mesh ("node=2,local=4", the
+CPU default: a two-level topology; "ep=8"; "data=2,ep=4"; ...), and every axis except "data" is
+an EP level, slow -> fast.
 
     python examples/train_moe.py [--steps=500] [--mesh=data=2,ep=4] [--backend=xla] ...
     python examples/train_moe.py --resume --steps=1000  # continue from the saved checkpoint
@@ -53,7 +54,8 @@ class TrainConfig:
       steps: total optimizer steps (a resumed run continues up to this many).
       batch, seq_len: sequences per step and bytes per sequence.
       d_model, d_ff, layers, heads, experts, top_k: model sizes (see `lm_model.ModelConfig`).
-      mesh: mesh axis sizes, e.g. "ep=8" or "data=2,ep=4"; None means "ep=<all devices>".
+      mesh: mesh axis sizes, e.g. "node=2,local=4", "ep=8" or "data=2,ep=4"; None means
+        "node=2,local=<n/2>" on fake CPU devices and "ep=<all devices>" on accelerators.
       backend: dispatch/combine backend, "auto", "xla" or "ffi".
       capacity_factor: per-expert capacity factor; None or <= 0 means dropless.
       lr: peak learning rate of the warmup + cosine schedule.
@@ -146,7 +148,7 @@ def build_steps(graphdef, tx, state_shardings, replicated):
 
 def ran_backend(hlo_text: str) -> str:
     """Which dispatch backend a compiled program runs, read off its custom-call targets."""
-    if "jax_hybridep_dispatch" in hlo_text:
+    if "custom_call_target=\"jax_hybridep_" in hlo_text:
         return "ffi (XLA FFI custom calls jax_hybridep_*)"
     return "xla (jax.lax.all_to_all collectives)"
 
@@ -367,7 +369,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("experts", d.experts, "routed experts per layer")
     flags.DEFINE_integer("top_k", d.top_k, "experts per token")
     flags.DEFINE_string(
-        "mesh", None, "mesh axis sizes, e.g. 'ep=8' or 'data=2,ep=4' (default: ep=all)"
+        "mesh",
+        None,
+        "mesh axis sizes, e.g. 'node=2,local=4', 'ep=8' or 'data=2,ep=4' "
+        "(default: node=2,local=n/2 on CPU, ep=all on GPUs)",
     )
     flags.DEFINE_enum("backend", d.backend, ["auto", "xla", "ffi"], "dispatch/combine backend")
     flags.DEFINE_float(
