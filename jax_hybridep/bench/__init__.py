@@ -1,0 +1,8 @@
+"""Dispatch + combine benchmark: hybridep (ffi, xla; flat, hierarchical) against the ways JAX
+users write MoE token exchange today, on the devices present.
+
+`python -m jax_hybridep.bench --help`; in-process: `jax_hybridep.bench.main.benchmark(...)`.
+Modules: `workloads` (presets, routings), `baselines` (GShard, MaxText, worst-case all_to_all),
+`runner` (programs, timing, floor), `metrics` (bandwidth, bytes, ratios), `report` (table, JSON,
+PNG), `main` (CLI).
+"""

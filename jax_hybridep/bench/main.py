@@ -1,0 +1,186 @@
+"""The benchmark's command line and its in-process entry point `benchmark(...)`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+
+import jax
+
+import jax_hybridep as hep
+from jax_hybridep.bench import metrics, report, runner
+from jax_hybridep.bench.workloads import PRESETS, ROUTINGS, make_workload
+
+METHODS = ("hybridep", "gshard", "maxtext", "worst_case")
+
+
+def parse_capacities(text: str):
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        out.append(None if item in ("none", "dropless") else float(item))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_hybridep.bench",
+        description=(
+            "Time dispatch + combine (forward, forward + backward) of jax_hybridep against GShard, "
+            "MaxText and worst-case all_to_all baselines on the devices present (fake CPU devices "
+            "unless GPUs are present). Prints a table, writes JSON and a PNG."
+        ),
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="cpu",
+        help="sizes: tiny (CI smoke), cpu (2-core machines), hybridep (GPU only)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="devices to use (default: the preset's on CPU, all GPUs on GPU); on CPU "
+        "this many fake devices are created",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=2,
+        help="nodes of the hierarchical topology (node x local mesh)",
+    )
+    p.add_argument("--routings", default=",".join(ROUTINGS), help=f"subset of {ROUTINGS}")
+    p.add_argument(
+        "--capacities",
+        default="dropless,1.25,2.0",
+        help="comma list: 'dropless' and/or capacity factors",
+    )
+    p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {METHODS}")
+    p.add_argument("--backends", default="ffi,xla", help="hybridep backends")
+    p.add_argument("--topologies", default="flat,hierarchical")
+    p.add_argument("--directions", default="fwd,fwd+bwd")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls (median reported)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first")
+    p.add_argument("--json", default="bench.json", help="JSON output path ('' to skip)")
+    p.add_argument("--png", default="bench.png", help="PNG chart path ('' to skip)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _split(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def benchmark(
+    preset_name="tiny",
+    devices=None,
+    *,
+    routings=ROUTINGS,
+    capacities=(None, 1.25, 2.0),
+    methods=METHODS,
+    backends=("ffi", "xla"),
+    topologies=("flat", "hierarchical"),
+    directions=runner.DIRECTIONS,
+    repeats=None,
+    warmup=None,
+    nodes=2,
+    seed=0,
+    json_path=None,
+    png_path=None,
+    command=None,
+    log=print,
+) -> dict:
+    """Runs the benchmark on `devices` (default: the preset's count of `jax.devices()`)."""
+    preset = PRESETS[preset_name]
+    all_devices = jax.devices()
+    platform_name = all_devices[0].platform
+    if preset.gpu_only and platform_name != "gpu":
+        raise SystemExit(
+            f"preset {preset_name!r} (4096 tokens/rank, hidden 7168) is for GPUs only; this "
+            f"machine has {platform_name} devices. Use --preset=cpu or --preset=tiny."
+        )
+    if devices is None:
+        n = preset.devices if platform_name == "cpu" and preset.devices else len(all_devices)
+        devices = all_devices[:n]
+    devices = list(devices)
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    workloads = [make_workload(preset, len(devices), r, seed) for r in routings]
+    cases = runner.build_cases(capacities, methods, backends, topologies, platform_name == "gpu")
+    res = runner.run(
+        preset,
+        devices,
+        workloads,
+        cases,
+        directions=directions,
+        nodes=nodes,
+        repeats=repeats,
+        warmup=warmup,
+        log=log,
+    )
+    metrics.add_ratios(res["cases"], res["floors"])
+    doc = {
+        "environment": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "jax_version": jax.__version__,
+            "jax_hybridep_version": hep.__version__,
+            "python": platform.python_version(),
+            "platform": platform_name,
+            "num_devices": len(devices),
+            "devices": [str(d) for d in devices],
+            "command": command or " ".join(sys.argv),
+        },
+        "workload": {
+            "preset": preset.name,
+            "tokens_per_rank": preset.tokens,
+            "hidden": preset.hidden,
+            "experts": preset.experts(len(devices)),
+            "local_experts": preset.local_experts,
+            "top_k": preset.top_k,
+            "dtype": preset.dtype,
+            "ranks": len(devices),
+            "nodes": nodes,
+            "repeats": res["repeats"],
+            "warmup": res["warmup"],
+            "seed": seed,
+            "routings": list(routings),
+        },
+        "definitions": {"metrics": metrics.__doc__, "baselines": runner.baselines.__doc__},
+        "cases": res["cases"],
+        "floors": res["floors"],
+    }
+    if json_path:
+        report.write_json(doc, json_path)
+    if png_path:
+        report.write_png(doc, png_path)
+    return doc
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    doc = benchmark(
+        args.preset,
+        routings=_split(args.routings),
+        capacities=parse_capacities(args.capacities),
+        methods=_split(args.methods),
+        backends=_split(args.backends),
+        topologies=_split(args.topologies),
+        directions=_split(args.directions),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        nodes=args.nodes,
+        seed=args.seed,
+        json_path=args.json or None,
+        png_path=args.png or None,
+        command=" ".join(["python -m jax_hybridep.bench", *(argv or sys.argv[1:])]),
+    )
+    print(report.table(doc))
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {args.png}")
+    return doc

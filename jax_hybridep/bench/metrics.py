@@ -1,0 +1,139 @@
+"""Benchmark metrics: per-case rows, the floor, algorithm bandwidth and fair ratios.
+
+* Algorithm bandwidth (Hybrid-EP's definition): received unique tokens x H x dtype bytes / time,
+  where received unique tokens = (token, destination rank) pairs, self included, from the routing
+  (before drops, so every method of a routing gets the same numerator). A timed dispatch + combine
+  moves those bytes once each way, so it counts them twice (the harmonic mean of the per-op
+  bandwidths); forward + backward counts them four times.
+* Level bytes: payload one direction (dispatch; combine sends the same back), all ranks summed,
+  self excluded. hybridep: `stats.level_rows` measured in the run ("ep" for flat, "node"/"local"
+  for hierarchical) plus, for flat, the node/local split counted on the host from the routing.
+  Dense baselines: their whole padded buffers ((R - L) / R of each rank's buffer crosses nodes,
+  (L - 1) / R stays inside); MaxText with real ragged_all_to_all: its ×top-k expanded rows.
+* Fair ratios: `ratio_to_best_baseline` = the best baseline's median / this case's median (> 1 is
+  faster) within the same routing, direction and capacity setting: dropless against the dropless
+  baselines (worst-case buffers, MaxText worst-case factor), capacity f against GShard at the same
+  f. `ratio_to_floor` = median / floor median (>= 1; how far from one copy of the bytes).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_hybridep.bench import baselines
+
+
+def _itemsize(preset) -> int:
+    return jnp.dtype(preset.dtype).itemsize
+
+
+def passes(direction: str) -> int:
+    return 2 if direction == "fwd" else 4
+
+
+def case_row(
+    case,
+    direction,
+    wl,
+    preset,
+    *,
+    nodes,
+    median,
+    times,
+    dropped,
+    level_rows,
+    axes,
+    recv_rows,
+    memory,
+    err,
+    compile_s,
+) -> dict:
+    h, b = preset.hidden, _itemsize(preset)
+    ranks, t, k = wl.ranks, wl.tokens, preset.top_k
+    received = wl.received_tokens()
+    per_node = ranks // nodes
+    if case.method == "hybridep":
+        level = {str(name): int(r) * h * b for name, r in zip(axes, level_rows, strict=True)}
+        if case.topology == "flat":
+            level.update({n: c * h * b for n, c in wl.flat_copies(nodes).items()})
+        buf_rows = recv_rows
+    else:
+        ragged = case.backend == "ragged"
+        send = baselines.buffer_rows(
+            case.method,
+            tokens=t,
+            top_k=k,
+            experts=wl.experts,
+            ranks=ranks,
+            capacity_factor=case.capacity_factor,
+            ragged=ragged,
+        )
+        if ragged:
+            level = {n: c * h * b for n, c in wl.expanded_copies(nodes).items()}
+            buf_rows = ranks * t * k
+        else:
+            per_dest = send // ranks
+            level = {
+                "node": ranks * (ranks - per_node) * per_dest * h * b,
+                "local": ranks * (per_node - 1) * per_dest * h * b,
+            }
+            buf_rows = send
+    return {
+        "method": case.method,
+        "backend": case.backend,
+        "label": case.label,
+        "topology": case.topology,
+        "routing": wl.routing,
+        "capacity": case.capacity,
+        "capacity_factor": case.capacity_factor,
+        "direction": direction,
+        "median_s": median,
+        "times_s": times,
+        "compile_s": compile_s,
+        "received_tokens": received,
+        "algo_bw_GBps": passes(direction) * received * h * b / median / 1e9,
+        "level_bytes": level,
+        "buffer_bytes": int(buf_rows) * h * b,
+        "xla_memory_bytes": memory,
+        "dropped": int(dropped),
+        "max_rel_err": err,
+    }
+
+
+def floor_row(wl, preset, direction, n_passes, received, median, times) -> dict:
+    moved = n_passes * received * preset.hidden * _itemsize(preset)
+    return {
+        "routing": wl.routing,
+        "direction": direction,
+        "rows": received,
+        "passes": n_passes,
+        "bytes": moved,
+        "median_s": median,
+        "times_s": times,
+        "bw_GBps": moved / median / 1e9,
+    }
+
+
+def add_ratios(cases: list[dict], floors: list[dict]) -> None:
+    """Fills ratio_to_best_baseline / best_baseline / ratio_to_floor in place."""
+    floor = {(f["routing"], f["direction"]): f["median_s"] for f in floors}
+    for row in cases:
+        peers = [
+            r
+            for r in cases
+            if r["method"] != "hybridep"
+            and (r["routing"], r["direction"], r["capacity"])
+            == (row["routing"], row["direction"], row["capacity"])
+        ]
+        best = min(peers, key=lambda r: r["median_s"], default=None)
+        row["best_baseline"] = None if best is None else best["label"]
+        row["ratio_to_best_baseline"] = None if best is None else best["median_s"] / row["median_s"]
+        f = floor.get((row["routing"], row["direction"]))
+        row["ratio_to_floor"] = None if f is None else row["median_s"] / f
+
+
+def progress_line(row: dict) -> str:
+    return (
+        f"{row['routing']:9s} {row['capacity']:9s} {row['direction']:8s} {row['label']:24s} "
+        f"{row['median_s'] * 1e3:9.3f} ms  dropped {row['dropped']}"
+    )

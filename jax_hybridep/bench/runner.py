@@ -1,0 +1,270 @@
+"""Benchmark runner: builds every case on the given devices, times it, and collects the results.
+
+A case is one (method, backend, topology, capacity, direction) program, `jax.jit(shard_map(...))`
+compiled once and run on each routing's inputs (same shapes, so one compile per case). Timing is
+dispatch + combine together (identity experts), forward or forward + backward (grad of
+`sum(out * ct)` w.r.t. x and topk_weights), the median of `repeats` device-synchronised calls after
+`warmup` calls. The floor of each routing is timed in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_hybridep as hep
+from jax_hybridep.bench import baselines
+from jax_hybridep.bench.workloads import Preset, Workload
+
+DIRECTIONS = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    method: str  # "hybridep" or a baseline name
+    backend: str | None  # hybridep: "ffi" | "xla"; maxtext: "ragged" | "padded"; else None
+    topology: str  # "flat" | "hierarchical"
+    capacity_factor: float | None  # None = dropless
+
+    @property
+    def capacity(self) -> str:
+        return "dropless" if self.capacity_factor is None else f"f={self.capacity_factor:g}"
+
+    @property
+    def label(self) -> str:
+        name = self.method if self.backend is None else f"{self.method}-{self.backend}"
+        return f"{name}/{self.topology}" if self.method == "hybridep" else name
+
+
+def build_cases(capacities, methods, backends, topologies, ragged: bool) -> list[Case]:
+    """hybridep at every capacity; baselines at their own: GShard at each factor f, MaxText and
+    worst-case buffers dropless."""
+    cases = []
+    for f in capacities:
+        if "hybridep" in methods:
+            cases += [Case("hybridep", b, t, f) for t in topologies for b in backends]
+        if f is not None and "gshard" in methods:
+            cases.append(Case("gshard", None, "flat", f))
+        if f is None and "maxtext" in methods:
+            cases.append(Case("maxtext", "ragged" if ragged else "padded", "flat", None))
+        if f is None and "worst_case" in methods:
+            cases.append(Case("worst_case", None, "flat", None))
+    return cases
+
+
+def make_meshes(devices, nodes: int):
+    n = len(devices)
+    auto = AxisType.Auto
+    meshes = {"flat": (jax.make_mesh((n,), ("ep",), (auto,), devices=devices), ("ep",))}
+    if nodes > 1 and n % nodes == 0 and n // nodes > 1:
+        names = ("node", "local")
+        mesh = jax.make_mesh((nodes, n // nodes), names, (auto, auto), devices=devices)
+        meshes["hierarchical"] = (mesh, names)
+    return meshes
+
+
+def _shard_fn(case: Case, mesh, axes, experts: int):
+    """Per-shard (x, idx, w) -> (out, dropped [], level_rows [levels], rows [] receive buffer)."""
+    ranks = mesh.devices.size
+    if case.method == "hybridep":
+        topo = hep.Topology.from_mesh(mesh, levels=axes)
+        cfg = hep.DispatchConfig(
+            num_experts=experts, capacity_factor=case.capacity_factor, backend=case.backend
+        )
+
+        def fn(x, idx, w):
+            d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+            out = hep.combine(d.tokens, d.handle, weights=d.weights)
+            return out, d.stats.dropped, d.stats.level_rows, d.tokens
+
+        return fn
+    base = baselines.make(
+        case.method, axes, ranks, experts, case.capacity_factor, case.backend == "ragged"
+    )
+
+    def fn(x, idx, w):
+        out, dropped = base(x, idx, w)
+        return out, dropped, jnp.zeros((len(axes),), jnp.int32), None
+
+    return fn
+
+
+def make_program(case: Case, direction: str, mesh, axes, experts: int):
+    """jit(shard_map) of one case: (x, idx, w, ct) -> (result, dropped [R], level_rows [R, L])."""
+    fn = _shard_fn(case, mesh, axes, experts)
+
+    def fwd(x, idx, w, ct):
+        out, dropped, level_rows, _ = fn(x, idx, w)
+        return out, dropped[None], level_rows[None]
+
+    def fwd_bwd(x, idx, w, ct):
+        def loss(x, w):
+            out, dropped, level_rows, _ = fn(x, idx, w)
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), (dropped, level_rows)
+
+        (_, (dropped, level_rows)), (gx, gw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
+        return (gx, gw), dropped[None], level_rows[None]
+
+    body = fwd if direction == "fwd" else fwd_bwd
+    spec = P(axes)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)), fn
+
+
+def receive_rows(fn, mesh, axes, args) -> int | None:
+    """Static receive-buffer rows of a hybridep shard (shape of d.tokens), else None."""
+    spec = P(axes)
+    probe = jax.shard_map(lambda x, i, w: fn(x, i, w)[3], mesh=mesh, in_specs=spec, out_specs=spec)
+    shape = jax.eval_shape(probe, *args[:3])
+    return None if shape is None else shape.shape[0] // mesh.devices.size
+
+
+def time_call(compiled, args, warmup: int, repeats: int):
+    """Median wall time of device-synchronised calls, and the last result."""
+    out = None
+    for _ in range(warmup):
+        out = jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, out
+
+
+def device_args(wl: Workload, mesh, axes, dtype):
+    sharding = NamedSharding(mesh, P(axes))
+    arrays = (
+        jnp.asarray(wl.x, dtype),
+        jnp.asarray(wl.topk_idx),
+        jnp.asarray(wl.topk_weights),
+        jnp.asarray(wl.ct, dtype),
+    )
+    return tuple(jax.device_put(a, sharding) for a in arrays)
+
+
+def make_floor(mesh, axes, rows_per_rank: int, passes: int):
+    """A copy of `rows_per_rank` rows of H per rank, `passes` times (one per direction), each
+    behind an optimization barrier so XLA cannot fuse the gathers away."""
+
+    def body(x):
+        t = x.shape[0]
+        a = x[(jnp.arange(rows_per_rank) * 7919) % t]
+        for p in range(passes - 1):
+            a = jax.lax.optimization_barrier(a)
+            a = a[(jnp.arange(rows_per_rank) * (7927 + p)) % rows_per_rank]
+        return a
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+
+
+def reference_error(wl: Workload, direction: str, result) -> float:
+    """Max |difference| from the dropless identity-expert math, relative to the largest value."""
+    w = wl.topk_weights.astype(np.float64)
+    x = np.asarray(jnp.asarray(wl.x, result_dtype(result)).astype(jnp.float32), np.float64)
+    if direction == "fwd":
+        got, want = result, x * w.sum(-1, keepdims=True)
+    else:
+        got = result[0]
+        ct = np.asarray(jnp.asarray(wl.ct, got.dtype).astype(jnp.float32), np.float64)
+        want = ct * w.sum(-1, keepdims=True)
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def result_dtype(result):
+    return (result if not isinstance(result, tuple) else result[0]).dtype
+
+
+def memory_bytes(compiled) -> int | None:
+    try:
+        mem = compiled.memory_analysis()
+        return int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
+    except Exception:  # noqa: BLE001  (not every backend reports it)
+        return None
+
+
+def run(
+    preset: Preset,
+    devices,
+    workloads,
+    cases,
+    *,
+    directions=DIRECTIONS,
+    nodes=2,
+    repeats=None,
+    warmup=None,
+    log=print,
+) -> dict:
+    """Times every case on every workload and the floors; returns raw measurements."""
+    from jax_hybridep.bench import metrics
+
+    repeats = preset.repeats if repeats is None else repeats
+    warmup = preset.warmup if warmup is None else warmup
+    meshes = make_meshes(devices, nodes)
+    dtype = jnp.dtype(preset.dtype)
+    experts = preset.experts(len(devices))
+    args = {
+        (topo, wl.routing): device_args(wl, mesh, axes, dtype)
+        for topo, (mesh, axes) in meshes.items()
+        for wl in workloads
+    }
+    rows = []
+    for case in cases:
+        if case.topology not in meshes:
+            continue
+        mesh, axes = meshes[case.topology]
+        for direction in directions:
+            program, fn = make_program(case, direction, mesh, axes, experts)
+            compiled = None
+            for wl in workloads:
+                a = args[(case.topology, wl.routing)]
+                t0 = time.perf_counter()
+                if compiled is None:
+                    compiled = program.lower(*a).compile()
+                compile_s = time.perf_counter() - t0
+                median, times, (result, dropped, level_rows) = time_call(
+                    compiled, a, warmup, repeats
+                )
+                recv = receive_rows(fn, mesh, axes, a) if case.method == "hybridep" else None
+                err = (
+                    reference_error(wl, direction, result) if case.capacity_factor is None else None
+                )
+                rows.append(
+                    metrics.case_row(
+                        case,
+                        direction,
+                        wl,
+                        preset,
+                        nodes=nodes,
+                        median=median,
+                        times=times,
+                        dropped=int(np.sum(np.asarray(dropped))),
+                        level_rows=np.asarray(level_rows).sum(0),
+                        axes=axes,
+                        recv_rows=recv,
+                        memory=memory_bytes(compiled),
+                        err=err,
+                        compile_s=compile_s,
+                    )
+                )
+                log(metrics.progress_line(rows[-1]))
+    floors = []
+    mesh, axes = meshes["flat"]
+    for wl in workloads:
+        received = wl.received_tokens()
+        per_rank = -(-received // len(devices))
+        for direction in directions:
+            passes = 2 if direction == "fwd" else 4
+            a = args[("flat", wl.routing)]
+            compiled = make_floor(mesh, axes, per_rank, passes).lower(a[0]).compile()
+            median, times, _ = time_call(compiled, a[:1], warmup, repeats)
+            floors.append(metrics.floor_row(wl, preset, direction, passes, received, median, times))
+            log(f"floor {wl.routing:9s} {direction:8s} {median * 1e3:9.3f} ms")
+    return {"cases": rows, "floors": floors, "repeats": repeats, "warmup": warmup}

@@ -1,0 +1,150 @@
+"""Smoke test of the benchmark CLI (`python -m jax_hybridep.bench`): the tiny preset in-process on
+4 of the test's fake CPU devices. Checks the JSON's fields and values, never timings."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jax_hybridep.bench import main as bench_main
+from jax_hybridep.bench import workloads
+
+CASE_FIELDS = (
+    "method",
+    "backend",
+    "label",
+    "topology",
+    "routing",
+    "capacity",
+    "capacity_factor",
+    "direction",
+    "median_s",
+    "times_s",
+    "received_tokens",
+    "algo_bw_GBps",
+    "level_bytes",
+    "buffer_bytes",
+    "xla_memory_bytes",
+    "dropped",
+    "max_rel_err",
+    "best_baseline",
+    "ratio_to_best_baseline",
+    "ratio_to_floor",
+)
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    bench_main.benchmark(
+        "tiny",
+        jax.devices()[:4],
+        routings=("uniform", "skewed"),
+        capacities=(None, 1.25),
+        repeats=1,
+        warmup=0,
+        json_path=str(out / "bench.json"),
+        png_path=str(out / "bench.png"),
+        command="tests/bench_test.py",
+        log=lambda _: None,
+    )
+    assert (out / "bench.png").stat().st_size > 0
+    with open(out / "bench.json") as f:
+        return json.load(f)
+
+
+def _pos(v):
+    return isinstance(v, int | float) and math.isfinite(v) and v > 0
+
+
+def test_environment_and_workload(doc):
+    env, wl = doc["environment"], doc["workload"]
+    assert env["num_devices"] == 4 and env["jax_version"] == jax.__version__
+    assert env["date"] and env["command"] and len(env["devices"]) == 4
+    assert wl["preset"] == "tiny" and wl["ranks"] == 4 and wl["experts"] == 16
+
+
+def test_every_case_present(doc):
+    labels = {(c["label"], c["capacity"], c["direction"]) for c in doc["cases"]}
+    for direction in ("fwd", "fwd+bwd"):
+        for cap in ("dropless", "f=1.25"):
+            for b in ("ffi", "xla"):
+                for topo in ("flat", "hierarchical"):
+                    assert (f"hybridep-{b}/{topo}", cap, direction) in labels
+        assert ("gshard", "f=1.25", direction) in labels
+        assert ("maxtext-padded", "dropless", direction) in labels
+        assert ("worst_case", "dropless", direction) in labels
+    assert len(doc["cases"]) == 2 * 2 * (4 + 2 + 4 + 1)  # routings x directions x cases
+
+
+def test_fields_sane(doc):
+    for c in doc["cases"]:
+        missing = [k for k in CASE_FIELDS if k not in c]
+        assert not missing, (c["label"], missing)
+        assert _pos(c["median_s"]) and _pos(c["algo_bw_GBps"]) and _pos(c["buffer_bytes"])
+        assert _pos(c["received_tokens"]) and all(_pos(t) for t in c["times_s"])
+        assert _pos(c["ratio_to_best_baseline"]) and _pos(c["ratio_to_floor"])
+        assert isinstance(c["dropped"], int) and c["dropped"] >= 0
+        assert c["level_bytes"] and all(
+            isinstance(v, int) and v >= 0 for v in c["level_bytes"].values()
+        )
+        if c["capacity"] == "dropless":
+            assert c["dropped"] == 0, c
+    assert len(doc["floors"]) == 4
+    for f in doc["floors"]:
+        assert _pos(f["median_s"]) and _pos(f["bw_GBps"]) and _pos(f["bytes"])
+
+
+def test_dropless_methods_agree(doc):
+    for c in doc["cases"]:
+        if c["capacity"] == "dropless":
+            assert c["max_rel_err"] is not None and c["max_rel_err"] < 1e-5, c
+
+
+def test_traffic_consistent(doc):
+    pick = {(c["label"], c["routing"], c["capacity"]): c for c in doc["cases"]}
+    for routing in ("uniform", "skewed"):
+        flat = pick[("hybridep-ffi/flat", routing, "dropless")]["level_bytes"]
+        hier = pick[("hybridep-ffi/hierarchical", routing, "dropless")]["level_bytes"]
+        xla = pick[("hybridep-xla/flat", routing, "dropless")]["level_bytes"]
+        assert flat == xla
+        assert flat["ep"] == flat["node"] + flat["local"]  # measured == counted from routing
+        assert hier["node"] <= flat["node"]  # one copy per (token, destination node)
+        assert pick[("worst_case", routing, "dropless")]["level_bytes"]["node"] >= flat["node"]
+    # A hot expert over capacity drops rows; GShard and hybridep both count them.
+    assert pick[("hybridep-ffi/flat", "skewed", "f=1.25")]["dropped"] > 0
+    assert pick[("gshard", "skewed", "f=1.25")]["dropped"] > 0
+
+
+def test_ratio_of_best_baseline_is_one(doc):
+    for c in doc["cases"]:
+        if c["method"] != "hybridep" and c["label"] == c["best_baseline"]:
+            assert c["ratio_to_best_baseline"] == pytest.approx(1.0)
+
+
+def test_gpu_preset_refused_on_cpu():
+    with pytest.raises(SystemExit, match="GPUs only"):
+        bench_main.benchmark("hybridep")
+
+
+def test_workload_counts():
+    wl = workloads.make_workload(workloads.PRESETS["tiny"], 4, "deepseek")
+    assert wl.topk_idx.shape == (4 * 32, 2) and (wl.topk_idx < 16).all()
+    assert wl.received_tokens() == wl.presence().sum() <= 4 * 32 * 2
+
+
+def test_cli_help():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "jax_hybridep.bench", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    assert "--preset" in out.stdout and "--capacities" in out.stdout
