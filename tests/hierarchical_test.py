@@ -206,3 +206,17 @@ def test_backends_agree_bitwise(mesh_name, cross_process, dtype):
         assert ("jax_hybridep_" in hlo) == (backend == "ffi")
     for a, b in zip(results["xla"], results["ffi"], strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_level_spanning_two_mesh_axes(backend):
+    """Levels are groups of mesh axes: ("node", ("x", "y")) is two levels over three axes."""
+    mesh = make_mesh((2, 2, 2), ("node", "x", "y"))
+    topo = hep.Topology.from_mesh(mesh, ("node", ("x", "y")))
+    assert topo.level_sizes == (2, 4) and topo.level_strides == (4, 1)
+    x, idx, w, experts = _problem(41, 8 * T, 16, 3)
+    fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=16, backend=backend))
+    out, (_, _, _, kept, stats) = fn(x, idx, w, experts)
+    kept = np.asarray(kept).reshape(idx.shape)
+    np.testing.assert_allclose(out, dense_moe(x, idx, w, experts, kept=kept), rtol=1e-5, atol=1e-5)
+    assert np.asarray(stats.level_rows).shape == (8, 2)
