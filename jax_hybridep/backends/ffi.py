@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep import compat
+from jax_hybridep.backends import xla
 from jax_hybridep.config import Plan
 from jax_hybridep.handle import Handle, Layout
 
@@ -93,13 +94,7 @@ def layout(plan: Plan, topk_idx, rank, group) -> Layout:
         outs = _call("layout", out_types, topk_idx, rank, group, like=(topk_idx,), plan=plan,
                      **_layout_attrs(plan))  # fmt: skip
     else:  # counts all-gathered by an XLA collective across the processes
-        num_experts = plan.num_experts
-        valid = (topk_idx >= 0) & (topk_idx < num_experts)
-        expert = jnp.where(valid, topk_idx, num_experts).reshape(-1)
-        counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert].add(1)[:num_experts]
-        invalid = jnp.sum((topk_idx != -1) & ~valid, dtype=jnp.int32)
-        gathered = jax.lax.all_gather(jnp.concatenate([counts, invalid[None]]),
-                                      plan.topology.ep_axes)  # fmt: skip
+        _, _, gathered = xla.gather_counts(plan, topk_idx)
         outs = _call("layout_gathered", out_types, topk_idx, gathered, rank, group,
                      like=(topk_idx, gathered), plan=plan, exchange=False,
                      **_layout_attrs(plan))  # fmt: skip
@@ -292,12 +287,12 @@ def level_rows(handle: Handle):
         to_rank = jnp.any(handle.dest[:, :, None] == ranks, axis=1) & (ranks != handle.rank)
         return jnp.sum(to_rank, dtype=jnp.int32)[None]
     levels, _ = handle.private
-    counts = []
-    for level, (send_slot, _, _) in enumerate(levels):
-        size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
-        own = (handle.rank // stride) % size
-        counts.append(jnp.sum((send_slot >= 0) & (jnp.arange(size) != own), dtype=jnp.int32))
-    return jnp.stack(counts)
+    return jnp.stack(
+        [
+            xla.copies_to_others(plan, level, handle.rank, send_slot.T >= 0)
+            for level, (send_slot, _, _) in enumerate(levels)
+        ]
+    )
 
 
 def redispatch(handle: Handle, g):

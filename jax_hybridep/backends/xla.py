@@ -46,7 +46,7 @@ def _plan_groups(plan: Plan, totals):
     return kept.T, offset.T, size.T  # each [R, L]
 
 
-def _strict_check(plan: Plan, group, all_counts, invalid_per_rank, keep_limit):
+def _strict_check(group, all_counts, invalid_per_rank, keep_limit):
     """Raises (through a host callback) the same error the ffi layout handler returns."""
     before = jnp.cumsum(all_counts, axis=0) - all_counts
     kept = jnp.clip(keep_limit[None, :] - before, 0, all_counts)
@@ -62,15 +62,31 @@ def _strict_check(plan: Plan, group, all_counts, invalid_per_rank, keep_limit):
     )
 
 
-def layout(plan: Plan, topk_idx, rank, group) -> Layout:
-    num_experts, (tokens, k) = plan.num_experts, topk_idx.shape
+def gather_counts(plan: Plan, topk_idx):
+    """This shard's rows per expert [E], invalid ids [], and every rank's both, all-gathered over
+    the EP group as [R, E + 1] (E per-expert counts, then the invalid count); also used by the ffi
+    backend when the group crosses processes."""
+    num_experts = plan.num_experts
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
     expert = jnp.where(valid, topk_idx, num_experts).reshape(-1)  # invalid -> sentinel E
     counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert].add(1)[:num_experts]
     invalid = jnp.sum((topk_idx != -1) & ~valid, dtype=jnp.int32)
-    gathered = jax.lax.all_gather(
-        jnp.concatenate([counts, invalid[None]]), plan.topology.ep_axes
-    )  # [R, E + 1]
+    gathered = jax.lax.all_gather(jnp.concatenate([counts, invalid[None]]), plan.topology.ep_axes)
+    return counts, invalid, gathered
+
+
+def copies_to_others(plan: Plan, level: int, rank, sent):
+    """Copies a shard sent to other ranks at `level`; sent: [S, ...] bool, per peer first."""
+    size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+    others = jnp.arange(size) != (rank // stride) % size
+    return jnp.sum(sent & others.reshape((size,) + (1,) * (sent.ndim - 1)), dtype=jnp.int32)
+
+
+def layout(plan: Plan, topk_idx, rank, group) -> Layout:
+    num_experts, (tokens, k) = plan.num_experts, topk_idx.shape
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    expert = jnp.where(valid, topk_idx, num_experts).reshape(-1)  # invalid -> sentinel E
+    counts, invalid, gathered = gather_counts(plan, topk_idx)
     all_counts, invalid_per_rank = gathered[:, :num_experts], gathered[:, num_experts]
     tokens_per_expert = jnp.sum(all_counts, axis=0)
 
@@ -94,7 +110,7 @@ def layout(plan: Plan, topk_idx, rank, group) -> Layout:
     if plan.config.strict:
         # Adding the check's zero to row_pos, which every later step reads, keeps it from being
         # dead-code eliminated.
-        row_pos = row_pos + _strict_check(plan, group, all_counts, invalid_per_rank, keep_limit)
+        row_pos = row_pos + _strict_check(group, all_counts, invalid_per_rank, keep_limit)
     return Layout(row_pos, size_rs[rank], tokens_per_expert, dropped, invalid)
 
 
@@ -155,7 +171,7 @@ def _pack_metadata(send_item, coord, values, fill):
     return jnp.where((send_item >= 0)[:, :, None], picked, fill).reshape(-1, values.shape[1])
 
 
-def _expand_rows(plan: Plan, held_rows, row_src):
+def _expand_rows(held_rows, row_src):
     """Expert-major rows [C, H] from the held items [M, H] (zero rows where unfilled)."""
     return _append_zero_row(held_rows)[row_src]
 
@@ -180,7 +196,7 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     held = held_pos.shape[0]
     item_ids = jnp.repeat(jnp.arange(held, dtype=jnp.int32), k)
     row_src = jnp.full(plan.rows, held, jnp.int32).at[target].set(item_ids, mode="drop")
-    tokens_out = _expand_rows(plan, held_x, row_src)
+    tokens_out = _expand_rows(held_x, row_src)
     row_weights = jnp.zeros(plan.rows, jnp.float32).at[target].set(held_w.reshape(-1), mode="drop")
     handle = Handle(row_pos, dest, rank, group, (tuple(levels), held_pos, row_src), plan)
     return tokens_out, row_weights, handle
@@ -190,13 +206,12 @@ def level_rows(handle: Handle):
     """[levels] int32: item copies this shard sent to other ranks at each level (the payload rows
     that crossed that level's links; copies a rank keeps for itself do not count)."""
     levels, _, _ = handle.private
-    sizes, strides = handle.plan.topology.level_sizes, handle.plan.topology.level_strides
-    counts = []
-    for (send_item, _, _), size, stride in zip(levels, sizes, strides, strict=True):
-        own = (handle.rank // stride) % size
-        to_others = (send_item >= 0) & (jnp.arange(size) != own)[:, None]
-        counts.append(jnp.sum(to_others, dtype=jnp.int32))
-    return jnp.stack(counts)
+    return jnp.stack(
+        [
+            copies_to_others(handle.plan, level, handle.rank, send_item >= 0)
+            for level, (send_item, _, _) in enumerate(levels)
+        ]
+    )
 
 
 def redispatch(handle: Handle, g):
@@ -205,7 +220,7 @@ def redispatch(handle: Handle, g):
     held = g
     for level, (send_item, _, _) in enumerate(levels):
         held = _level_all_to_all(handle.plan, level, _pack(send_item, held))
-    return _expand_rows(handle.plan, held, row_src)
+    return _expand_rows(held, row_src)
 
 
 def _reduce_level(plan: Plan, level: int, send_slot, partials, dtype):
