@@ -6,7 +6,7 @@
   group) pairs that must cross each level; summed over an EP group's shards, `level_rows` equals
   it exactly (one copy per (token, destination group), DESIGN §2.1.1).
 * Program: `padded_level_bytes` is the payload a rank's static buffers move per level, and
-  `all_to_all_bytes` reads the all-to-all payload sizes out of compiled HLO text to check it.
+  `collective_bytes` reads collective payload sizes out of compiled HLO text to check it.
 
 Host-side helpers on concrete values (numpy), not for use inside `jit`.
 """
@@ -71,17 +71,23 @@ def padded_level_bytes(topology: Topology, tokens: int, hidden: int, dtype) -> l
 
 
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "f64": 8, "s64": 8}
-_ALL_TO_ALL = re.compile(r"= \(?([^=]*?)\)? all-to-all\(.*?replica_groups=(\S+(?: \{[^}]*\})?)")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce")
 
 
-def all_to_all_bytes(hlo_text: str) -> list[tuple[str, int, str]]:
-    """Every all-to-all in compiled HLO text: (element type, result bytes, replica groups).
+def collective_bytes(hlo_text: str, op: str = "all-to-all") -> list[tuple[str, int, str]]:
+    """Every `op` collective in compiled HLO text: (element type, result bytes, replica groups).
 
-    XLA may split one all-to-all into a tuple of per-peer operands; their bytes are summed.
+    XLA may split one collective into a tuple of per-peer operands; their bytes are summed. For
+    an all-gather the result is what each rank holds afterwards (its own block included).
     """
+    if op not in COLLECTIVES:
+        raise ValueError(f"op must be one of {COLLECTIVES}, got {op!r}")
+    pattern = re.compile(
+        rf"= \(?([^=]*?)\)? {op}(?:-start)?\(.*?replica_groups=(\S+(?: \{{[^}}]*\}})?)"
+    )
     out = []
-    for result, groups in _ALL_TO_ALL.findall(hlo_text):
+    for result, groups in pattern.findall(hlo_text):
         arrays = _ARRAY.findall(result)
         total = sum(
             math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[kind]
@@ -89,3 +95,8 @@ def all_to_all_bytes(hlo_text: str) -> list[tuple[str, int, str]]:
         )
         out.append((arrays[0][0], total, groups))
     return out
+
+
+def all_to_all_bytes(hlo_text: str) -> list[tuple[str, int, str]]:
+    """`collective_bytes` of the all-to-alls."""
+    return collective_bytes(hlo_text, "all-to-all")

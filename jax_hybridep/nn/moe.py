@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
+from jax_hybridep import xdc
 from jax_hybridep.nn.experts import expert_swiglu, swiglu
 from jax_hybridep.nn.router import Router, RouterConfig, route
 
@@ -84,6 +86,11 @@ class MoEBlock(nnx.Module):
       router: RouterConfig (num_experts and top_k live there).
       mesh: the device mesh (AxisType.Auto axes).
       topology: hep.Topology over (some of) the mesh's axes: the EP group.
+      expert_domains: optional per-level domain sizes ({level axis: S}) or an
+        `xdc.ExpertDomains`: experts are all-gathered inside each domain and tokens cross only
+        between domains (cross-datacenter EP, DESIGN §4). Parameters keep the plain-EP sharding,
+        so checkpoints move freely between settings.
+      domain_compression: SR compression ratio of the migrated experts (None: full experts).
       dispatch: hep.DispatchConfig; num_experts defaults to the router's.
       shared_expert_ff: hidden width of an always-on shared SwiGLU expert, or None.
       dtype: compute dtype of the experts (the rows travel in it).
@@ -99,6 +106,8 @@ class MoEBlock(nnx.Module):
         mesh: jax.sharding.Mesh,
         topology: hep.Topology,
         dispatch: hep.DispatchConfig | None = None,
+        expert_domains: Mapping[str, int] | xdc.ExpertDomains | None = None,
+        domain_compression: float | None = None,
         shared_expert_ff: int | None = None,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
@@ -111,6 +120,11 @@ class MoEBlock(nnx.Module):
                 f"router.num_experts={router.num_experts}"
             )
         self.mesh, self.topology, self.dispatch_config = mesh, topology, dispatch
+        if expert_domains is not None and not isinstance(expert_domains, xdc.ExpertDomains):
+            expert_domains = xdc.ExpertDomains.from_mesh(
+                mesh, topology, expert_domains, domain_compression
+            )
+        self.domains = expert_domains
         self.dtype = dtype
         self.router = Router(d_model, router, rngs=rngs, param_dtype=param_dtype)
         ep = topology.ep_axes  # the expert dim spans every EP axis
@@ -135,11 +149,12 @@ class MoEBlock(nnx.Module):
                 f"MoEBlock: {tokens.shape[0]} tokens (x shape {x.shape}) do not split evenly over "
                 f"the {shards} devices of mesh {dict(self.mesh.shape)}"
             )
-        all_axes = P(tuple(self.mesh.axis_names))
-        expert_spec = P(self.topology.ep_axes)
+        mesh, token_topology, _ = self._exchange()
+        all_axes = P(tuple(mesh.axis_names))
+        expert_spec = P(self.domains.expert_axes if self.domains else self.topology.ep_axes)
         routed = jax.shard_map(
             self._per_shard,
-            mesh=self.mesh,
+            mesh=mesh,
             in_specs=(all_axes, P(), P(), expert_spec, expert_spec, expert_spec),
             out_specs=(all_axes, all_axes, all_axes, all_axes, all_axes),
         )
@@ -153,21 +168,31 @@ class MoEBlock(nnx.Module):
         )
         if self.shared is not None:
             y = y + self.shared(tokens.astype(self.dtype))
-        # tokens_per_expert is the same on every rank of an EP group: count each group once.
-        ep_size = self.topology.ep_size
-        per_group = per_expert.reshape(-1, ep_size, per_expert.shape[-1])[:, 0]
+        # Every rank of an EP group reports its group's global counts, wherever the group's
+        # ranks sit in device order: sum all and divide by the group size.
+        ep_size = token_topology.ep_size
         cfg = self.router.config
         aux_loss, z_loss = jnp.mean(aux_loss), jnp.mean(z_loss)
         aux = MoEAux(
             loss=cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss,
             aux_loss=aux_loss,
             z_loss=z_loss,
-            tokens_per_expert=jnp.sum(per_group, axis=0),
+            tokens_per_expert=jnp.sum(per_expert, axis=0) // ep_size,
             dropped=jnp.sum(dropped),
         )
         return y.reshape(*lead, -1).astype(x.dtype), aux
 
+    def _exchange(self):
+        """(mesh, token topology, dispatch config) of the token exchange."""
+        if self.domains is None:
+            return self.mesh, self.topology, self.dispatch_config
+        d = self.domains
+        return d.mesh, d.token_topology, d.dispatch_config(self.dispatch_config)
+
     def _per_shard(self, x, gate, bias, w_gate, w_up, w_down):
+        _, topology, config = self._exchange()
+        if self.domains is not None:
+            w_gate, w_up, w_down = self.domains.gather_experts((w_gate, w_up, w_down))
         routing = route(
             jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32)), bias, self.router.config
         )
@@ -175,8 +200,8 @@ class MoEBlock(nnx.Module):
             x,
             routing.topk_idx,
             routing.topk_weights,
-            topology=self.topology,
-            config=self.dispatch_config,
+            topology=topology,
+            config=config,
         )
         rows = checkpoint_name(d.tokens, DISPATCH_NAME)
         y = expert_swiglu(
@@ -186,7 +211,7 @@ class MoEBlock(nnx.Module):
             w_up,
             w_down,
             capacity=d.capacity,
-            platform=self.topology.platform,
+            platform=topology.platform,
         )
         out = checkpoint_name(hep.combine(y, d.handle, weights=d.weights), COMBINE_NAME)
         return (

@@ -1,0 +1,237 @@
+"""Expert domains (HybridEP, DESIGN §4): move experts inside a domain, tokens between domains.
+
+A domain of size S at a level splits that level's mesh axis into (outer, inner=S): S consecutive
+members form a domain. Inside `jax.shard_map`, each rank all-gathers its domain peers' experts
+over the inner axes (slow level first: across datacenters only the rank's own experts travel),
+so it holds `S * E_local` expert slots (S = product over levels). Tokens then go only to ranks
+with the same inner coordinates: the token EP group spans the outer axes, and each expert id is
+placed on the replica inside the sender's own domain (`DispatchConfig.expert_placement`).
+
+S = 1 everywhere is plain EP; S = a level's size means no token crosses that level.
+
+Gradients are exact: the all-gather's transpose is a reduce-scatter that returns every replica's
+gradient to the owner (with compression: see `jax_hybridep.xdc.compress`).
+
+Sharding model: `ExpertDomains.mesh` has the same devices in the same order as the model's mesh,
+with each split axis `a` replaced by `a` (outer) and `a + "_domain"` (inner), so an array sharded
+over the original EP axes has the same shards over `expert_axes`; `gather_experts` runs per shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from jax_hybridep.config import DispatchConfig
+from jax_hybridep.topology import Topology
+from jax_hybridep.xdc import compress
+
+INNER_SUFFIX = "_domain"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDomains:
+    """Per-level domain sizes over a topology, and the split mesh they run on.
+
+    Attributes:
+      topology: the plain-EP topology (levels slow -> fast) of the model's mesh.
+      sizes: per level, the domain size S_l (a divisor of the level's size; 1 = not split).
+      compression: None for full experts, else the SR compression ratio (> 1): experts travel as
+        the top-k of their residual from the domain's mean expert (`xdc.compress`).
+      mesh: the model's mesh with each split axis replaced by (outer, inner).
+    """
+
+    topology: Topology
+    sizes: tuple[int, ...]
+    compression: float | None
+    mesh: jax.sharding.Mesh
+
+    @classmethod
+    def from_mesh(
+        cls,
+        mesh: jax.sharding.Mesh,
+        topology: Topology,
+        sizes: Mapping[str, int] | Sequence[int],
+        compression: float | None = None,
+    ) -> ExpertDomains:
+        """Domains on `mesh` (the mesh `topology` was built from).
+
+        Args:
+          sizes: domain size per level, as {level axis: S} (levels left out have S = 1) or one
+            entry per level.
+          compression: SR compression ratio, or None / <= 1 for none.
+        """
+        names = [level[0] for level in topology.levels]
+        if isinstance(sizes, Mapping):
+            unknown = sorted(set(sizes) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"domain sizes name {unknown}, which are not levels of the topology "
+                    f"{topology.levels}"
+                )
+            sizes = [sizes.get(name, 1) for name in names]
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) != len(topology.levels):
+            raise ValueError(
+                f"got {len(sizes)} domain sizes {sizes} for {len(topology.levels)} levels "
+                f"{topology.levels}"
+            )
+        for level, size, level_size in zip(
+            topology.levels, sizes, topology.level_sizes, strict=True
+        ):
+            if size < 1 or level_size % size:
+                raise ValueError(
+                    f"domain size {size} at level {level} must divide the level size {level_size}"
+                )
+            if size > 1 and len(level) > 1:
+                raise ValueError(
+                    f"level {level} spans several mesh axes; only a single-axis level can be "
+                    f"split into domains"
+                )
+        if compression is not None and compression <= 1:
+            compression = None
+        return cls(topology, sizes, compression, _split_mesh(mesh, topology, sizes))
+
+    # -- geometry -----------------------------------------------------------------------------
+
+    @property
+    def domain_size(self) -> int:
+        """S: expert replicas per rank = S * E_local."""
+        return math.prod(self.sizes)
+
+    @property
+    def outer_sizes(self) -> tuple[int, ...]:
+        """Per level, the number of domains n_l = G_l / S_l."""
+        return tuple(g // s for g, s in zip(self.topology.level_sizes, self.sizes, strict=True))
+
+    @property
+    def inner_axes(self) -> tuple[str, ...]:
+        """The inner (domain) axes, slow -> fast: the experts' all-gather runs over them."""
+        return tuple(
+            level[0] + INNER_SUFFIX
+            for level, size in zip(self.topology.levels, self.sizes, strict=True)
+            if size > 1
+        )
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """Mesh axes of the expert dim on `mesh`: the same shards as the topology's EP axes."""
+        axes = []
+        for level, size in zip(self.topology.levels, self.sizes, strict=True):
+            axes += level
+            if size > 1:
+                axes.append(level[0] + INNER_SUFFIX)
+        return tuple(axes)
+
+    @property
+    def token_levels(self) -> tuple[tuple[str, ...], ...]:
+        """Levels of the token exchange: the outer axes that still have several domains."""
+        levels = tuple(
+            level
+            for level, outer in zip(self.topology.levels, self.outer_sizes, strict=True)
+            if outer > 1
+        )
+        # Every level replicated: the token group is one rank; keep the fastest (size 1) axis.
+        return levels or (self.topology.levels[-1],)
+
+    @property
+    def token_topology(self) -> Topology:
+        """The topology `dispatch`/`combine` run on: outer axes only (inner axes are groups)."""
+        return Topology.from_mesh(self.mesh, levels=self.token_levels)
+
+    def local_experts(self, num_experts: int) -> int:
+        """E_local: experts each rank owns."""
+        ep = self.topology.ep_size
+        if num_experts % ep:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the EP size {ep} "
+                f"(levels {self.topology.levels})"
+            )
+        return num_experts // ep
+
+    def placement(self, num_experts: int) -> tuple[tuple[int, int], ...]:
+        """Per expert, (token-group rank, slot) of the replica in the sender's own domain.
+
+        The owner's coordinate c_l at each level splits into (c_l // S_l, c_l % S_l). The replica
+        lives on the token-group rank of the owner's outer coordinates; its slot is where the
+        slow -> fast all-gathers put it: each gather over level l stacks S_l blocks of what the
+        rank held before, so the fastest inner coordinate is the most significant.
+        """
+        e_local = self.local_experts(num_experts)
+        owners = np.arange(num_experts) // e_local
+        coords = np.stack(np.unravel_index(owners, self.topology.level_sizes))  # [levels, E]
+        outer = coords // np.asarray(self.sizes)[:, None]
+        inner = coords % np.asarray(self.sizes)[:, None]
+        token_sizes = [n for n in self.outer_sizes if n > 1]
+        token_coords = [o for o, n in zip(outer, self.outer_sizes, strict=True) if n > 1]
+        ranks = (
+            np.ravel_multi_index(token_coords, token_sizes)
+            if token_sizes
+            else np.zeros_like(owners)
+        )
+        slots, held = np.arange(num_experts) % e_local, e_local
+        for j, size in zip(inner, self.sizes, strict=True):
+            if size > 1:
+                slots, held = j * held + slots, held * size
+        return tuple((int(r), int(s)) for r, s in zip(ranks, slots, strict=True))
+
+    def dispatch_config(self, config: DispatchConfig) -> DispatchConfig:
+        """`config` with the replica placement and S * E_local slots per rank."""
+        e = config.num_experts
+        return dataclasses.replace(
+            config,
+            expert_placement=self.placement(e),
+            num_local_slots=self.domain_size * self.local_experts(e),
+        )
+
+    # -- per shard ----------------------------------------------------------------------------
+
+    def gather_experts(self, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """Inside `jax.shard_map` over `mesh`: [E_local, ...] each -> [S * E_local, ...] each.
+
+        Slot order matches `placement`. Without compression this is a plain all-gather (its
+        autodiff transpose reduce-scatters the replicas' gradients to the owner).
+        """
+        weights = tuple(weights)
+        if not self.inner_axes:
+            return weights
+        if self.compression is None:
+            for axis in self.inner_axes:
+                weights = tuple(jax.lax.all_gather(w, axis, tiled=True) for w in weights)
+            return weights
+        return compress.gather_compressed(weights, self.inner_axes, self.compression)
+
+    def gather_bytes(self, weights: Sequence[jax.Array]) -> dict[str, int]:
+        """Bytes one rank receives per inner axis in the forward all-gather of `weights`
+        (shapes per shard, [E_local, ...]), as sent: compressed when compression is on."""
+        per_expert = sum(
+            compress.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights
+        )
+        e_local, held, out = weights[0].shape[0], 1, {}
+        for axis, size in zip(self.inner_axes, [s for s in self.sizes if s > 1], strict=True):
+            out[axis] = (size - 1) * held * e_local * per_expert
+            held *= size
+        return out
+
+
+def _split_mesh(mesh, topology: Topology, sizes) -> jax.sharding.Mesh:
+    """`mesh` with each split level axis `a` replaced by (`a`, `a + INNER_SUFFIX`)."""
+    split = {level[0]: s for level, s in zip(topology.levels, sizes, strict=True) if s > 1}
+    names, shape = [], []
+    for name, size in zip(mesh.axis_names, mesh.devices.shape, strict=True):
+        if name in split:
+            names += [name, name + INNER_SUFFIX]
+            shape += [size // split[name], split[name]]
+        else:
+            names.append(name)
+            shape.append(size)
+    clash = [n for n in names if names.count(n) > 1]
+    if clash:
+        raise ValueError(f"the split mesh would name axes {sorted(set(clash))} twice: {names}")
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    axis_types = tuple(types.get(n, types.get(n.removesuffix(INNER_SUFFIX))) for n in names)
+    return jax.sharding.Mesh(mesh.devices.reshape(shape), tuple(names), axis_types=axis_types)

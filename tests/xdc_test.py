@@ -1,0 +1,205 @@
+"""Cross-datacenter runtime (`jax_hybridep.xdc`): domains, expert gather, SR compression.
+
+The contract (DESIGN §4): values and gradients equal plain EP's; the placement sends every token
+to a replica inside the sender's domain; the bytes on each level are the model's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from harness import make_mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_hybridep as hep
+from jax_hybridep import nn as hnn
+from jax_hybridep import traffic, xdc
+from jax_hybridep.xdc import compress
+
+SHAPE, NAMES = (2, 2, 2), ("dc", "node", "local")
+DOMAINS = [{"dc": 2}, {"dc": 2, "local": 2}, {"node": 2}, {"dc": 2, "node": 2, "local": 2}]
+H, F, E, K, TOKENS = 16, 32, 16, 4, 64
+
+
+def _domains(sizes, compression=None, shape=SHAPE, names=NAMES):
+    mesh = make_mesh(shape, names)
+    topo = hep.Topology.from_mesh(mesh, levels=names)
+    return mesh, topo, xdc.ExpertDomains.from_mesh(mesh, topo, sizes, compression)
+
+
+def _gathered(domains, weights):
+    """Each rank's gathered experts [R, S * E_local, ...] (R in mesh device order)."""
+    spec = P(domains.expert_axes)
+    fn = jax.shard_map(
+        lambda w: domains.gather_experts((w,))[0][None],
+        mesh=domains.mesh,
+        in_specs=spec,
+        out_specs=P(tuple(domains.mesh.axis_names)),
+    )
+    return np.asarray(jax.jit(fn)(weights))
+
+
+@pytest.mark.parametrize("sizes", DOMAINS, ids=str)
+def test_placement_names_the_replica_in_the_senders_domain(sizes):
+    """Gather experts labelled by id; every sender's replica of e sits where `placement` says."""
+    _, topo, domains = _domains(sizes)
+    held = _gathered(domains, jnp.arange(E, dtype=jnp.float32))  # [8, S * E_local]
+    placement = domains.placement(E)
+    token_topo = domains.token_topology
+    group_size = token_topo.ep_size
+    assert held.shape == (8, domains.domain_size * E // 8)
+    # Device d of the split mesh: its token group (inner coordinates) and rank within the group.
+    coords = np.stack(np.unravel_index(np.arange(8), domains.mesh.devices.shape))
+    names = domains.mesh.axis_names
+    group_axes = [names.index(a) for a in token_topo.group_axes]
+    ep_axes = [names.index(a) for a in token_topo.ep_axes]
+    shape = domains.mesh.devices.shape
+    groups = np.ravel_multi_index(coords[group_axes], [shape[a] for a in group_axes])
+    ranks = np.ravel_multi_index(coords[ep_axes], [shape[a] for a in ep_axes])
+    for device in range(8):
+        members = {int(r): d for d, r in enumerate(ranks) if groups[d] == groups[device]}
+        assert len(members) == group_size
+        for e, (rank, slot) in enumerate(placement):
+            assert held[members[rank], slot] == e
+    # Tokens cross a level only where it still has several domains.
+    outer = domains.outer_sizes
+    assert all(n > 1 for n in token_topo.level_sizes) or token_topo.ep_size == 1
+    assert token_topo.ep_size == int(np.prod(outer))
+    assert domains.domain_size * token_topo.ep_size == topo.ep_size
+
+
+def test_domain_errors_name_the_offending_values():
+    mesh = make_mesh(SHAPE, NAMES)
+    topo = hep.Topology.from_mesh(mesh, levels=NAMES)
+    with pytest.raises(ValueError, match="domain size 3 at level .*'node'.* divide .* 2"):
+        xdc.ExpertDomains.from_mesh(mesh, topo, {"node": 3})
+    with pytest.raises(ValueError, match="'rack'.* not levels"):
+        xdc.ExpertDomains.from_mesh(mesh, topo, {"rack": 2})
+    two_axis = hep.Topology.from_mesh(mesh, levels=(("dc", "node"), "local"))
+    with pytest.raises(ValueError, match="spans several mesh axes"):
+        xdc.ExpertDomains.from_mesh(mesh, two_axis, [4, 1])
+
+
+def _block(sizes, backend, compression=None, capacity_factor=None):
+    mesh = make_mesh(SHAPE, NAMES)
+    topo = hep.Topology.from_mesh(mesh, levels=NAMES)
+    return hnn.MoEBlock(
+        H,
+        F,
+        router=hnn.RouterConfig(num_experts=E, top_k=K),
+        mesh=mesh,
+        topology=topo,
+        dispatch=hep.DispatchConfig(
+            num_experts=E, backend=backend, capacity_factor=capacity_factor
+        ),
+        expert_domains=sizes,
+        domain_compression=compression,
+        rngs=nnx.Rngs(0),
+    )
+
+
+@nnx.jit
+def _value_and_grad(block, x):
+    def loss(block, x):
+        y, aux = block(x)
+        return jnp.sum(y * jnp.cos(y)), (y, aux)
+
+    (_, (y, aux)), grads = nnx.value_and_grad(loss, has_aux=True)(block, x)
+    return y, aux, grads
+
+
+X = jax.random.normal(jax.random.key(1), (TOKENS, H))
+
+
+@pytest.mark.parametrize("backend", ["xla", "ffi"])
+@pytest.mark.parametrize("sizes", DOMAINS, ids=str)
+def test_moe_block_values_and_gradients_equal_plain_ep(sizes, backend):
+    y0, aux0, g0 = _value_and_grad(_block(None, "xla"), X)
+    y, aux, g = _value_and_grad(_block(sizes, backend), X)
+    np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux0.tokens_per_expert)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _numpy_gather(domains, w, ratio):
+    """Reference SR gather on the host: per rank, its replicas decoded, its own block exact."""
+    e_local = w.shape[0] // 8
+    held = _gathered(domains, jnp.asarray(np.arange(E, dtype=np.float32)))  # expert per slot
+    n = int(np.prod(w.shape[1:]))
+    k = compress.kept_entries(n, w.dtype, ratio)
+    out = np.zeros((8, held.shape[1], *w.shape[1:]), w.dtype)
+    for device in range(8):
+        experts = held[device].astype(int)
+        shared = w[experts].astype(np.float32).mean(axis=0).astype(w.dtype).reshape(n)
+        own = set(range(device * e_local, (device + 1) * e_local))
+        for slot, e in enumerate(experts):
+            if e in own:
+                out[device, slot] = w[e]
+                continue
+            residual = w[e].reshape(n) - shared
+            top = np.argsort(-np.abs(residual), kind="stable")[:k]
+            decoded = shared.copy()
+            decoded[top] += residual[top]
+            out[device, slot] = decoded.reshape(w.shape[1:])
+    return out
+
+
+@pytest.mark.parametrize("sizes", [{"dc": 2}, {"dc": 2, "local": 2}], ids=str)
+def test_compressed_gather_decodes_top_k_residuals_and_passes_gradients_straight_through(sizes):
+    ratio = 4.0
+    _, _, domains = _domains(sizes, compression=ratio)
+    plain = xdc.ExpertDomains.from_mesh(make_mesh(SHAPE, NAMES), domains.topology, sizes)
+    w = np.random.default_rng(0).normal(size=(E, 4, 6)).astype(np.float32)
+    np.testing.assert_allclose(
+        _gathered(domains, jnp.asarray(w)), _numpy_gather(domains, w, ratio), rtol=1e-6, atol=1e-6
+    )
+
+    def vjp(d):
+        spec = P(d.expert_axes)
+        fn = jax.shard_map(
+            lambda w: d.gather_experts((w,))[0], mesh=d.mesh, in_specs=spec, out_specs=spec
+        )
+        out, pullback = jax.vjp(jax.jit(fn), jnp.asarray(w))
+        ct = jnp.sin(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        return pullback(ct)[0]
+
+    np.testing.assert_array_equal(vjp(domains), vjp(plain))
+
+
+def test_sent_bytes_follow_the_ratio():
+    assert compress.sent_bytes((64, 128), np.float32, None) == 64 * 128 * 4
+    # k = floor(8192 * 4 / (10 * 8)) = 409 values of 4 bytes + 409 int32 indices.
+    assert compress.kept_entries(64 * 128, np.float32, 10.0) == 409
+    assert compress.sent_bytes((64, 128), np.float32, 10.0) == 409 * 8
+    assert compress.sent_bytes((64, 128), jnp.bfloat16, 50.0) == 54 * 6
+    _, _, domains = _domains({"dc": 2, "local": 2}, compression=10.0)
+    w = [jax.ShapeDtypeStruct((2, 64, 128), np.float32)]
+    assert domains.gather_bytes(w) == {
+        "dc_domain": 1 * 2 * 409 * 8,
+        "local_domain": 1 * 4 * 409 * 8,
+    }
+
+
+def _on_dc(groups: str) -> bool:
+    """Whether HLO replica groups printed as "mesh[...] {axes}" run over the dc axis."""
+    return "'dc'" in groups.rsplit("]", 1)[-1]
+
+
+def test_compiled_collectives_move_the_gathered_bytes_and_no_tokens_cross_a_replicated_level():
+    """Domain dc=2: the DC level carries the experts' all-gather (forward) and reduce-scatter
+    (backward) and no token all-to-all."""
+    block = _block({"dc": 2}, "xla")
+    hlo = _value_and_grad.lower(block, X).compile().as_text()
+    assert not any(_on_dc(g) for _, _, g in traffic.collective_bytes(hlo, "all-to-all"))
+    expert_bytes = 2 * (H * F * 4) * 3  # E_local = 2 experts, three matrices, f32
+    gathers = [n for kind, n, g in traffic.collective_bytes(hlo, "all-gather") if _on_dc(g)]
+    scatters = [n for kind, n, g in traffic.collective_bytes(hlo, "reduce-scatter") if _on_dc(g)]
+    # All-gather results hold S = 2 blocks (one received); reduce-scatter results one block.
+    assert sum(gathers) == 2 * expert_bytes
+    assert sum(scatters) == expert_bytes
+    w = [jax.ShapeDtypeStruct((2, H, F), np.float32)] * 3
+    assert block.domains.gather_bytes(w) == {"dc_domain": expert_bytes}
