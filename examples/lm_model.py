@@ -40,6 +40,9 @@ class ModelConfig:
       capacity_factor: per-expert capacity factor of the dispatch; None means dropless.
       backend: dispatch/combine backend, "auto", "xla" or "ffi".
       aux_loss_coef, z_loss_coef: weights of the router's balancing and z losses.
+      expert_domains: per EP level, the cross-DC expert domain size, as ((axis, S), ...);
+        None is plain EP (see `jax_hybridep.xdc`).
+      domain_compression: SR compression ratio of the experts moved inside a domain (None: off).
     """
 
     vocab_size: int = 256
@@ -53,6 +56,8 @@ class ModelConfig:
     backend: str = "auto"
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
+    expert_domains: tuple[tuple[str, int], ...] | None = None
+    domain_compression: float | None = None
 
     def __post_init__(self):
         if self.d_model % self.heads or (self.d_model // self.heads) % 2:
@@ -119,6 +124,8 @@ class DecoderLayer(nnx.Module):
             mesh=mesh,
             topology=topology,
             dispatch=dispatch,
+            expert_domains=dict(config.expert_domains) if config.expert_domains else None,
+            domain_compression=config.domain_compression,
             rngs=rngs,
         )
 

@@ -45,6 +45,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from jax_hybridep import traffic
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -57,6 +59,9 @@ class TrainConfig:
       mesh: mesh axis sizes, e.g. "node=2,local=4", "ep=8" or "data=2,ep=4"; None means
         "node=2,local=<n/2>" on fake CPU devices and "ep=<all devices>" on accelerators.
       backend: dispatch/combine backend, "auto", "xla" or "ffi".
+      domains: cross-DC expert domain sizes per EP level, e.g. "dc=2" (experts all-gathered
+        inside each pair of "dc" coordinates, tokens only between domains); None is plain EP.
+      domain_compression: SR compression ratio of the experts moved inside a domain (None: off).
       capacity_factor: per-expert capacity factor; None or <= 0 means dropless.
       lr: peak learning rate of the warmup + cosine schedule.
       seed: initialisation and data seed.
@@ -78,6 +83,8 @@ class TrainConfig:
     top_k: int = 2
     mesh: str | None = None
     backend: str = "auto"
+    domains: str | None = None
+    domain_compression: float | None = None
     capacity_factor: float | None = None
     lr: float = 3e-3
     seed: int = 0
@@ -134,6 +141,7 @@ def build_steps(graphdef, tx, state_shardings, replicated):
             grad_norm=optax.tree.norm(grads),
             dropped=sum(a.dropped for a in auxes),
             tokens_per_expert=jnp.stack([a.tokens_per_expert for a in auxes]),
+            level_rows=sum(a.level_rows for a in auxes),
         )
         return params, rest, opt_state, metrics
 
@@ -148,9 +156,26 @@ def build_steps(graphdef, tx, state_shardings, replicated):
 
 def ran_backend(hlo_text: str) -> str:
     """Which dispatch backend a compiled program runs, read off its custom-call targets."""
-    if "custom_call_target=\"jax_hybridep_" in hlo_text:
+    if 'custom_call_target="jax_hybridep_' in hlo_text:
         return "ffi (XLA FFI custom calls jax_hybridep_*)"
     return "xla (jax.lax.all_to_all collectives)"
+
+
+def parse_sizes(spec: str, what: str) -> tuple[tuple[str, int], ...]:
+    """ "a=2,b=4" -> (("a", 2), ("b", 4))."""
+    try:
+        return tuple((n.strip(), int(v)) for n, v in (item.split("=") for item in spec.split(",")))
+    except ValueError:
+        raise ValueError(f"{what} must look like 'dc=2' or 'dc=2,node=2', got {spec!r}") from None
+
+
+def program_traffic(hlo_text: str, axes) -> dict[str, dict[str, int]] | None:
+    """Per mesh axis, per collective op: payload bytes one rank receives per step from peers
+    across that axis, read off the compiled step (None where XLA printed groups unreadably)."""
+    try:
+        return {axis: traffic.crossing_bytes(hlo_text, axis) for axis in axes}
+    except ValueError:
+        return None
 
 
 def imbalance(tokens_per_expert: np.ndarray) -> float:
@@ -200,6 +225,8 @@ def train(cfg: TrainConfig, console: Console | None = None) -> dict:
         top_k=cfg.top_k,
         capacity_factor=capacity,
         backend=cfg.backend,
+        expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
+        domain_compression=cfg.domain_compression,
     )
     model = MoETransformer(model_cfg, mesh, topology, rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -207,12 +234,14 @@ def train(cfg: TrainConfig, console: Console | None = None) -> dict:
     params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
     rest = jax.device_put(rest, nnx.get_named_sharding(rest, mesh))
     tx = make_optimizer(cfg)
-    # Scalars that depend on no input (Adam's count) come out on one device; replicate them so
-    # the checkpoint's restore target names the mesh for every leaf.
+    # Eager init: Adam's moments take their parameter's sharding (under jax.jit, zeros that
+    # depend on no input came out replicated, so every step all-gathered the experts' moments).
+    # Scalars (Adam's count) come out on one device; replicate them so the checkpoint's restore
+    # target names the mesh for every leaf.
     replicated = NamedSharding(mesh, P())
     opt_state = jax.tree.map(
         lambda a: a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, replicated),
-        jax.jit(tx.init)(params),
+        tx.init(params),
     )
 
     os.makedirs(cfg.output_dir, exist_ok=True)
@@ -296,6 +325,7 @@ def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, cons
     t0 = time.perf_counter()
     compiled = train_step.lower(params, rest, opt_state, inputs, targets).compile()
     backend = ran_backend(compiled.as_text())
+    history["program_traffic"] = program_traffic(compiled.as_text(), mesh.axis_names)
     console.print(
         f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}, "
         f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}), "
@@ -333,6 +363,7 @@ def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, cons
                 dropped=int(m["dropped"]),
                 imbalance=imbalance(tokens_per_expert),
                 tokens_per_s=cfg.batch * cfg.seq_len / seconds,
+                level_rows=np.asarray(m["level_rows"]).tolist(),
             )
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss is {record['loss']} at step {step}")
@@ -375,6 +406,12 @@ def define_flags() -> None:
         "(default: node=2,local=n/2 on CPU, ep=all on GPUs)",
     )
     flags.DEFINE_enum("backend", d.backend, ["auto", "xla", "ffi"], "dispatch/combine backend")
+    flags.DEFINE_string(
+        "domains", None, "cross-DC expert domain sizes per EP level, e.g. 'dc=2' (unset: plain EP)"
+    )
+    flags.DEFINE_float(
+        "domain_compression", None, "SR compression ratio of experts moved inside a domain"
+    )
     flags.DEFINE_float(
         "capacity_factor", None, "per-expert capacity factor; unset or <= 0: dropless"
     )

@@ -100,3 +100,38 @@ def collective_bytes(hlo_text: str, op: str = "all-to-all") -> list[tuple[str, i
 def all_to_all_bytes(hlo_text: str) -> list[tuple[str, int, str]]:
     """`collective_bytes` of the all-to-alls."""
     return collective_bytes(hlo_text, "all-to-all")
+
+
+_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def crossing_bytes(hlo_text: str, axis: str) -> dict[str, int]:
+    """Per op, the payload bytes one rank receives in a compiled program from peers whose `axis`
+    coordinate differs from its own (e.g. everything crossing the "dc" level), counted as a
+    direct exchange: all-to-all and all-gather blocks from those peers, one result-sized block
+    from each for reduce-scatter, and a reduce-scatter plus an all-gather for all-reduce.
+
+    Reads replica groups printed as `mesh['a'=2,...] {'a',...}` (how XLA prints `shard_map`
+    collectives); a group printed otherwise raises ValueError rather than being miscounted.
+    """
+    out = {}
+    for op in COLLECTIVES:
+        total = 0
+        for _, size, groups in collective_bytes(hlo_text, op):
+            match = _MESH_GROUPS.search(groups)
+            if match is None:
+                raise ValueError(f"cannot read the mesh axes of replica groups {groups!r}")
+            sizes = {n: int(s) for n, s in re.findall(r"'(\w+)'=(\d+)", match.group(1))}
+            axes = re.findall(r"'(\w+)'", match.group(2))
+            if axis not in axes:
+                continue
+            n = math.prod(sizes[a] for a in axes)
+            across = n - n // sizes[axis]  # peers in the group on the other side of `axis`
+            if op in ("all-to-all", "all-gather"):
+                total += size // n * across
+            elif op == "reduce-scatter":
+                total += size * across
+            else:
+                total += 2 * (size // n) * across
+        out[op] = total
+    return out

@@ -37,6 +37,8 @@ class MoEAux:
       aux_loss, z_loss: raw router losses, averaged over shards.
       tokens_per_expert: [E] int32 rows routed to each expert, summed over EP groups, before drops.
       dropped: [] int32 rows dropped over capacity, all shards.
+      level_rows: [token levels] int32 token copies sent to other ranks at each level of the
+        token exchange (`MoEBlock.token_levels`), all shards, one dispatch.
     """
 
     loss: jax.Array
@@ -44,11 +46,12 @@ class MoEAux:
     z_loss: jax.Array
     tokens_per_expert: jax.Array
     dropped: jax.Array
+    level_rows: jax.Array
 
 
 jax.tree_util.register_dataclass(
     MoEAux,
-    data_fields=["loss", "aux_loss", "z_loss", "tokens_per_expert", "dropped"],
+    data_fields=["loss", "aux_loss", "z_loss", "tokens_per_expert", "dropped", "level_rows"],
     meta_fields=[],
 )
 
@@ -156,9 +159,9 @@ class MoEBlock(nnx.Module):
             self._per_shard,
             mesh=mesh,
             in_specs=(all_axes, P(), P(), expert_spec, expert_spec, expert_spec),
-            out_specs=(all_axes, all_axes, all_axes, all_axes, all_axes),
+            out_specs=(all_axes,) * 6,
         )
-        y, aux_loss, z_loss, per_expert, dropped = routed(
+        y, aux_loss, z_loss, per_expert, dropped, level_rows = routed(
             tokens.astype(self.dtype),
             self.router.gate[...],
             self.router.bias[...],
@@ -179,8 +182,14 @@ class MoEBlock(nnx.Module):
             z_loss=z_loss,
             tokens_per_expert=jnp.sum(per_expert, axis=0) // ep_size,
             dropped=jnp.sum(dropped),
+            level_rows=jnp.sum(level_rows, axis=0),
         )
         return y.reshape(*lead, -1).astype(x.dtype), aux
+
+    @property
+    def token_levels(self) -> tuple[tuple[str, ...], ...]:
+        """Levels (mesh axes) the tokens are exchanged over, slow -> fast."""
+        return self._exchange()[1].levels
 
     def _exchange(self):
         """(mesh, token topology, dispatch config) of the token exchange."""
@@ -220,6 +229,7 @@ class MoEBlock(nnx.Module):
             routing.z_loss[None],
             d.stats.tokens_per_expert[None],
             d.stats.dropped[None],
+            d.stats.level_rows[None],
         )
 
     def update_router_bias(self, tokens_per_expert):
