@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm_data import VOCAB_SIZE, ByteData
-from lm_model import ModelConfig, MoETransformer, make_mesh
+from lm_model import DATA_AXIS, ModelConfig, MoETransformer, make_mesh
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -46,6 +46,7 @@ from rich.progress import (
 )
 
 from jax_hybridep import traffic
+from jax_hybridep.xdc.domains import INNER_SUFFIX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +170,17 @@ def parse_sizes(spec: str, what: str) -> tuple[tuple[str, int], ...]:
         raise ValueError(f"{what} must look like 'dc=2' or 'dc=2,node=2', got {spec!r}") from None
 
 
-def program_traffic(hlo_text: str, axes) -> dict[str, dict[str, int]] | None:
-    """Per mesh axis, per collective op: payload bytes one rank receives per step from peers
-    across that axis, read off the compiled step (None where XLA printed groups unreadably)."""
+def program_traffic(hlo_text: str, levels) -> dict[str, dict[str, int]] | None:
+    """Per EP level, per collective op: payload bytes one rank receives per step from peers
+    across that level in the MoE blocks' own collectives (split levels included), read off the
+    compiled step; None where XLA printed replica groups this cannot read."""
     try:
-        return {axis: traffic.crossing_bytes(hlo_text, axis) for axis in axes}
+        return {
+            level: traffic.crossing_bytes(
+                hlo_text, {level, level + INNER_SUFFIX}, op_name="shard_map"
+            )
+            for level in levels
+        }
     except ValueError:
         return None
 
@@ -325,7 +332,8 @@ def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, cons
     t0 = time.perf_counter()
     compiled = train_step.lower(params, rest, opt_state, inputs, targets).compile()
     backend = ran_backend(compiled.as_text())
-    history["program_traffic"] = program_traffic(compiled.as_text(), mesh.axis_names)
+    levels = [a for a in mesh.axis_names if a != DATA_AXIS]
+    history["program_traffic"] = program_traffic(compiled.as_text(), levels)
     console.print(
         f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}, "
         f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}), "

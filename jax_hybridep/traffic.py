@@ -75,19 +75,25 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce")
 
 
-def collective_bytes(hlo_text: str, op: str = "all-to-all") -> list[tuple[str, int, str]]:
+def collective_bytes(
+    hlo_text: str, op: str = "all-to-all", op_name: str | None = None
+) -> list[tuple[str, int, str]]:
     """Every `op` collective in compiled HLO text: (element type, result bytes, replica groups).
 
     XLA may split one collective into a tuple of per-peer operands; their bytes are summed. For
     an all-gather the result is what each rank holds afterwards (its own block included).
+    `op_name` keeps only instructions whose metadata op_name contains it (e.g. "shard_map").
     """
     if op not in COLLECTIVES:
         raise ValueError(f"op must be one of {COLLECTIVES}, got {op!r}")
     pattern = re.compile(
         rf"= \(?([^=]*?)\)? {op}(?:-start)?\(.*?replica_groups=(\S+(?: \{{[^}}]*\}})?)"
+        r"(?:.*?op_name=\"([^\"]*)\")?"
     )
     out = []
-    for result, groups in pattern.findall(hlo_text):
+    for result, groups, name in pattern.findall(hlo_text):
+        if op_name is not None and op_name not in name:
+            continue
         arrays = _ARRAY.findall(result)
         total = sum(
             math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[kind]
@@ -105,28 +111,39 @@ def all_to_all_bytes(hlo_text: str) -> list[tuple[str, int, str]]:
 _MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
-def crossing_bytes(hlo_text: str, axis: str) -> dict[str, int]:
-    """Per op, the payload bytes one rank receives in a compiled program from peers whose `axis`
-    coordinate differs from its own (e.g. everything crossing the "dc" level), counted as a
-    direct exchange: all-to-all and all-gather blocks from those peers, one result-sized block
-    from each for reduce-scatter, and a reduce-scatter plus an all-gather for all-reduce.
+def crossing_bytes(
+    hlo_text: str, axes, dtype: str | None = None, op_name: str | None = None
+) -> dict[str, int]:
+    """Per op, the payload bytes one rank receives in a compiled program from peers whose
+    coordinate on any of `axes` differs from its own (e.g. everything crossing the "dc" level:
+    axes {"dc", "dc_domain"} when that level is split into domains), counted as a direct
+    exchange: all-to-all and all-gather blocks from those peers, one result-sized block from each
+    for reduce-scatter, and a reduce-scatter plus an all-gather for all-reduce.
+
+    Args:
+      hlo_text: compiled HLO text.
+      axes: a mesh axis name or a collection of them.
+      dtype: only collectives of this HLO element type (e.g. "f32"); None counts all.
+      op_name: only collectives whose op_name contains it (e.g. "shard_map": the MoE block's).
 
     Reads replica groups printed as `mesh['a'=2,...] {'a',...}` (how XLA prints `shard_map`
     collectives); a group printed otherwise raises ValueError rather than being miscounted.
     """
+    axes = {axes} if isinstance(axes, str) else set(axes)
     out = {}
     for op in COLLECTIVES:
         total = 0
-        for _, size, groups in collective_bytes(hlo_text, op):
+        for kind, size, groups in collective_bytes(hlo_text, op, op_name):
             match = _MESH_GROUPS.search(groups)
             if match is None:
                 raise ValueError(f"cannot read the mesh axes of replica groups {groups!r}")
             sizes = {n: int(s) for n, s in re.findall(r"'(\w+)'=(\d+)", match.group(1))}
-            axes = re.findall(r"'(\w+)'", match.group(2))
-            if axis not in axes:
+            group = re.findall(r"'(\w+)'", match.group(2))
+            if (dtype is not None and kind != dtype) or not axes & set(group):
                 continue
-            n = math.prod(sizes[a] for a in axes)
-            across = n - n // sizes[axis]  # peers in the group on the other side of `axis`
+            n = math.prod(sizes[a] for a in group)
+            same_side = n // math.prod(sizes[a] for a in group if a in axes)
+            across = n - same_side  # peers in the group on the other side of `axes`
             if op in ("all-to-all", "all-gather"):
                 total += size // n * across
             elif op == "reduce-scatter":

@@ -109,3 +109,35 @@ def test_xla_and_ffi_backends_train_identically(tmp_path):
     assert sum(d for _, d in xla) > 0  # the comparison covers dropped rows
     assert xla == ffi  # bitwise: both backends sum each token's rows in the same order
     assert runs["xla"]["eval"] == runs["ffi"]["eval"]
+
+
+def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(tmp_path):
+    """--domains=dc=2 (cross-DC EP): the same losses as plain EP (values and gradients are
+    exact), no token all-to-all across the DC level, and the experts' all-gather and gradient
+    reduce-scatter across it; with SR compression the gather shrinks by the ratio."""
+    runs = {}
+    for name, domains, ratio in (("plain", None, None), ("dc", "dc=2", None), ("sr", "dc=2", 8.0)):
+        cfg = dataclasses.replace(
+            TINY,
+            steps=4,
+            mesh="dc=2,node=2,local=2",
+            backend="xla",
+            domains=domains,
+            domain_compression=ratio,
+            output_dir=str(tmp_path / name),
+        )
+        runs[name], _ = _train(cfg)
+    plain, dc, sr = (runs[n] for n in ("plain", "dc", "sr"))
+    for a, b in zip(plain["train"], dc["train"], strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5)
+    assert plain["program_traffic"]["dc"]["all-to-all"] > 0
+    assert dc["program_traffic"]["dc"]["all-to-all"] == 0
+    # One expert per rank (8 experts, 8 ranks), three 32x32 float32 matrices, one layer.
+    expert = 3 * 32 * 32 * 4
+    assert dc["program_traffic"]["dc"]["all-gather"] == expert
+    assert dc["program_traffic"]["dc"]["reduce-scatter"] == expert
+    k = math.floor(32 * 32 * 4 / (8.0 * 8))  # SR: k values + k int32 indices per matrix
+    assert sr["program_traffic"]["dc"]["all-gather"] == 3 * k * 8
+    # The shared (mean) expert is kept in sync by one all-reduce per matrix across the pair.
+    assert sr["program_traffic"]["dc"]["all-reduce"] == 3 * 32 * 32 * 4
+    assert all(math.isfinite(r["loss"]) for r in sr["train"])

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from harness import make_mesh
+from harness import local_experts, make_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
@@ -203,3 +203,78 @@ def test_compiled_collectives_move_the_gathered_bytes_and_no_tokens_cross_a_repl
     assert sum(scatters) == expert_bytes
     w = [jax.ShapeDtypeStruct((2, H, F), np.float32)] * 3
     assert block.domains.gather_bytes(w) == {"dc_domain": expert_bytes}
+
+
+MEASURED = [
+    ((2, 2, 2), NAMES, {"dc": 2}),
+    ((2, 2, 2), NAMES, {"dc": 2, "local": 2}),
+    ((4, 2), ("dc", "local"), {"dc": 2}),  # a level split into 2 domains of 2
+]
+
+
+@pytest.mark.parametrize("shape,names,sizes", MEASURED, ids=str)
+def test_measured_bytes_per_level_equal_the_planners_prediction(shape, names, sizes):
+    """Forward + backward of dispatch -> gathered experts -> combine: the compiled program's
+    expert all-gathers and reduce-scatters and the run-time token copies, per level, equal what
+    `xdc.planner` predicts when fed the same routing."""
+    mesh, topo, domains = _domains(sizes, shape=shape, names=names)
+    ranks, tokens, e = topo.ep_size, 8, 16
+    cfg = domains.dispatch_config(hep.DispatchConfig(num_experts=e, backend="xla"))
+    token_topo = domains.token_topology
+    spec = P(tuple(domains.mesh.axis_names))
+
+    def step(x, idx, w, experts):
+        experts = domains.gather_experts((experts,))[0]
+        d = hep.dispatch(x, idx, w, topology=token_topo, config=cfg)
+        y = local_experts(d.tokens, d.group_sizes, experts)
+        return hep.combine(y, d.handle, weights=d.weights), d.stats.level_rows[None]
+
+    fn = jax.shard_map(
+        step,
+        mesh=domains.mesh,
+        in_specs=(spec, spec, spec, P(domains.expert_axes)),
+        out_specs=(spec, spec),
+    )
+
+    def loss(x, idx, w, experts):
+        out, rows = fn(x, idx, w, experts)
+        return jnp.sum(out * out), rows
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 3), has_aux=True))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(ranks * tokens, H)), jnp.float32)
+    idx = np.stack([rng.permutation(e)[:K] for _ in range(ranks * tokens)]).astype(np.int32)
+    w = jnp.asarray(rng.random((ranks * tokens, K)), jnp.float32)
+    experts = jnp.asarray(rng.normal(size=(e, H, H)), jnp.float32)
+    hlo = grad.lower(x, idx, w, experts).compile().as_text()
+    _, level_rows = grad(x, idx, w, experts)
+
+    cluster = xdc.cost.Cluster(topo.level_sizes, (xdc.cost.Link(1e9),) * len(names), names)
+    workload = xdc.planner.Workload(
+        tokens=tokens,
+        top_k=K,
+        num_experts=e,
+        hidden=H,
+        act_bytes=4,
+        expert_matrices=((H, H),),
+        value_bytes=4,
+    )
+    plan = xdc.planner.plan(
+        cluster, workload, idx.reshape(ranks, tokens, K), candidates=[domains.sizes]
+    )
+    predicted = next(c for c in plan.candidates if c.domains == domains.sizes)
+    rows = dict(
+        zip((lvl[0] for lvl in token_topo.levels), np.asarray(level_rows).sum(0), strict=True)
+    )
+    for level, name in enumerate(names):
+        axes = {name, name + xdc.domains.INNER_SUFFIX}
+        moved = traffic.crossing_bytes(hlo, axes, dtype="f32")
+        vols = predicted.volumes.levels[level]
+        assert moved["all-gather"] == vols.gather_bytes, (name, moved, vols)
+        assert moved["reduce-scatter"] == vols.reduce_scatter_bytes, (name, moved, vols)
+        copies = int(rows.get(name, 0))
+        assert copies == round(vols.token_copies * ranks), (name, copies, vols)
+        measured = 4 * copies * H * 4 / ranks + moved["all-gather"] + moved["reduce-scatter"]
+        assert predicted.bytes_per_level[level] == pytest.approx(measured, rel=1e-12)
+        if name not in rows:  # a level without tokens carries no token all-to-all at all
+            assert moved["all-to-all"] == 0

@@ -1,12 +1,25 @@
 """Cross-datacenter expert parallelism (the HybridEP paper, DESIGN §4).
 
-* `ExpertDomains`: the runtime — split a level into domains, all-gather experts inside a domain
-  (optionally SR-compressed, `compress`), dispatch tokens only between domains.
-* `volumes`, `cost`, `planner`: per-level bytes of that runtime, the paper's stream model and its
-  extensions, and `plan(...)`, which picks the fastest per-level domain sizes.
+* `ExpertDomains` (`domains`): the runtime — split a level into domains, all-gather experts inside
+  a domain (optionally SR-compressed, `compress`), dispatch tokens only between domains.
+* `volumes`: the bytes that runtime moves per level (expected, or exact for a routing).
+* `cost`: the paper's stream model and the extended multi-level model (latency, shared uplinks,
+  backward reduce-scatter, skew, compression); `paper`: the paper's tables reproduced.
+* `planner.plan(cluster, workload)`: the fastest per-level domain sizes under that model.
 """
 
-from jax_hybridep.xdc import compress
+from jax_hybridep.xdc import compress, cost, domains, paper, planner, volumes
 from jax_hybridep.xdc.domains import ExpertDomains
+from jax_hybridep.xdc.planner import Workload, plan
 
-__all__ = ["ExpertDomains", "compress"]
+__all__ = [
+    "ExpertDomains",
+    "Workload",
+    "compress",
+    "cost",
+    "domains",
+    "paper",
+    "plan",
+    "planner",
+    "volumes",
+]

@@ -1,0 +1,57 @@
+"""Network simulator for cross-datacenter MoE expert parallelism: plain EP vs. HybridEP.
+
+A flow-level model (max-min fair sharing, event-driven, per-message latency and overhead,
+congestion from flow counts) of one MoE layer step on `num_dcs` DCs x `gpus_per_dc`
+GPUs, aggregated over the cluster's symmetry so that 1000+ DCs take seconds. Pure numpy
+(matplotlib only for plots). See docs/crossdc_simulator.md.
+
+    from jax_hybridep import sim
+    c = sim.Cluster(num_dcs=1000, dc_gbps=10)
+    w = sim.Workload(data_bytes=48e6, expert_bytes=0.36e6)
+    ep, hy = sim.step_time(c, w, 1), sim.step_time(c, w, 8)
+    print(ep.total_s / hy.total_s)
+
+Modules: `network` (links, flows, max-min, event engine), `moe_step` (traffic and time of a
+layer step), `policies` (domain size per DC count), `sweep` (grids, CSV, PNG);
+CLI `python -m jax_hybridep.sim`.
+"""
+
+from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
+from jax_hybridep.sim.network import (
+    Congestion,
+    Flows,
+    Network,
+    max_min_rates,
+    simulate,
+    simulate_reference,
+)
+from jax_hybridep.sim.policies import (
+    best_domain,
+    divisors,
+    fixed_domain,
+    fixed_fraction,
+    lower_bound,
+)
+from jax_hybridep.sim.sweep import plot, read_csv, run_sweep, write_csv
+
+__all__ = [
+    "Cluster",
+    "Congestion",
+    "Flows",
+    "Network",
+    "StepTime",
+    "Workload",
+    "best_domain",
+    "divisors",
+    "fixed_domain",
+    "fixed_fraction",
+    "lower_bound",
+    "max_min_rates",
+    "plot",
+    "read_csv",
+    "simulate",
+    "simulate_reference",
+    "step_time",
+    "run_sweep",
+    "write_csv",
+]

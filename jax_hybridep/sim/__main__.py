@@ -1,0 +1,158 @@
+"""`python -m jax_hybridep.sim`: sweep EP vs. HybridEP over WAN bandwidth x DC count; table, CSV,
+PNG. Defaults follow the HybridEP paper's setting (see docs/crossdc_simulator.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from jax_hybridep.sim.moe_step import Cluster, Workload
+from jax_hybridep.sim.sweep import (
+    BANDWIDTHS_GBPS,
+    DC_COUNTS,
+    DOMAINS,
+    FRACTIONS,
+    plot,
+    run_sweep,
+    write_csv,
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    c, w = Cluster(num_dcs=1), Workload()
+    p = argparse.ArgumentParser(
+        prog="python -m jax_hybridep.sim",
+        description="Simulate one MoE layer step (forward + backward) of plain EP and HybridEP "
+        "across DCs (flow-level, max-min fair, per-message latency/overhead, congestion) over "
+        "a grid of WAN bandwidths x DC counts; print the rows of 1000+ DCs (else of the largest "
+        "DC count), write CSV and PNG.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a(
+        "--bandwidths",
+        type=float,
+        nargs="+",
+        default=list(BANDWIDTHS_GBPS),
+        help="DC uplink = downlink bandwidths, Gbit/s",
+    )
+    a("--dcs", type=int, nargs="+", default=list(DC_COUNTS), help="DC counts")
+    a("--domains", type=int, nargs="*", default=list(DOMAINS), help="fixed-domain sizes S")
+    a(
+        "--p",
+        type=float,
+        nargs="*",
+        default=list(FRACTIONS),
+        dest="fractions",
+        help="fixed-p fractions of cross-DC token traffic kept (S = N(1-p))",
+    )
+    a("--no-best", action="store_true", help="skip the best-S search")
+    a("--gpus-per-dc", type=int, default=c.gpus_per_dc)
+    a("--gpu-gbps", type=float, default=c.gpu_gbps, help="per-GPU link to the DC, Gbit/s")
+    a(
+        "--wan-latency-ms",
+        type=float,
+        default=c.wan_latency_s * 1e3,
+        help="one-way WAN latency per message (RTT/2)",
+    )
+    a("--intra-latency-us", type=float, default=c.intra_latency_s * 1e6)
+    a(
+        "--msg-overhead-us",
+        type=float,
+        default=c.msg_overhead_s * 1e6,
+        help="per-message posting cost at the sender (serialised)",
+    )
+    a("--header-bytes", type=float, default=c.header_bytes, help="extra bytes per message")
+    a(
+        "--min-window-bytes",
+        type=float,
+        default=c.min_window_bytes,
+        help="transport minimum window (floor rate = window / RTT)",
+    )
+    a(
+        "--congestion",
+        type=float,
+        default=c.congestion_exponent,
+        help="goodput exponent on links whose flows' floor rates exceed capacity (0: ideal)",
+    )
+    a("--data-mb", type=float, default=w.data_bytes / 1e6, help="D, MB per rank per all-to-all")
+    a("--expert-mb", type=float, default=w.expert_bytes / 1e6, help="P_E, expert MB per rank")
+    a(
+        "--compute-ms",
+        type=float,
+        default=w.compute_s * 1e3,
+        help="forward compute not overlapping communication (backward = 2x)",
+    )
+    a(
+        "--pre-expert-ms",
+        type=float,
+        default=w.pre_expert_s * 1e3,
+        help="Lat_PE, forward pre-expert compute hiding the all-gather (backward = 2x)",
+    )
+    a("--skew", type=float, default=w.skew, help="Zipf exponent of routing over GPU index")
+    a("--forward-only", action="store_true")
+    a("--csv", default="crossdc_sim.csv", help="CSV path ('' to skip)")
+    a("--png", default="crossdc_sim.png", help="PNG path ('' to skip)")
+    a("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _table(rows: list[dict], num_dcs: int, gpus: int) -> None:
+    print(f"\n{num_dcs} DCs x {gpus} GPUs")
+    print(f"{'Gbps':>6} {'policy':>16} {'S':>5} {'EP s':>10} {'hybrid s':>10} {'speedup':>8}")
+    for r in rows:
+        if r["num_dcs"] == num_dcs:
+            name = f"{r['policy']} {r['param']}".strip()
+            print(
+                f"{r['dc_gbps']:>6g} {name:>16} {r['domain']:>5} {r['ep_s']:>10.4g} "
+                f"{r['hybrid_s']:>10.4g} {r['speedup']:>8.3f}"
+            )
+
+
+def main(argv=None) -> list[dict]:
+    """Parse `argv`, run the sweep, print tables, write CSV and PNG; returns the rows."""
+    args = parser().parse_args(argv)
+    cluster = Cluster(
+        num_dcs=1, gpus_per_dc=args.gpus_per_dc, gpu_gbps=args.gpu_gbps,
+        wan_latency_s=args.wan_latency_ms * 1e-3, intra_latency_s=args.intra_latency_us * 1e-6,
+        msg_overhead_s=args.msg_overhead_us * 1e-6, header_bytes=args.header_bytes,
+        min_window_bytes=args.min_window_bytes, congestion_exponent=args.congestion,
+    )  # fmt: skip
+    workload = Workload(
+        data_bytes=args.data_mb * 1e6, expert_bytes=args.expert_mb * 1e6,
+        compute_s=args.compute_ms * 1e-3, pre_expert_s=args.pre_expert_ms * 1e-3,
+        skew=args.skew, forward_only=args.forward_only,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    progress = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    rows = run_sweep(
+        cluster,
+        workload,
+        args.bandwidths,
+        args.dcs,
+        args.domains,
+        args.fractions,
+        best=not args.no_best,
+        progress=progress,
+    )
+    elapsed = time.perf_counter() - t0
+    print(f"sweep: {len(rows)} rows in {elapsed:.1f} s")
+    for top in [n for n in args.dcs if n >= 1000] or [max(args.dcs)]:
+        _table(rows, top, args.gpus_per_dc)
+    if args.csv:
+        write_csv(rows, args.csv)
+        print(f"wrote {args.csv}")
+    if args.png:
+        plot(
+            rows,
+            args.png,
+            title=f"D={args.data_mb:g} MB, P_E={args.expert_mb:g} MB, "
+            f"{args.gpus_per_dc} GPUs/DC, congestion {args.congestion:g}",
+        )
+        print(f"wrote {args.png}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Domain-size policies (fixed domain, fixed p, best S) and a lower bound that prunes best S."""
+
+from __future__ import annotations
+
+from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
+
+
+def lower_bound(c: Cluster, w: Workload, domain: int) -> float:
+    """A bound below `step_time(c, w, domain).total_s`: each phase needs at least its DC
+    uplink bytes at full rate, and at least the posting time plus latency of its last message."""
+    m, g, up = c.num_dcs // domain, c.gpus_per_dc, c.dc_gbps * 1e9 / 8
+    peers = m * g - 1
+    lat = c.wan_latency_s if m > 1 else c.intra_latency_s
+    a2a = max(
+        g * (w.data_bytes * (m - 1) / m + (m - 1) * g * c.header_bytes) / up,
+        (peers - 1) * c.msg_overhead_s + lat if peers else 0.0,
+    )
+    ag = 0.0
+    if domain > 1:
+        ag = max(
+            g * (domain - 1) * (w.expert_bytes + c.header_bytes) / up,
+            (domain - 2) * c.msg_overhead_s + c.wan_latency_s,
+        )
+    fwd = max(w.pre_expert_s, ag) + 2 * a2a + w.compute_s
+    if w.forward_only:
+        return fwd
+    return fwd + a2a + 2 * w.compute_s + max(a2a + 2 * w.pre_expert_s, ag)
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of n, ascending: the realisable domain sizes."""
+    return [s for s in range(1, n + 1) if n % s == 0]
+
+
+def fixed_domain(num_dcs: int, size: int) -> int:
+    """Policy "fixed domain": the largest divisor of num_dcs not above `size`."""
+    return max(s for s in divisors(num_dcs) if s <= max(size, 1))
+
+
+def fixed_fraction(num_dcs: int, p: float) -> int:
+    """Policy "fixed p": the divisor of num_dcs nearest num_dcs * (1 - p), so that a fraction p
+    of the cross-DC token traffic remains (1 - S/N = p); ties go to the smaller domain."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+    target = num_dcs * (1 - p)
+    return min(divisors(num_dcs), key=lambda s: (abs(s - target), s))
+
+
+def best_domain(c: Cluster, w: Workload, step=step_time) -> StepTime:
+    """Policy "best S": the fastest step over all divisors of the DC count.
+
+    Domains are tried in order of `lower_bound`; a domain whose bound is no better than the best
+    simulated time cannot win and is skipped, so the result equals the full minimum.
+
+    Args:
+      c: the cluster.
+      w: the workload.
+      step: `step_time` or a caching stand-in with its signature.
+    """
+    best = None
+    for s in sorted(divisors(c.num_dcs), key=lambda s: lower_bound(c, w, s)):
+        if best is not None and lower_bound(c, w, s) >= best.total_s:
+            break
+        t = step(c, w, s)
+        if best is None or t.total_s < best.total_s:
+            best = t
+    return best

@@ -1,0 +1,161 @@
+"""Sweeps of EP vs. HybridEP step time over WAN bandwidth x DC count, with CSV and PNG output.
+
+Policies for the DC-level domain size S at each DC count N:
+* `fixed_domain` (param S0): S = the largest divisor of N not above S0;
+* `fixed_p` (param p): S = the divisor of N nearest N * (1 - p), a fraction p of the cross-DC
+  token traffic remains, so the domain grows with N;
+* `best`: the fastest S over all divisors of N.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
+from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction
+
+BANDWIDTHS_GBPS = (0.1, 1.0, 10.0, 100.0)
+DC_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 1024)
+DOMAINS = (2, 4, 8)
+FRACTIONS = (0.5, 0.9)
+
+FIELDS = (
+    "dc_gbps", "num_dcs", "gpus", "policy", "param", "domain", "ep_s", "hybrid_s", "speedup",
+    "ep_wan_mb", "hybrid_wan_mb", "ep_peers", "hybrid_peers",
+)  # fmt: skip
+
+
+def run_sweep(
+    base: Cluster,
+    workload: Workload,
+    bandwidths: Iterable[float] = BANDWIDTHS_GBPS,
+    dc_counts: Iterable[int] = DC_COUNTS,
+    domains: Iterable[int] = DOMAINS,
+    fractions: Iterable[float] = FRACTIONS,
+    best: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """One row per (bandwidth, DC count, policy): EP time, hybrid time, speedup.
+
+    Args:
+      base: cluster parameters; its `num_dcs` and `dc_gbps` are replaced by the sweep's.
+      workload: the layer's sizes and compute.
+      bandwidths: DC uplink/downlink bandwidths, Gbit/s.
+      dc_counts: numbers of DCs.
+      domains: S0 values of the fixed-domain policy.
+      fractions: p values of the fixed-p policy.
+      best: also report the best S over all divisors.
+      progress: called with a short line after each (bandwidth, DC count).
+
+    Returns:
+      Rows (dicts with the keys `FIELDS`).
+    """
+    rows = []
+    for bw in bandwidths:
+        for n in dc_counts:
+            c = dataclasses.replace(base, num_dcs=n, dc_gbps=bw)
+            cache: dict[int, StepTime] = {}
+
+            def timed(c_, w_, s, cache=cache):
+                if s not in cache:
+                    cache[s] = step_time(c_, w_, s)
+                return cache[s]
+
+            ep = timed(c, workload, 1)
+            choices = [
+                ("fixed_domain", s0, timed(c, workload, fixed_domain(n, s0))) for s0 in domains
+            ]
+            choices += [("fixed_p", p, timed(c, workload, fixed_fraction(n, p))) for p in fractions]
+            if best:
+                choices.append(("best", "", best_domain(c, workload, step=timed)))
+            for policy, param, hy in choices:
+                rows.append(dict(
+                    dc_gbps=bw, num_dcs=n, gpus=c.num_ranks, policy=policy, param=param,
+                    domain=hy.domain, ep_s=ep.total_s, hybrid_s=hy.total_s,
+                    speedup=ep.total_s / hy.total_s, ep_wan_mb=ep.wan_bytes_per_gpu / 1e6,
+                    hybrid_wan_mb=hy.wan_bytes_per_gpu / 1e6, ep_peers=ep.peers_per_gpu,
+                    hybrid_peers=hy.peers_per_gpu,
+                ))  # fmt: skip
+            if progress:
+                gains = " ".join(
+                    f"{r['policy']}{r['param']}:{r['speedup']:.2f}" for r in rows[-len(choices) :]
+                )
+                progress(f"{bw:g} Gbps, {n} DCs: EP {ep.total_s:.4g} s; {gains}")
+    return rows
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    """Rows as CSV with a header (`FIELDS` order)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
+            )
+
+
+def read_csv(path: str) -> list[dict]:
+    """Rows written by `write_csv`, numbers parsed back."""
+    out = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for k in ("dc_gbps", "ep_s", "hybrid_s", "speedup", "ep_wan_mb", "hybrid_wan_mb"):
+                row[k] = float(row[k])
+            for k in ("num_dcs", "gpus", "domain", "ep_peers", "hybrid_peers"):
+                row[k] = int(row[k])
+            out.append(row)
+    return out
+
+
+def _series(rows: list[dict]) -> list[tuple[str, str]]:
+    seen = []
+    for r in rows:
+        key = (r["policy"], str(r["param"]))
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """Speedup (EP time / hybrid time) vs. DC count, a line per bandwidth, a panel per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    series = _series(rows)
+    cols = min(3, len(series))
+    nrows = -(-len(series) // cols)
+    fig, axes = plt.subplots(
+        nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False, sharex=True
+    )
+    labels = {"fixed_domain": "fixed domain S={}", "fixed_p": "fixed p={}", "best": "best S{}"}
+    for ax, (policy, param) in zip(axes.ravel(), series, strict=False):
+        sel = [r for r in rows if r["policy"] == policy and str(r["param"]) == param]
+        for bw in sorted({r["dc_gbps"] for r in sel}):
+            pts = sorted((r["num_dcs"], r["speedup"]) for r in sel if r["dc_gbps"] == bw)
+            ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=f"{bw:g} Gbps")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # gains span 0.5x to 100x+ between 2 and 1000 DCs
+        label = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(label)
+        lo, hi = ax.get_ylim()
+        # Label minor ticks only when the panel spans too little for decade ticks to show.
+        ax.yaxis.set_minor_formatter(label if hi / lo < 20 else matplotlib.ticker.NullFormatter())
+        ax.set_title(labels[policy].format(param))
+        ax.set_xlabel("DCs")
+        ax.set_ylabel("speedup over EP")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes.ravel()[len(series) :]:
+        ax.set_visible(False)
+    axes[0, 0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,223 @@
+"""Tests of the cross-DC network simulator `jax_hybridep.sim` (pure numpy; no devices used)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jax_hybridep import sim
+from jax_hybridep.sim import Cluster, Congestion, Flows, Network, Workload
+from jax_hybridep.sim.__main__ import main, parser
+from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS
+
+ENGINES = (sim.simulate, sim.simulate_reference)
+
+# No latency, no per-message cost, no congestion, no compute: times are pure bandwidth.
+BARE = dict(wan_latency_s=0.0, intra_latency_s=0.0, msg_overhead_s=0.0, congestion_exponent=0.0)
+NO_COMPUTE = Workload(data_bytes=1e9, expert_bytes=1e8, compute_s=0.0, pre_expert_s=0.0)
+
+
+def _flows(paths, path, size, start=None, count=None, floor=None):
+    n = len(path)
+    return Flows(
+        paths=np.array(paths, dtype=bool),
+        path=np.array(path),
+        count=np.ones(n) if count is None else np.array(count, dtype=float),
+        size=np.array(size, dtype=float),
+        start=np.zeros(n) if start is None else np.array(start, dtype=float),
+        tag=np.zeros(n, dtype=int),
+        floor=floor,
+    )
+
+
+def _net(*caps, mult=None):
+    return Network(np.array(caps, float), np.ones(len(caps)) if mult is None else np.array(mult),
+                   tuple(f"l{i}" for i in range(len(caps))))  # fmt: skip
+
+
+# --- water-filling -------------------------------------------------------------------------------
+
+
+def test_two_flows_share_a_link_equally():
+    np.testing.assert_allclose(sim.max_min_rates([[1.0], [1.0]], [10.0]), [5.0, 5.0])
+
+
+def test_flow_limited_elsewhere_frees_bandwidth():
+    # f0 crosses links A (10) and B (2), f1 only A: f0 is held to 2 by B, f1 takes the other 8.
+    np.testing.assert_allclose(sim.max_min_rates([[1, 1], [1, 0]], [10.0, 2.0]), [2.0, 8.0])
+
+
+def test_three_flow_textbook_case():
+    # L0 (cap 1): f0, f1; L1 (cap 2): f0, f2. L0 fills first at 0.5; f2 takes the rest of L1.
+    usage = [[1, 1], [1, 0], [0, 1]]
+    np.testing.assert_allclose(sim.max_min_rates(usage, [1.0, 2.0]), [0.5, 0.5, 1.5])
+
+
+def test_aggregated_group_counts_flows_per_link():
+    # 4 flows over a class of 2 links: 2 flows per link, 5 each; 10 bytes take 2 s.
+    flows = _flows([[1]], [0], [10.0], count=[4])
+    for engine in ENGINES:
+        np.testing.assert_allclose(engine(_net(10.0, mult=[2]), flows), [2.0])
+
+
+# --- event-driven completion ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_completion_frees_bandwidth(engine):
+    # Sizes 1 and 3 on a link of 1: both at 0.5 until t=2, then the second alone at 1 -> t=4.
+    np.testing.assert_allclose(engine(_net(1.0), _flows([[1]], [0, 0], [1, 3])), [2.0, 4.0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_late_start_shares_from_its_start(engine):
+    # A (2 B) alone for 1 s; B (0.5 B) joins at t=1, both at 0.5: B done at 2, A (0.5 left) at 2.5.
+    flows = _flows([[1]], [0, 0], [2, 0.5], start=[0, 1])
+    np.testing.assert_allclose(engine(_net(1.0), flows), [2.5, 2.0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bottleneck_elsewhere_over_time(engine):
+    # X (2) carries f0 and f1; Y (0.5) holds f1 at 0.5, so f0 gets 1.5: f0 done at 2/3, f1 at 4.
+    flows = _flows([[1, 0], [1, 1]], [0, 1], [1, 2])
+    np.testing.assert_allclose(engine(_net(2.0, 0.5), flows), [2 / 3, 4.0])
+
+
+def test_congestion_scales_capacity_by_overload():
+    # 4 flows with floor 5 need 20 on a link of 10: overload 2, exponent 1 -> capacity 5.
+    cong = Congestion(exponent=1.0)
+    np.testing.assert_allclose(cong.capacity(np.array([[4.0]]), np.array([5.0]), np.array([10.0])),
+                               [5.0])  # fmt: skip
+    flows = _flows([[1]], [0], [1.0], count=[4], floor=np.array([5.0]))
+    for engine in ENGINES:
+        np.testing.assert_allclose(engine(_net(10.0), flows, cong), [0.8])  # 1.25 B/s per flow
+        np.testing.assert_allclose(engine(_net(10.0), flows), [0.4])  # ideal: 2.5 B/s per flow
+
+
+# --- one MoE step --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_dcs", [2, 4])
+def test_ep_matches_analytic_time(num_dcs):
+    # Uplink-bound all-to-all: a DC sends g * D * (N-1)/N bytes out through 1 GB/s (8 Gbps).
+    c = Cluster(num_dcs=num_dcs, gpus_per_dc=2, dc_gbps=8.0, **BARE)
+    a2a = 2 * NO_COMPUTE.data_bytes * (num_dcs - 1) / num_dcs / 1e9
+    ep = sim.step_time(c, NO_COMPUTE, 1)
+    assert ep.dispatch_s == pytest.approx(a2a, rel=1e-12)
+    assert ep.total_s == pytest.approx(4 * a2a, rel=1e-12)
+    fwd = sim.step_time(c, dataclasses.replace(NO_COMPUTE, forward_only=True), 1)
+    assert fwd.total_s == pytest.approx(2 * a2a, rel=1e-12)
+
+
+def test_domain_one_is_plain_ep():
+    c = Cluster(num_dcs=4, gpus_per_dc=2)
+    ep = sim.step_time(c, Workload(), 1)
+    assert ep.allgather_s == 0 and ep.reduce_scatter_s == 0
+    assert ep.peers_per_gpu == c.num_ranks - 1
+    assert ep.wan_bytes_per_gpu == pytest.approx(4 * Workload().data_bytes * 3 / 4)
+    # Without the reduce-scatter the backward's last all-to-all is the forward's combine.
+    assert ep.combine_rs_s == ep.combine_s == ep.dispatch_s
+
+
+def test_domain_of_all_dcs_sends_no_tokens_across_dcs():
+    times = []
+    for bw in (0.01, 100.0):
+        c = Cluster(num_dcs=4, gpus_per_dc=2, dc_gbps=bw)
+        hy = sim.step_time(c, Workload(), 4)
+        assert hy.peers_per_gpu == c.gpus_per_dc - 1
+        assert hy.wan_bytes_per_gpu == pytest.approx(2 * 3 * Workload().expert_bytes)
+        times.append(hy.dispatch_s)
+    assert times[0] == times[1]  # tokens never touch the WAN links
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 3)])
+@pytest.mark.parametrize("skew", [0.0, 0.8])
+def test_aggregated_equals_every_gpu_flow(shape, skew):
+    # Low bandwidth and a long RTT make the congestion term bind; it must agree too.
+    c = Cluster(num_dcs=shape[0], gpus_per_dc=shape[1], dc_gbps=1e-3, wan_latency_s=0.05,
+                congestion_exponent=0.3)  # fmt: skip
+    w = Workload(data_bytes=1e6, expert_bytes=1e5, skew=skew)
+    assert sim.step_time(c, w, 1).total_s != sim.step_time(
+        dataclasses.replace(c, congestion_exponent=0.0), w, 1).total_s  # fmt: skip
+    for s in sim.divisors(c.num_dcs):
+        agg = dataclasses.asdict(sim.step_time(c, w, s))
+        ref = dataclasses.asdict(sim.step_time(c, w, s, aggregate=False))
+        for key, value in agg.items():
+            assert value == pytest.approx(ref[key], rel=1e-12), (s, key)
+
+
+def test_skewed_routing_slows_ep_when_gpu_links_bind():
+    c = Cluster(num_dcs=4, gpus_per_dc=4, dc_gbps=1e4, **BARE)
+    uniform = sim.step_time(c, NO_COMPUTE, 1)
+    hot = sim.step_time(c, dataclasses.replace(NO_COMPUTE, skew=1.5), 1)
+    assert hot.dispatch_s > 1.2 * uniform.dispatch_s
+
+
+def test_large_cluster_runs_aggregated():
+    c = Cluster(num_dcs=1000, dc_gbps=10.0)
+    for s in (1, 8):
+        t = sim.step_time(c, Workload(), s)
+        assert t.peers_per_gpu == c.num_ranks // s - 1
+        assert sim.lower_bound(c, Workload(), s) <= t.total_s
+
+
+# --- policies ------------------------------------------------------------------------------------
+
+
+def test_domain_policies():
+    assert sim.fixed_domain(1000, 8) == 8
+    assert sim.fixed_domain(12, 8) == 6
+    assert sim.fixed_domain(2, 8) == 2
+    assert sim.fixed_fraction(1000, 0.5) == 500
+    assert sim.fixed_fraction(1024, 0.9) == 128  # target 102.4: 128 is nearer than 64
+    assert sim.fixed_fraction(8, 0.9) == 1
+    with pytest.raises(ValueError, match="p must be"):
+        sim.fixed_fraction(8, 1.5)
+    with pytest.raises(ValueError, match="must divide"):
+        sim.step_time(Cluster(num_dcs=6), Workload(), 4)
+
+
+@pytest.mark.parametrize("bw", [1.0, 100.0])
+def test_best_domain_is_the_minimum_over_divisors(bw):
+    c = Cluster(num_dcs=12, dc_gbps=bw)
+    times = {s: sim.step_time(c, Workload(), s).total_s for s in sim.divisors(12)}
+    for s, t in times.items():
+        assert sim.lower_bound(c, Workload(), s) <= t
+    assert sim.best_domain(c, Workload()).total_s == min(times.values())
+
+
+# --- trends (the paper's, at defaults, N = 128; docs/crossdc_simulator.md has N = 1000) -----------
+
+
+def test_trends_lower_bandwidth_larger_gain_and_fixed_p_above_fixed_domain():
+    rows = sim.run_sweep(Cluster(num_dcs=1), Workload(), dc_counts=(128,), domains=(8,),
+                     fractions=(0.5,))  # fmt: skip
+    gain = {(r["policy"], r["dc_gbps"]): r["speedup"] for r in rows}
+    for policy in ("fixed_domain", "fixed_p", "best"):
+        series = [gain[(policy, bw)] for bw in BANDWIDTHS_GBPS]
+        assert all(a > b for a, b in zip(series, series[1:], strict=False)), (policy, series)
+    for bw in BANDWIDTHS_GBPS:
+        assert gain[("fixed_p", bw)] >= gain[("fixed_domain", bw)]
+
+
+def test_byte_counting_gives_no_fixed_domain_gain_at_scale():
+    # Without per-message costs or congestion a domain of 2 among 128 DCs saves 1/128 of the
+    # token bytes and adds the expert traffic: about 1x, as the paper's byte model says.
+    c = Cluster(num_dcs=128, dc_gbps=0.1, msg_overhead_s=0.0, congestion_exponent=0.0)
+    gain = sim.step_time(c, Workload(), 1).total_s / sim.step_time(c, Workload(), 2).total_s
+    assert 0.95 < gain < 1.05
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_writes_csv_and_png(tmp_path, capsys):
+    csv, png = tmp_path / "s.csv", tmp_path / "s.png"
+    rows = main(["--dcs", "2", "4", "--bandwidths", "10", "--csv", str(csv), "--png", str(png),
+                 "--quiet"])  # fmt: skip
+    assert len(rows) == 2 * (3 + 2 + 1)
+    back = sim.read_csv(str(csv))
+    assert [r["speedup"] for r in back] == pytest.approx([r["speedup"] for r in rows], rel=1e-5)
+    assert png.stat().st_size > 10_000
+    assert "4 DCs x 8 GPUs" in capsys.readouterr().out
+    assert "--congestion" in parser().format_help()
