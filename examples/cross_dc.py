@@ -30,6 +30,7 @@ from jax_hybridep import xdc
 MESH = (("dc", 2), ("node", 2), ("local", 2))
 
 flags.DEFINE_integer("steps", 150, "training steps per run")
+flags.DEFINE_integer("batch", 16, "sequences (of 128 bytes) per step: more tokens, more to move")
 flags.DEFINE_float("wan_gbps", 10.0, "bandwidth between datacenters, shared by a DC's GPUs")
 flags.DEFINE_float("wan_latency_ms", 5.0, "one-way latency between datacenters per message")
 flags.DEFINE_float("node_gbps", 100.0, "per-GPU bandwidth between nodes of a datacenter")
@@ -96,6 +97,7 @@ def main(argv):
     console = Console(soft_wrap=True)
     base = TrainConfig(
         steps=FLAGS.steps,
+        batch=FLAGS.batch,
         mesh=",".join(f"{n}={s}" for n, s in MESH),
         backend=FLAGS.backend,
         domain_compression=FLAGS.domain_compression,
