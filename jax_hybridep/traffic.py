@@ -63,9 +63,14 @@ def flat_pairs(dest) -> int:
 def padded_level_bytes(topology: Topology, tokens: int, hidden: int, dtype) -> list[int]:
     """Payload bytes one rank's static send buffer holds per level: S_l x M_l x H x itemsize,
     with M_0 = T and M_{l+1} = S_l x M_l (every level is dropless)."""
+    return padded_buffer_bytes(topology.level_sizes, tokens, hidden, np.dtype(dtype).itemsize)
+
+
+def padded_buffer_bytes(level_sizes, tokens: int, hidden: int, itemsize: int) -> list[int]:
+    """`padded_level_bytes` from the level sizes alone."""
     out, held = [], tokens
-    for size in topology.level_sizes:
-        out.append(size * held * hidden * np.dtype(dtype).itemsize)
+    for size in level_sizes:
+        out.append(size * held * hidden * itemsize)
         held *= size
     return out
 

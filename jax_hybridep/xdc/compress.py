@@ -25,15 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-INDEX_BYTES = 4  # int32 indices
+from jax_hybridep.xdc import volumes
 
 
 def kept_entries(num_entries: int, dtype, ratio: float | None) -> int:
     """k: entries of one matrix sent at compression `ratio` (all of them when None)."""
     if ratio is None:
         return num_entries
-    value_bytes = np.dtype(dtype).itemsize
-    return max(1, math.floor(num_entries * value_bytes / (ratio * (value_bytes + INDEX_BYTES))))
+    return volumes.topk_count(num_entries, ratio, np.dtype(dtype).itemsize)
 
 
 def sent_bytes(matrix_shape, dtype, ratio: float | None) -> int:
@@ -41,7 +40,7 @@ def sent_bytes(matrix_shape, dtype, ratio: float | None) -> int:
     n, value_bytes = math.prod(matrix_shape), np.dtype(dtype).itemsize
     if ratio is None:
         return n * value_bytes
-    return kept_entries(n, dtype, ratio) * (value_bytes + INDEX_BYTES)
+    return kept_entries(n, dtype, ratio) * (value_bytes + volumes.INDEX_BYTES)
 
 
 def gather_compressed(weights, axes: tuple[str, ...], ratio: float):

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_hybridep import traffic
+
 INDEX_BYTES = 4  # compressed experts carry int32 indices
 
 
@@ -125,18 +127,6 @@ def realisable_domains(level_sizes: Sequence[int]) -> list[tuple[int, ...]]:
 def token_level_sizes(level_sizes: Sequence[int], domains: Sequence[int]) -> tuple[int, ...]:
     """The token EP group's level sizes: the outer sizes `n_l > 1`, slow -> fast."""
     return tuple(g // s for g, s in zip(level_sizes, domains, strict=True) if g // s > 1)
-
-
-def padded_level_bytes(token_sizes: Sequence[int], tokens: int, hidden: int, act_bytes: int):
-    """Static per-rank send buffer bytes per token level (`traffic.padded_level_bytes` on sizes).
-
-    `n_l * M_l * H * act_bytes` with `M_0 = T`, `M_{l+1} = n_l * M_l`.
-    """
-    out, held = [], tokens
-    for size in token_sizes:
-        out.append(size * held * hidden * act_bytes)
-        held *= size
-    return out
 
 
 def topk_count(elements: int, ratio: float, value_bytes: int) -> int:
@@ -261,7 +251,8 @@ def _build(level_sizes, domains, loads, *, local, tokens, hidden, act_bytes, exp
     """`Volumes` from per-full-rank loads [3 (copies, sent, received), G, token levels]."""
     p1, wire, compressed = experts
     outer = [g // s for g, s in zip(level_sizes, domains, strict=True)]
-    padded = padded_level_bytes(token_level_sizes(level_sizes, domains), tokens, hidden, act_bytes)
+    token_sizes = token_level_sizes(level_sizes, domains)
+    padded = traffic.padded_buffer_bytes(token_sizes, tokens, hidden, act_bytes)
     levels, tok = [], 0
     for lvl, (g, s, n) in enumerate(zip(level_sizes, domains, outer, strict=True)):
         site = math.prod(level_sizes[lvl + 1 :])
