@@ -278,3 +278,16 @@ def test_measured_bytes_per_level_equal_the_planners_prediction(shape, names, si
         assert predicted.bytes_per_level[level] == pytest.approx(measured, rel=1e-12)
         if name not in rows:  # a level without tokens carries no token all-to-all at all
             assert moved["all-to-all"] == 0
+
+
+def test_capacity_is_per_replica_and_drops_are_counted():
+    """With a capacity factor each replica keeps ceil(f T (G/S) K / E) rows: generous capacity
+    gives plain EP's values; a tight one drops rows and counts them."""
+    y0, _, _ = _value_and_grad(_block(None, "xla"), X)
+    y, aux, _ = _value_and_grad(_block({"dc": 2}, "ffi", capacity_factor=8.0), X)
+    assert int(aux.dropped) == 0
+    np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-6)
+    _, tight, _ = _value_and_grad(_block({"dc": 2}, "ffi", capacity_factor=0.5), X)
+    # Per replica cap = ceil(0.5 * 8 tokens * 4 ranks * 4 / 16) = 4 rows; the block routes 256.
+    kept = TOKENS * K - int(tight.dropped)
+    assert 0 < int(tight.dropped) and kept <= 8 * (2 * 2) * 4
