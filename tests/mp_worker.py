@@ -8,6 +8,8 @@ a (node=2, local=4) mesh where "node" is the process index. Cases (`--case`):
   capacity routing with drops. Results are gathered to both hosts and compared with the dense
   reference on the same numpy inputs (with the op's `kept` mask) and the §2.1 layout model.
   A ValueError at trace time (an unsupported backend/topology) is reported, not raised.
+  `--levels=domains` runs the dropless case with cross-DC expert domains over "node" (S = 2):
+  experts are all-gathered across the processes and tokens stay inside each one.
 * `dead_peer`: one step runs on both processes, then process 1 dies abruptly (`os._exit`) and
   process 0 keeps stepping; the distributed runtime must end process 0.
 
@@ -34,11 +36,13 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_hybridep as hep  # noqa: E402
+from jax_hybridep import xdc  # noqa: E402
 from jax_hybridep.reference import dense_moe  # noqa: E402
 
 LOCAL_DEVICES = 4
 T, H, F, K, E = 6, 8, 4, 3, 16  # per-shard tokens, hidden, expert out, top-k, experts
-LEVELS = {"flat": (("node", "local"),), "hier": ("node", "local")}
+LEVELS = {"flat": (("node", "local"),), "hier": ("node", "local"), "domains": ("node", "local")}
+DOMAINS = {"domains": {"node": 2}}  # per --levels: expert domain sizes (xdc), if any
 SEED = 1234
 # Seconds without heartbeats after which the coordination service declares a process dead; every
 # other process then aborts (SIGABRT) from the runtime's error-polling thread, even while blocked
@@ -117,15 +121,22 @@ def step_inputs(mesh, topo, x, idx, w, experts, cot):
     )
 
 
-def make_step(mesh, topo, cfg, between=None):
+def make_step(mesh, topo, cfg, between=None, domains=None):
     """jit of value_and_grad over the sharded MoE: one compile gives outputs and all gradients.
 
     `between`, when given, maps the dispatched group sizes to the ones the experts use; it runs
-    between dispatch and combine (the dead-peer case kills a process there).
+    between dispatch and combine (the dead-peer case kills a process there). `domains`
+    (`xdc.ExpertDomains`) gathers the experts inside each domain and dispatches between domains.
     """
+    expert_spec = P(topo.ep_axes)
+    if domains is not None:
+        mesh, topo, cfg = domains.mesh, domains.token_topology, domains.dispatch_config(cfg)
+        expert_spec = P(domains.expert_axes)
     spec = P(tuple(mesh.axis_names))
 
     def per_shard(x, idx, w, experts):
+        if domains is not None:
+            experts = domains.gather_experts((experts,))[0]
         d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
         group_sizes = d.group_sizes if between is None else between(d.group_sizes)
         y = local_experts(d.tokens, group_sizes, experts)
@@ -135,7 +146,7 @@ def make_step(mesh, topo, cfg, between=None):
     moe = jax.shard_map(
         per_shard,
         mesh=mesh,
-        in_specs=(spec, spec, spec, P(topo.ep_axes)),
+        in_specs=(spec, spec, spec, expert_spec),
         out_specs=(spec, spec, spec, spec),
     )
 
@@ -155,14 +166,14 @@ class TraceTimeError(Exception):
     """A ValueError the op raised while tracing: reported to the test rather than a crash."""
 
 
-def run_case(mesh, topo, backend, capacity_factor, pad_multiple):
+def run_case(mesh, topo, backend, capacity_factor, pad_multiple, domains=None):
     """One compiled forward+backward step, gathered and compared on the host."""
     shards = mesh.devices.size
     x, idx, w, experts, cot = problem(shards, capacity_factor is not None)
     cfg = hep.DispatchConfig(
         num_experts=E, capacity_factor=capacity_factor, pad_multiple=pad_multiple, backend=backend
     )
-    step = make_step(mesh, topo, cfg)
+    step = make_step(mesh, topo, cfg, domains=domains)
     args = step_inputs(mesh, topo, x, idx, w, experts, cot)
     try:
         lowered = step.lower(*args)
@@ -201,6 +212,13 @@ def run_case(mesh, topo, backend, capacity_factor, pad_multiple):
 
 def check(args, mesh):
     topo = hep.Topology.from_mesh(mesh, levels=LEVELS[args.levels])
+    if args.levels in DOMAINS:
+        # Capacity is per replica with domains, so the plain-EP layout model does not apply:
+        # the dropless case checks values and gradients against the dense reference.
+        domains = xdc.ExpertDomains.from_mesh(mesh, topo, DOMAINS[args.levels])
+        case = run_case(mesh, topo, args.backend, None, 1, domains=domains)
+        report(status="ok", single_process=topo.single_process, cases={"dropless": case})
+        return
     try:
         cases = {
             "dropless": run_case(mesh, topo, args.backend, None, 1),
