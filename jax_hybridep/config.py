@@ -38,6 +38,13 @@ class DispatchConfig:
       strict: turn any dropped row or invalid expert id into a runtime error.
       timeout_s: how long a rank waits for its peers before failing with an error (ffi backend);
         the env var JAX_HYBRIDEP_TIMEOUT_S overrides it.
+      row_budget: opt-in, dropless mode only (capacity_factor=None): the expert-major buffer has
+        C = row_budget rows per rank instead of the worst case
+        `T * EP * min(K, E_local) + E_local * (pad_multiple - 1)` (Hybrid-EP's non-blocking
+        mode with a token budget). No expert has a capacity; experts fill the buffer slot after
+        slot and the rows that do not fit overflow: they are dropped in the §2.1 order and
+        counted in `stats.dropped` (strict mode raises), never silently. Default None: the worst
+        case, which never overflows.
     """
 
     num_experts: int
@@ -48,6 +55,7 @@ class DispatchConfig:
     backend: str = "auto"
     strict: bool = False
     timeout_s: float = 120.0
+    row_budget: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_experts, int | np.integer) or self.num_experts < 1:
@@ -62,6 +70,16 @@ class DispatchConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.row_budget is not None:
+            integer = isinstance(self.row_budget, int | np.integer)
+            if not integer or isinstance(self.row_budget, bool) or self.row_budget < 1:
+                raise ValueError(f"row_budget must be an int >= 1 or None, got {self.row_budget!r}")
+            if self.capacity_factor is not None:
+                raise ValueError(
+                    f"row_budget={self.row_budget} is for dropless mode only; it cannot be "
+                    f"combined with capacity_factor={self.capacity_factor} (a capacity already "
+                    "bounds the buffer)"
+                )
         if self.num_local_slots is not None and self.num_local_slots < 1:
             raise ValueError(f"num_local_slots must be >= 1, got {self.num_local_slots!r}")
         if self.expert_placement is not None:
@@ -162,6 +180,8 @@ def make_plan(
     if config.capacity_factor is None:
         capacity = None
         rows = tokens * num_ranks * min(k, num_slots) + num_slots * (pad - 1)
+        if config.row_budget is not None:  # opt-in: overflow is dropped and counted
+            rows = int(config.row_budget)
     else:
         capacity = round_up(
             math.ceil(config.capacity_factor * tokens * num_ranks * k / num_experts), pad

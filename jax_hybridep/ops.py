@@ -31,7 +31,8 @@ class DispatchStats:
     """Counts of one dispatch.
 
     Attributes:
-      dropped: [] int32, this shard's valid rows dropped over capacity.
+      dropped: [] int32, this shard's valid rows dropped over capacity (or, with the opt-in
+        `DispatchConfig.row_budget`, over the row budget).
       invalid: [] int32, this shard's expert ids outside [-1, E).
       tokens_per_expert: [E] int32, rows routed to each expert over the EP group, before drops.
       level_rows: [levels] int32, token copies this shard sent to other ranks at each level
@@ -263,7 +264,13 @@ def _combine_rows_fwd(weighted, handle, y, weights):
 
 def _combine_rows_bwd(weighted, residuals, g):
     handle, y, weights = residuals
-    rows = backends.get(handle.backend).redispatch(handle, g)  # [C, H'] in y's dtype
+    impl = backends.get(handle.backend)
+    if weighted and hasattr(impl, "redispatch_scaled"):
+        # The backend writes rows and their weighted gradient in one pass (same values as below).
+        rows, grad_y = impl.redispatch_scaled(handle, g, weights)
+        grad_weights = jnp.sum(y.astype(jnp.float32) * rows.astype(jnp.float32), axis=1)
+        return None, grad_y, grad_weights
+    rows = impl.redispatch(handle, g)  # [C, H'] in y's dtype
     if not weighted:
         return None, rows, jnp.zeros_like(weights)
     rows32 = rows.astype(jnp.float32)

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from jax_hybridep.bench import main as bench_main
-from jax_hybridep.bench import workloads
+from jax_hybridep.bench import runner, workloads
 
 CASE_FIELDS = (
     "method",
@@ -21,6 +21,8 @@ CASE_FIELDS = (
     "routing",
     "capacity",
     "capacity_factor",
+    "row_budget_factor",
+    "baseline_capacity",
     "direction",
     "median_s",
     "times_s",
@@ -44,7 +46,7 @@ def doc(tmp_path_factory):
         "tiny",
         jax.devices()[:4],
         routings=("uniform", "skewed"),
-        capacities=(None, 1.25),
+        capacities=(None, 1.25, runner.Budget(1.0)),
         repeats=1,
         warmup=0,
         json_path=str(out / "bench.json"),
@@ -78,7 +80,39 @@ def test_every_case_present(doc):
         assert ("gshard", "f=1.25", direction) in labels
         assert ("maxtext-padded", "dropless", direction) in labels
         assert ("worst_case", "dropless", direction) in labels
-    assert len(doc["cases"]) == 2 * 2 * (4 + 2 + 4 + 1)  # routings x directions x cases
+    assert len(doc["cases"]) == 2 * 2 * (4 + 2 + 4 + 1 + 4)  # routings x directions x cases
+
+
+def test_row_budget_cases(doc):
+    """budget=F: dropless with DispatchConfig.row_budget = ceil(F * T * K) rows per rank, timed
+    against the dropless baselines; its overflow is counted, and without overflow it is exact."""
+    budget = [c for c in doc["cases"] if c["capacity"] == "budget=1"]
+    assert len(budget) == 2 * 2 * 4
+    rows = 32 * 2  # T * K of the tiny preset
+    for c in budget:
+        assert c["method"] == "hybridep" and c["baseline_capacity"] == "dropless"
+        assert c["row_budget_factor"] == 1.0 and c["buffer_bytes"] == rows * 64 * 4
+        assert c["best_baseline"] in ("worst_case", "maxtext-padded")
+        if c["dropped"] == 0:
+            assert c["max_rel_err"] is not None and c["max_rel_err"] < 1e-5, c
+        else:
+            assert c["max_rel_err"] is None
+    # The skewed routing's hot expert overflows a budget of the average rows per rank.
+    assert any(c["dropped"] > 0 for c in budget if c["routing"] == "skewed")
+    labels = {(c["label"], c["routing"], c["direction"]) for c in budget}
+    drops = {}
+    for c in budget:
+        drops.setdefault((c["routing"], c["direction"]), set()).add(c["dropped"])
+    assert all(len(v) == 1 for v in drops.values()), drops  # same drops on every backend/topology
+    assert len(labels) == len(budget)
+
+
+def test_parse_capacities():
+    assert bench_main.parse_capacities("dropless, 1.25,budget=1.5") == [
+        None,
+        1.25,
+        runner.Budget(1.5),
+    ]
 
 
 def test_fields_sane(doc):
@@ -148,3 +182,26 @@ def test_cli_help():
         check=True,
     )
     assert "--preset" in out.stdout and "--capacities" in out.stdout
+
+
+def test_profile_labels_name_custom_calls_and_fusions():
+    from jax_hybridep.bench import profile
+
+    hlo = """HloModule m
+%fused_computation { ROOT %x = f32[] parameter(0) }
+
+ENTRY %main (p: bf16[4,8]) -> f32[4] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  %ffi_call.1 = (bf16[16,8]{1,0}, bf16[16,8]{1,0}) custom-call(%p), custom_call_target="jax_hybridep_redispatch_scaled", api_version=API_VERSION_TYPED_FFI
+  %ffi_call.2 = bf16[4,8]{1,0} custom-call(%p), custom_call_target="jax_hybridep_combine"
+  %ffi_call.3 = bf16[4,8]{1,0} custom-call(%p), custom_call_target="jax_hybridep_combine"
+  ROOT %ynn_fusion = f32[4]{0} fusion(%p), kind=kCustom, calls=%fused_computation
+}
+"""  # noqa: E501
+    labels = profile.op_labels(hlo)
+    assert labels == {
+        "ffi_call.1": "ffi redispatch_scaled",
+        "ffi_call.2": "ffi combine (ffi_call.2)",
+        "ffi_call.3": "ffi combine (ffi_call.3)",
+        "ynn_fusion": "xla ynn_fusion f32[4]",
+    }

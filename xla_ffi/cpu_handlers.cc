@@ -1,12 +1,14 @@
 // XLA FFI handlers (platform Host): layout, and dispatch/combine for one-level topologies.
 //
 // Every device of an EP group calls the same handler at the same time on its own thread; they meet
-// in a process-wide rendezvous (rendezvous.h) and write straight into each other's buffers. The
-// EP rank and group arrive as operands (from axis_index), never from the device ordinal.
+// in a process-wide rendezvous (rendezvous.h) and, once all have arrived, each reads straight from
+// the others' inputs into its own outputs (exchange.h, "pull transport"). The EP rank and group
+// arrive as operands (from axis_index), never from the device ordinal.
 #include "xla_ffi/cpu_handlers.h"
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -156,81 +158,109 @@ ffi::Error LayoutGatheredImpl(
                                group.typed_data()[0], gathered.typed_data(), out));
 }
 
-// Dispatch: one copy per (token, destination rank) into the destination's receive buffer, then
-// the destination expands it into expert-major rows.
+// The one-level exchanges read straight from the peers (exchange.h, "pull transport"): each
+// rank publishes its inputs; the write step only records the peers' pointers (every rank has
+// arrived, so their inputs are ready and stay alive until every rank's read step has run), and
+// each rank's read step produces its own outputs from them.
+struct PeerInputs {
+  std::vector<Published> peers;
+};
+
+std::function<void(const std::vector<Published>&)> RecordPeers(std::shared_ptr<PeerInputs> in) {
+  return [in = std::move(in)](const std::vector<Published>& peers) { in->peers = peers; };
+}
+
+std::vector<SourceRows> Sources(const PeerInputs& in, bool with_weights) {
+  std::vector<SourceRows> sources(in.peers.size());
+  for (size_t r = 0; r < in.peers.size(); ++r) {
+    const Published& p = in.peers[r];
+    sources[r] = {static_cast<const char*>(p[0]), static_cast<const int32_t*>(p[1]),
+                  static_cast<const int32_t*>(p[2]),
+                  with_weights ? static_cast<const float*>(p[3]) : nullptr};
+  }
+  return sources;
+}
+
+// Dispatch: each destination copies every row it holds straight from its source's x (one copy
+// per row).
 ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights,
                          ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
                          int64_t num_ranks, int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> tokens,
-                         ffi::ResultBuffer<ffi::F32> row_weights,
-                         ffi::ResultBuffer<ffi::S32> recv_row_pos,
-                         ffi::ResultBuffer<ffi::S32> recv_token) {
-  if (auto dtype = ToDtype(x.element_type(), "x"); dtype.has_error()) {
-    return Failed(dtype.error());
-  }
+                         ffi::ResultBuffer<ffi::F32> row_weights) {
+  auto dtype = ToDtype(x.element_type(), "x");
+  if (dtype.has_error()) return Failed(dtype.error());
   const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t T = x.dimensions()[0];
   const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], tokens->dimensions()[0],
                             static_cast<int64_t>(x.size_bytes()) / T};
-  struct Staging {
-    std::vector<char> tokens;
-    std::vector<float> weights;
-    DispatchRecvBuffer recv;
-  };
-  auto staging = std::make_shared<Staging>();
-  staging->tokens.resize(shape.ranks * T * shape.row_bytes);
-  staging->weights.resize(shape.ranks * T * shape.k);
-  staging->recv = {staging->tokens.data(), recv_token->typed_data(), recv_row_pos->typed_data(),
-                   staging->weights.data()};
-  ClearRecvMetadata(shape, staging->recv.token_ids, staging->recv.row_pos);
-
+  auto in = std::make_shared<PeerInputs>();
   Participant p;
-  p.published = {&staging->recv};
-  p.write = [=, x = static_cast<const char*>(x.untyped_data()), dest = dest.typed_data(),
-             row_pos = row_pos.typed_data(),
-             weights = weights.typed_data()](const std::vector<Published>& peers) {
-    std::vector<DispatchRecvBuffer*> recv(peers.size());
-    for (size_t r = 0; r < peers.size(); ++r) {
-      recv[r] = static_cast<DispatchRecvBuffer*>(peers[r][0]);
-    }
-    WriteTokens(shape, call.rank, x, dest, row_pos, weights, recv.data());
-  };
+  p.published = {x.untyped_data(), dest.typed_data(), row_pos.typed_data(), weights.typed_data()};
+  p.write = RecordPeers(in);
   p.read = [=, out = static_cast<char*>(tokens->untyped_data()),
             out_weights = row_weights->typed_data()]() {
-    ExpandRows(shape, staging->recv, out, out_weights);
+    const std::vector<SourceRows> sources = Sources(*in, true);
+    PullRows(shape, call.rank, sources.data(), dtype.value(), nullptr, out, out_weights, nullptr);
     return Status::Ok();
   };
   return Exchange("dispatch", call, std::move(p));
 }
 
-// Combine: each destination sums its rows per received token and writes the partial into the
-// source's buffer; the source adds the partials in ascending destination rank.
+// Combine's VJP: the dispatch of the output cotangent g along an existing layout into rows
+// [C, H], and in the same pass scaled = rows * scale[row] (the weighted rows' gradient).
+ffi::Future RedispatchScaledImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
+                                 ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
+                                 ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                                 int64_t site, int64_t num_ranks, int64_t timeout_ms,
+                                 ffi::Result<ffi::AnyBuffer> rows,
+                                 ffi::Result<ffi::AnyBuffer> scaled) {
+  auto dtype = ToDtype(g.element_type(), "g");
+  if (dtype.has_error()) return Failed(dtype.error());
+  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
+  const int64_t T = g.dimensions()[0];
+  const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], rows->dimensions()[0],
+                            static_cast<int64_t>(g.size_bytes()) / T};
+  auto in = std::make_shared<PeerInputs>();
+  Participant p;
+  p.published = {g.untyped_data(), dest.typed_data(), row_pos.typed_data(), nullptr};
+  p.write = RecordPeers(in);
+  p.read = [=, out = static_cast<char*>(rows->untyped_data()),
+            out_scaled = static_cast<char*>(scaled->untyped_data()), scale = scale.typed_data()]() {
+    const std::vector<SourceRows> sources = Sources(*in, false);
+    PullRows(shape, call.rank, sources.data(), dtype.value(), scale, out, nullptr, out_scaled);
+    return Status::Ok();
+  };
+  return Exchange("redispatch", call, std::move(p));
+}
+
+// Combine: each source sums, per token, its rows on each destination in ascending k (one
+// partial per destination, rounded to y's dtype), and the partials in ascending destination.
 ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
-                        ffi::Buffer<ffi::S32> recv_token, ffi::Buffer<ffi::S32> recv_row_pos,
-                        ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
-                        ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks, bool weighted,
-                        int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> out) {
+                        ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
+                        ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
+                        int64_t num_ranks, bool weighted, int64_t timeout_ms,
+                        ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = ToDtype(y.element_type(), "y");
   if (dtype.has_error()) return Failed(dtype.error());
   const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t T = out->dimensions()[0];
   const ExchangeShape shape{num_ranks, T, dest.dimensions()[1], y.dimensions()[0],
                             static_cast<int64_t>(out->size_bytes()) / T};
-  auto partials = std::make_shared<std::vector<char>>(shape.ranks * T * shape.row_bytes);
-
+  auto in = std::make_shared<PeerInputs>();
   Participant p;
-  p.published = {partials->data()};
-  p.write = [=, y = static_cast<const char*>(y.untyped_data()),
-             weights = weighted ? weights.typed_data() : nullptr,
-             token_ids = recv_token.typed_data(),
-             row_pos = recv_row_pos.typed_data()](const std::vector<Published>& peers) {
-    std::vector<char*> peer_partials(peers.size());
-    for (size_t r = 0; r < peers.size(); ++r) peer_partials[r] = static_cast<char*>(peers[r][0]);
-    WritePartials(shape, call.rank, dtype.value(), y, weights, token_ids, row_pos,
-                  peer_partials.data());
-  };
-  p.read = [=, dest = dest.typed_data(), out = static_cast<char*>(out->untyped_data())]() {
-    ReducePartials(shape, dtype.value(), partials->data(), dest, out);
+  p.published = {y.untyped_data(), weighted ? weights.typed_data() : nullptr};
+  p.write = RecordPeers(in);
+  p.read = [=, dest = dest.typed_data(), row_pos = row_pos.typed_data(),
+            out = static_cast<char*>(out->untyped_data())]() {
+    std::vector<const char*> ys(in->peers.size());
+    std::vector<const float*> ws(in->peers.size());
+    for (size_t r = 0; r < in->peers.size(); ++r) {
+      ys[r] = static_cast<const char*>(in->peers[r][0]);
+      ws[r] = static_cast<const float*>(in->peers[r][1]);
+    }
+    PullCombine(shape, dtype.value(), ys.data(), weighted ? ws.data() : nullptr, dest, row_pos,
+                out);
     return Status::Ok();
   };
   return Exchange("combine", call, std::move(p));
@@ -238,24 +268,26 @@ ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::F3
 
 // Returns one float per row to the (t, k) it came from (the routing-weight gradient).
 ffi::Future ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
-                                ffi::Buffer<ffi::S32> recv_token,
-                                ffi::Buffer<ffi::S32> recv_row_pos, ffi::Buffer<ffi::S32> rank,
-                                ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                                int64_t timeout_ms, ffi::ResultBuffer<ffi::F32> out) {
+                                ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
+                                ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                                int64_t site, int64_t num_ranks, int64_t timeout_ms,
+                                ffi::ResultBuffer<ffi::F32> out) {
   const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t T = out->dimensions()[0], K = out->dimensions()[1];
   const ExchangeShape shape{num_ranks, T, K, values.dimensions()[0], 0};
-  std::fill(out->typed_data(), out->typed_data() + T * K, 0.0f);
-
+  auto in = std::make_shared<PeerInputs>();
   Participant p;
-  p.published = {out->typed_data()};
-  p.write = [=, values = values.typed_data(), token_ids = recv_token.typed_data(),
-             row_pos = recv_row_pos.typed_data()](const std::vector<Published>& peers) {
-    std::vector<float*> peer_out(peers.size());
-    for (size_t r = 0; r < peers.size(); ++r) peer_out[r] = static_cast<float*>(peers[r][0]);
-    WriteRowValues(shape, values, token_ids, row_pos, peer_out.data());
+  p.published = {values.typed_data()};
+  p.write = RecordPeers(in);
+  p.read = [=, dest = dest.typed_data(), row_pos = row_pos.typed_data(),
+            out = out->typed_data()]() {
+    std::vector<const float*> vs(in->peers.size());
+    for (size_t r = 0; r < in->peers.size(); ++r) {
+      vs[r] = static_cast<const float*>(in->peers[r][0]);
+    }
+    PullRowValues(shape, vs.data(), dest, row_pos, out);
+    return Status::Ok();
   };
-  p.read = [] { return Status::Ok(); };
   return Exchange("row values", call, std::move(p));
 }
 
@@ -316,17 +348,29 @@ XLA_FFI_DEFINE_HANDLER(kDispatch, DispatchImpl,
                            .Attr<int64_t>("num_ranks")
                            .Attr<int64_t>("timeout_ms")
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
-                           .Ret<ffi::Buffer<ffi::F32>>()    // row_weights [C]
-                           .Ret<ffi::Buffer<ffi::S32>>()    // recv_row_pos [R, T, K]
-                           .Ret<ffi::Buffer<ffi::S32>>());  // recv_token [R, T]
+                           .Ret<ffi::Buffer<ffi::F32>>());  // row_weights [C]
+
+XLA_FFI_DEFINE_HANDLER(kRedispatchScaled, RedispatchScaledImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Arg<ffi::AnyBuffer>()         // g [T, H]
+                           .Arg<ffi::Buffer<ffi::F32>>()  // scale [C]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // row_pos [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // rank []
+                           .Arg<ffi::Buffer<ffi::S32>>()  // group []
+                           .Attr<int64_t>("site")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("timeout_ms")
+                           .Ret<ffi::AnyBuffer>()    // rows [C, H]
+                           .Ret<ffi::AnyBuffer>());  // scaled [C, H]
 
 XLA_FFI_DEFINE_HANDLER(kCombine, CombineImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::RunId>()
                            .Arg<ffi::AnyBuffer>()         // y [C, H]
                            .Arg<ffi::Buffer<ffi::F32>>()  // weights [C]
-                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_token [R, T]
-                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R, T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // row_pos [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
@@ -340,8 +384,8 @@ XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::RunId>()
                            .Arg<ffi::Buffer<ffi::F32>>()  // values [C]
-                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_token [R, T]
-                           .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R, T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // row_pos [T, K]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
                            .Attr<int64_t>("site")
@@ -351,11 +395,9 @@ XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
 
 std::vector<HandlerEntry> CpuHandlers() {
   std::vector<HandlerEntry> handlers = {
-      {"jax_hybridep_layout", kLayout},
-      {"jax_hybridep_layout_gathered", kLayoutGathered},
-      {"jax_hybridep_dispatch", kDispatch},
-      {"jax_hybridep_combine", kCombine},
-      {"jax_hybridep_return_row_values", kReturnRowValues},
+      {"jax_hybridep_layout", kLayout},     {"jax_hybridep_layout_gathered", kLayoutGathered},
+      {"jax_hybridep_dispatch", kDispatch}, {"jax_hybridep_redispatch_scaled", kRedispatchScaled},
+      {"jax_hybridep_combine", kCombine},   {"jax_hybridep_return_row_values", kReturnRowValues},
   };
   for (const HandlerEntry& entry : CpuLevelHandlers()) handlers.push_back(entry);
   return handlers;

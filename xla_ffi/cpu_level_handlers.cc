@@ -94,6 +94,21 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
   return ffi::Error::Success();
 }
 
+// ExpandItems for combine's VJP: rows, and scaled = rows * scale[row] in the same pass.
+ffi::Error ExpandItemsScaledImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
+                                 ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> tokens,
+                                 ffi::Result<ffi::AnyBuffer> scaled) {
+  auto dtype = ToDtype(rows.element_type(), "g");
+  if (dtype.has_error()) return dtype.error();
+  const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
+  const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
+                         nullptr};
+  ExpandItemsScaled(shape, items, tokens->dimensions()[0], dtype.value(), scale.typed_data(),
+                    static_cast<char*>(tokens->untyped_data()), nullptr,
+                    static_cast<char*>(scaled->untyped_data()));
+  return ffi::Error::Success();
+}
+
 // Per held item: this rank's rows summed in ascending k (combine's first partials).
 ffi::Error ItemPartialsImpl(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                             ffi::Buffer<ffi::S32> pos, bool weighted,
@@ -194,6 +209,14 @@ XLA_FFI_DEFINE_HANDLER(kExpandItems, ExpandItemsImpl,
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // row_weights [C]
 
+XLA_FFI_DEFINE_HANDLER(kExpandItemsScaled, ExpandItemsScaledImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()         // rows [M, H]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // pos [M, K]
+                           .Arg<ffi::Buffer<ffi::F32>>()  // scale [C]
+                           .Ret<ffi::AnyBuffer>()         // tokens [C, H]
+                           .Ret<ffi::AnyBuffer>());       // scaled [C, H]
+
 XLA_FFI_DEFINE_HANDLER(kItemPartials, ItemPartialsImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::AnyBuffer>()         // y [C, H]
@@ -232,6 +255,7 @@ std::vector<HandlerEntry> CpuLevelHandlers() {
       {"jax_hybridep_level_send", kLevelSend},
       {"jax_hybridep_level_pack", kLevelPack},
       {"jax_hybridep_expand_items", kExpandItems},
+      {"jax_hybridep_expand_items_scaled", kExpandItemsScaled},
       {"jax_hybridep_item_partials", kItemPartials},
       {"jax_hybridep_blocks_all_to_all", kBlocksAllToAll},
       {"jax_hybridep_level_reduce", kLevelReduce},

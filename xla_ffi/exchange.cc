@@ -4,7 +4,51 @@
 #include <cstring>
 #include <vector>
 
+// The row kernels are memory-bound loops; wider vectors cut their instruction count severalfold.
+// Multiversioned so one portable build still uses AVX2/AVX-512 where the CPU has them.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define JAX_HYBRIDEP_ROW_KERNEL __attribute__((target_clones("default", "avx2", "avx512f")))
+#else
+#define JAX_HYBRIDEP_ROW_KERNEL
+#endif
+
 namespace jax_hybridep {
+
+JAX_HYBRIDEP_ROW_KERNEL void AccumulateRow(float* acc, const void* row, int64_t hidden, Dtype dtype,
+                                           bool weighted, float w) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return AccumulateRowT<Dtype::kF32>(acc, row, hidden, weighted, w);
+    case Dtype::kBF16:
+      return AccumulateRowT<Dtype::kBF16>(acc, row, hidden, weighted, w);
+    case Dtype::kF16:
+      return AccumulateRowT<Dtype::kF16>(acc, row, hidden, weighted, w);
+  }
+}
+
+JAX_HYBRIDEP_ROW_KERNEL void StoreRow(void* out, const float* acc, int64_t hidden, Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return StoreRowT<Dtype::kF32>(out, acc, hidden);
+    case Dtype::kBF16:
+      return StoreRowT<Dtype::kBF16>(out, acc, hidden);
+    case Dtype::kF16:
+      return StoreRowT<Dtype::kF16>(out, acc, hidden);
+  }
+}
+
+JAX_HYBRIDEP_ROW_KERNEL void ScaleRow(void* out, const void* in, int64_t hidden, float w,
+                                      Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return ScaleRowT<Dtype::kF32>(out, in, hidden, w);
+    case Dtype::kBF16:
+      return ScaleRowT<Dtype::kBF16>(out, in, hidden, w);
+    case Dtype::kF16:
+      return ScaleRowT<Dtype::kF16>(out, in, hidden, w);
+  }
+}
+
 namespace {
 
 // The distinct destination ranks of token t, ascending. Returns how many were written to `out`.
@@ -47,6 +91,33 @@ void WriteTokens(const ExchangeShape& shape, int64_t rank, const char* x, const 
   }
 }
 
+void ZeroUnfilledRows(int64_t rows, int64_t row_bytes, const uint8_t* filled, char* out) {
+  int64_t r = 0;
+  while (r < rows) {
+    if (filled[r]) {
+      ++r;
+      continue;
+    }
+    int64_t end = r;
+    while (end < rows && !filled[end]) ++end;
+    std::memset(out + r * row_bytes, 0, (end - r) * row_bytes);
+    r = end;
+  }
+}
+
+void FillUnfilledScaled(int64_t rows, int64_t row_bytes, const uint8_t* filled, Dtype dtype,
+                        const float* scale, char* out_scaled) {
+  ZeroUnfilledRows(rows, row_bytes, filled, out_scaled);
+  const int64_t hidden = row_bytes / DtypeBytes(dtype);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (filled[r]) continue;
+    const float v = 0.0f * scale[r];  // what XLA computes for a zero row: -0, NaN are possible
+    if (FloatToBits(v) == 0u) continue;
+    char* row = out_scaled + r * row_bytes;
+    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(row, h, v, dtype);
+  }
+}
+
 void ExpandRows(const ExchangeShape& shape, const DispatchRecvBuffer& recv, char* out_tokens,
                 float* out_weights) {
   const int64_t K = shape.k;
@@ -79,15 +150,11 @@ void WritePartials(const ExchangeShape& shape, int64_t rank, Dtype dtype, const 
       for (int64_t kk = 0; kk < K; ++kk) {
         const int32_t row = recv_row_pos[slot * K + kk];
         if (row < 0) continue;
-        const float w = weights != nullptr ? weights[row] : 1.0f;
-        for (int64_t h = 0; h < hidden; ++h) {
-          float v = LoadAsFloat(y, row * hidden + h, dtype);
-          if (weights != nullptr) v = v * w;
-          acc[h] = acc[h] + v;
-        }
+        AccumulateRow(acc.data(), y + row * shape.row_bytes, hidden, dtype, weights != nullptr,
+                      weights != nullptr ? weights[row] : 1.0f);
       }
       char* out = peer_partials[src] + (rank * T + t) * shape.row_bytes;
-      for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(out, h, acc[h], dtype);
+      StoreRow(out, acc.data(), hidden, dtype);
     }
   }
 }
@@ -103,10 +170,9 @@ void ReducePartials(const ExchangeShape& shape, Dtype dtype, const char* partial
     const int64_t num_dests = DistinctDestinations(dest + t * K, K, dests.data());
     for (int64_t i = 0; i < num_dests; ++i) {
       const char* partial = partials + (dests[i] * T + t) * shape.row_bytes;
-      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + LoadAsFloat(partial, h, dtype);
+      AccumulateRow(acc.data(), partial, hidden, dtype, false, 1.0f);
     }
-    char* row = out + t * shape.row_bytes;
-    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(row, h, acc[h], dtype);
+    StoreRow(out + t * shape.row_bytes, acc.data(), hidden, dtype);
   }
 }
 
@@ -123,6 +189,75 @@ void WriteRowValues(const ExchangeShape& shape, const float* values, const int32
         if (row >= 0) peer_out[src][t * K + kk] = values[row];
       }
     }
+  }
+}
+
+void PullRows(const ExchangeShape& shape, int64_t rank, const SourceRows* sources, Dtype dtype,
+              const float* scale, char* out_tokens, float* out_weights, char* out_scaled) {
+  const int64_t T = shape.tokens, K = shape.k, rb = shape.row_bytes;
+  // Which rows get a token: only the others are zeroed, so a large, mostly empty buffer (dropless
+  // C) costs one pass over its empty part and one copy per filled row.
+  std::vector<uint8_t> filled(shape.rows, 0);
+  for (int64_t src = 0; src < shape.ranks; ++src) {
+    const SourceRows& from = sources[src];
+    for (int64_t i = 0; i < T * K; ++i) {
+      if (from.dest[i] == rank && from.row_pos[i] >= 0) filled[from.row_pos[i]] = 1;
+    }
+  }
+  ZeroUnfilledRows(shape.rows, rb, filled.data(), out_tokens);
+  if (out_weights != nullptr) std::fill(out_weights, out_weights + shape.rows, 0.0f);
+  if (out_scaled != nullptr)
+    FillUnfilledScaled(shape.rows, rb, filled.data(), dtype, scale, out_scaled);
+  const int64_t hidden = rb / DtypeBytes(dtype);
+  for (int64_t src = 0; src < shape.ranks; ++src) {
+    const SourceRows& from = sources[src];
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t row = from.row_pos[t * K + j];
+        if (from.dest[t * K + j] != rank || row < 0) continue;
+        const char* token = from.x + t * rb;
+        std::memcpy(out_tokens + row * rb, token, rb);
+        if (out_weights != nullptr) {
+          out_weights[row] = from.weights != nullptr ? from.weights[t * K + j] : 0.0f;
+        }
+        if (out_scaled != nullptr)
+          ScaleRow(out_scaled + row * rb, token, hidden, scale[row], dtype);
+      }
+    }
+  }
+}
+
+void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
+                 const float* const* weights, const int32_t* dest, const int32_t* row_pos,
+                 char* out) {
+  const int64_t T = shape.tokens, K = shape.k, rb = shape.row_bytes;
+  const int64_t hidden = rb / DtypeBytes(dtype);
+  std::vector<float> acc(hidden), part(hidden);
+  std::vector<char> rounded(rb);
+  std::vector<int32_t> dests(K);
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int64_t num_dests = DistinctDestinations(dest + t * K, K, dests.data());
+    for (int64_t i = 0; i < num_dests; ++i) {
+      const int32_t d = dests[i];
+      std::fill(part.begin(), part.end(), 0.0f);
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t row = row_pos[t * K + j];
+        if (dest[t * K + j] != d || row < 0) continue;
+        AccumulateRow(part.data(), y[d] + row * rb, hidden, dtype, weights != nullptr,
+                      weights != nullptr ? weights[d][row] : 1.0f);
+      }
+      StoreRow(rounded.data(), part.data(), hidden, dtype);  // the partial crosses as dtype
+      AccumulateRow(acc.data(), rounded.data(), hidden, dtype, false, 1.0f);
+    }
+    StoreRow(out + t * rb, acc.data(), hidden, dtype);
+  }
+}
+
+void PullRowValues(const ExchangeShape& shape, const float* const* values, const int32_t* dest,
+                   const int32_t* row_pos, float* out) {
+  for (int64_t i = 0; i < shape.tokens * shape.k; ++i) {
+    out[i] = dest[i] >= 0 && row_pos[i] >= 0 ? values[dest[i]][row_pos[i]] : 0.0f;
   }
 }
 

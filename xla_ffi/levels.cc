@@ -4,10 +4,13 @@
 #include <cstring>
 #include <vector>
 
+#include "xla_ffi/exchange.h"
+
 namespace jax_hybridep {
 
 void ClearItems(const LevelShape& shape, int64_t count, const LevelItems& items) {
-  std::memset(items.rows, 0, count * shape.row_bytes);
+  // Empty slots' payload is never read (every reader skips slots whose metadata is empty), so
+  // only the metadata is cleared, not the [count, row_bytes] payload.
   std::fill(items.dest, items.dest + count * shape.k, -1);
   std::fill(items.pos, items.pos + count * shape.k, -1);
   std::fill(items.weights, items.weights + count * shape.k, 0.0f);
@@ -44,15 +47,32 @@ void SendLevel(const LevelShape& shape, const LevelItems& held, const LevelItems
 
 void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows, char* out_rows,
                  float* out_weights) {
-  std::memset(out_rows, 0, rows * shape.row_bytes);
-  std::fill(out_weights, out_weights + rows, 0.0f);
+  ExpandItemsScaled(shape, items, rows, Dtype::kF32, nullptr, out_rows, out_weights, nullptr);
+}
+
+void ExpandItemsScaled(const LevelShape& shape, const LevelItems& items, int64_t rows, Dtype dtype,
+                       const float* scale, char* out_rows, float* out_weights, char* out_scaled) {
+  const int64_t K = shape.k;
+  std::vector<uint8_t> filled(rows, 0);
+  for (int64_t i = 0; i < shape.items * K; ++i) {
+    if (items.pos[i] >= 0) filled[items.pos[i]] = 1;
+  }
+  ZeroUnfilledRows(rows, shape.row_bytes, filled.data(), out_rows);
+  if (out_weights != nullptr) std::fill(out_weights, out_weights + rows, 0.0f);
+  if (out_scaled != nullptr) {
+    FillUnfilledScaled(rows, shape.row_bytes, filled.data(), dtype, scale, out_scaled);
+  }
+  const int64_t hidden = shape.row_bytes / DtypeBytes(dtype);
   for (int64_t m = 0; m < shape.items; ++m) {
-    for (int64_t j = 0; j < shape.k; ++j) {
-      const int32_t row = items.pos[m * shape.k + j];
+    const char* item = items.rows + m * shape.row_bytes;
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t row = items.pos[m * K + j];
       if (row < 0) continue;
-      std::memcpy(out_rows + row * shape.row_bytes, items.rows + m * shape.row_bytes,
-                  shape.row_bytes);
-      out_weights[row] = items.weights[m * shape.k + j];
+      std::memcpy(out_rows + row * shape.row_bytes, item, shape.row_bytes);
+      if (out_weights != nullptr) out_weights[row] = items.weights[m * K + j];
+      if (out_scaled != nullptr) {
+        ScaleRow(out_scaled + row * shape.row_bytes, item, hidden, scale[row], dtype);
+      }
     }
   }
 }
@@ -62,18 +82,18 @@ void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, cons
   const int64_t hidden = row_bytes / DtypeBytes(dtype);
   std::vector<float> acc(hidden);
   for (int64_t m = 0; m < items; ++m) {
+    if (std::all_of(pos + m * k, pos + (m + 1) * k, [](int32_t row) { return row < 0; })) {
+      std::memset(partials + m * row_bytes, 0, row_bytes);  // an empty slot: +0, as stored below
+      continue;
+    }
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < k; ++j) {
       const int32_t row = pos[m * k + j];
       if (row < 0) continue;
-      for (int64_t h = 0; h < hidden; ++h) {
-        float v = LoadAsFloat(y, row * hidden + h, dtype);
-        if (weights != nullptr) v = v * weights[row];
-        acc[h] = acc[h] + v;
-      }
+      AccumulateRow(acc.data(), y + row * row_bytes, hidden, dtype, weights != nullptr,
+                    weights != nullptr ? weights[row] : 1.0f);
     }
-    char* out = partials + m * row_bytes;
-    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(out, h, acc[h], dtype);
+    StoreRow(partials + m * row_bytes, acc.data(), hidden, dtype);
   }
 }
 
@@ -88,10 +108,9 @@ void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* back, const i
       const int32_t slot = send_slot[m * S + p];
       if (slot < 0) continue;
       const char* partial = back + (p * M + slot) * shape.row_bytes;
-      for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + LoadAsFloat(partial, h, dtype);
+      AccumulateRow(acc.data(), partial, hidden, dtype, false, 1.0f);
     }
-    char* row = out + m * shape.row_bytes;
-    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(row, h, acc[h], dtype);
+    StoreRow(out + m * shape.row_bytes, acc.data(), hidden, dtype);
   }
 }
 

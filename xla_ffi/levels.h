@@ -34,7 +34,7 @@ struct LevelItems {
   float* weights;  // [n, K]
 };
 
-// Marks `count` item slots empty (no rows; zero payload, weights).
+// Marks `count` item slots empty (no rows, zero weights; the payload is left as it is).
 void ClearItems(const LevelShape& shape, int64_t count, const LevelItems& items);
 
 // Sends every held item once to each peer holding one of its rows, in ascending item order:
@@ -45,9 +45,14 @@ void SendLevel(const LevelShape& shape, const LevelItems& held, const LevelItems
                const int64_t* base, int32_t* send_slot);
 
 // Expert-major rows from the last level's items: rows[pos] = item payload, weights[pos] = weight;
-// rows nobody fills stay zero. out_rows: [rows, row_bytes]; out_weights: [rows].
+// rows nobody fills are zeroed (only those). out_rows: [rows, row_bytes]; out_weights: [rows].
 void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows, char* out_rows,
                  float* out_weights);
+
+// ExpandItems for combine's VJP (out_weights may be null), also writing out_scaled[row] =
+// out_rows[row] * scale[row] in float32 rounded to `dtype` (as PullRows, exchange.h).
+void ExpandItemsScaled(const LevelShape& shape, const LevelItems& items, int64_t rows, Dtype dtype,
+                       const float* scale, char* out_rows, float* out_weights, char* out_scaled);
 
 // Per item, this rank's rows summed in ascending k in float32 (each row times weights[row] when
 // weights is non-null), rounded to `dtype`. partials: [M, row_bytes].

@@ -106,6 +106,34 @@ JAX_HYBRIDEP_HOST_DEVICE inline int64_t DtypeBytes(Dtype dtype) {
   return dtype == Dtype::kF32 ? 4 : 2;
 }
 
+// Row kernels over `hidden` elements, with the dtype fixed at compile time so the loops
+// vectorise (host dispatchers by dtype and CPU: exchange.h). They do exactly the scalar operations
+// above, element by element, in the same order (no reassociation; the build disables FMA
+// contraction), so results are bitwise those of a scalar loop and of XLA, at any vector width.
+
+// acc[h] = acc[h] + row[h] (times w when weighted), in float32.
+template <Dtype D>
+inline void AccumulateRowT(float* __restrict acc, const void* __restrict row, int64_t hidden,
+                           bool weighted, float w) {
+  if (weighted) {
+    for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + LoadAsFloat(row, h, D) * w;
+  } else {
+    for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + LoadAsFloat(row, h, D);
+  }
+}
+
+// out[h] = acc[h] rounded to dtype.
+template <Dtype D>
+inline void StoreRowT(void* __restrict out, const float* __restrict acc, int64_t hidden) {
+  for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(out, h, acc[h], D);
+}
+
+// out[h] = in[h] * w in float32, rounded to dtype.
+template <Dtype D>
+inline void ScaleRowT(void* __restrict out, const void* __restrict in, int64_t hidden, float w) {
+  for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(out, h, LoadAsFloat(in, h, D) * w, D);
+}
+
 }  // namespace jax_hybridep
 
 #endif  // JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_

@@ -1,5 +1,7 @@
 #include "xla_ffi/rendezvous.h"
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -80,10 +82,54 @@ void RecordFailedRun(Registry& registry, int64_t run_id, const std::string& mess
 
 // Completes a rank on a thread of its own: its callback resumes that device's XLA work, which may
 // block (e.g. in a collective) and must not hold up the thread that completed it.
+//
+// Threads are cached: one that finished its callback waits a while for the next instead of
+// exiting, so steady-state exchanges start no threads. A callback may block for as long as it
+// likes: when no cached thread is idle, a new one starts, so nothing ever waits for a thread.
+class CompletionThreads {
+ public:
+  static CompletionThreads& Get() {
+    static CompletionThreads* threads = new CompletionThreads();  // never destroyed
+    return *threads;
+  }
+
+  void Run(std::function<void()> fn) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (idle_ > static_cast<int64_t>(tasks_.size())) {
+      tasks_.push_back(std::move(fn));
+      wakeup_.notify_one();
+      return;
+    }
+    lock.unlock();
+    std::thread([this, fn = std::move(fn)]() mutable { Loop(std::move(fn)); }).detach();
+  }
+
+ private:
+  void Loop(std::function<void()> fn) {
+    while (true) {
+      fn();
+      fn = nullptr;
+      std::unique_lock<std::mutex> lock(mu_);
+      ++idle_;
+      const bool got =
+          wakeup_.wait_for(lock, std::chrono::seconds(10), [&] { return !tasks_.empty(); });
+      --idle_;
+      if (!got) return;  // idle for long: let the thread go
+      fn = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wakeup_;
+  std::deque<std::function<void()>> tasks_;
+  int64_t idle_ = 0;  // threads waiting in Loop (guarded by mu_)
+};
+
 void CompleteDetached(Participant participant, Status status) {
-  std::thread([participant = std::move(participant), status = std::move(status)] {
-    participant.done(status);
-  }).detach();
+  auto shared =
+      std::make_shared<std::pair<Participant, Status>>(std::move(participant), std::move(status));
+  CompletionThreads::Get().Run([shared] { shared->first.done(shared->second); });
 }
 
 // Fails every rank of `ex` that has arrived. Called without the registry lock held.
@@ -131,14 +177,88 @@ void Watchdog() {
   }
 }
 
-// Runs fn(0..n-1), each index on its own thread (the caller takes index 0): every rank's step
-// touches its own slice of the peers' buffers, so they run in parallel like the devices would.
+// A process-wide pool of worker threads for the ranks' write and read steps. A step
+// only copies and adds into buffers its exchange owns and never waits for anything, so the pool
+// cannot deadlock; the calling thread takes indices too, so a call finishes even when every
+// worker is busy with another exchange's steps.
+class WorkerPool {
+ public:
+  static WorkerPool& Get() {
+    static WorkerPool* pool = new WorkerPool();  // never destroyed: workers outlive main
+    return *pool;
+  }
+
+  void Run(int64_t n, const std::function<void(int64_t)>& fn) {
+    if (n <= 0) return;
+    auto task = std::make_shared<Task>();
+    task->fn = &fn;
+    task->n = n;
+    if (n > 1 && num_workers_ > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(task);
+    }
+    if (n > 1) wakeup_.notify_all();
+    Work(*task);
+    std::unique_lock<std::mutex> lock(task->mu);
+    task->finished.wait(lock, [&] { return task->done == task->n; });
+  }
+
+ private:
+  struct Task {
+    const std::function<void(int64_t)>* fn;
+    int64_t n = 0;
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    int64_t done = 0;  // guarded by mu
+    std::condition_variable finished;
+  };
+
+  WorkerPool() {
+    // One worker per further core (at least one, at most 63): a step is memory-bound, so more
+    // threads than cores only add switching.
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    num_workers_ = std::clamp(cores - 1, 1, 63);
+    for (int i = 0; i < num_workers_; ++i) std::thread([this] { WorkerLoop(); }).detach();
+  }
+
+  // Runs indices of `task` until none is left unclaimed.
+  static void Work(Task& task) {
+    while (true) {
+      const int64_t i = task.next.fetch_add(1);
+      if (i >= task.n) return;
+      (*task.fn)(i);
+      std::lock_guard<std::mutex> lock(task.mu);
+      if (++task.done == task.n) task.finished.notify_all();
+    }
+  }
+
+  void WorkerLoop() {
+    while (true) {
+      std::shared_ptr<Task> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wakeup_.wait(lock, [&] {
+          while (!queue_.empty() && queue_.front()->next.load() >= queue_.front()->n) {
+            queue_.pop_front();  // every index claimed
+          }
+          return !queue_.empty();
+        });
+        task = queue_.front();
+      }
+      Work(*task);
+    }
+  }
+
+  int num_workers_ = 0;
+  std::mutex mu_;
+  std::condition_variable wakeup_;
+  std::deque<std::shared_ptr<Task>> queue_;
+};
+
+// Runs fn(0..n-1) on the worker pool and the calling thread: every rank's step touches its own
+// slice of the peers' buffers, so they run in parallel like the devices would.
 void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
-  std::vector<std::thread> threads;
-  threads.reserve(n > 0 ? n - 1 : 0);
-  for (int64_t i = 1; i < n; ++i) threads.emplace_back(fn, i);
-  if (n > 0) fn(0);
-  for (std::thread& thread : threads) thread.join();
+  WorkerPool::Get().Run(n, fn);
 }
 
 // The generation of this rank's next call at (site, group) in run `run_id`.

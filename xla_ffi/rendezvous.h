@@ -5,9 +5,9 @@
 // thread until its peers arrived could therefore deadlock against an XLA collective that a peer
 // entered first. So nothing here blocks: each rank arrives with its buffers and the steps it
 // contributes (write into peers, then read its own), and returns at once; the last rank to arrive
-// runs every rank's write steps (in parallel, a thread per rank), then every rank's read steps,
-// then completes each rank's callback (the handlers complete their asynchronous FFI results
-// from it).
+// runs every rank's write steps (in parallel, on a process-wide pool of one worker per core beside
+// the calling thread), then every rank's read steps, then completes each rank's callback (the
+// handlers complete their asynchronous FFI results from it) on cached threads of their own.
 //
 // A rendezvous is keyed by (execution, call site, EP group, generation) (DESIGN §2.1.7): the run
 // id is shared by all devices of one execution; the call site is a trace-time id; the group comes

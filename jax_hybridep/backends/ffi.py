@@ -1,12 +1,15 @@
 """The `ffi` backend: XLA FFI custom calls with C++ host handlers (xla_ffi/cpu_*handlers.cc).
 
-Per shard, inside `jax.shard_map`. Levels whose ranks share a process use the direct-write
-transport: the ranks meet in a process-wide rendezvous (keyed by execution, call site, group and
-generation; DESIGN §2.1.7) and each writes straight into its peers' buffers. Levels that cross
-processes pack with a custom call and exchange with an XLA all-to-all. A one-level topology in one
-process takes the fused path (one custom call per direction); every other topology composes the
-per-level steps in the same order as the `xla` backend, so both agree bitwise. The EP rank and
-group ids are operands, so the handlers never guess them from device ordinals.
+Per shard, inside `jax.shard_map`. Levels whose ranks share a process exchange through shared
+memory: the ranks meet in a process-wide rendezvous (keyed by execution, call site, group and
+generation; DESIGN §2.1.7); the fused one-level path then reads straight from the peers' inputs
+(each destination copies its rows from the sources' x, each source sums its partials from the
+destinations' rows: one copy per row, no staging), and the level steps write straight into the
+peers' buffers. Levels that cross processes pack with a custom call and exchange with an XLA
+all-to-all. A one-level topology in one process takes the fused path (one custom call per
+direction); every other topology composes the per-level steps in the same order as the `xla`
+backend, so both agree bitwise. The EP rank and group ids are operands, so the handlers never
+guess them from device ordinals.
 """
 
 from __future__ import annotations
@@ -110,14 +113,13 @@ def _fused(plan: Plan) -> bool:
 
 
 def _send(plan: Plan, x, weights, row_pos, dest, rank, group):
-    tokens, k = row_pos.shape
+    """Expert-major rows [C, H] and their weights [C]: each destination reads its rows straight
+    from the sources' x (host pull transport, xla_ffi/exchange.h)."""
     return _call(
         "dispatch",
         (
             jax.ShapeDtypeStruct((plan.rows, x.shape[1]), x.dtype),
             jax.ShapeDtypeStruct((plan.rows,), jnp.float32),
-            _i32((plan.num_ranks, tokens, k)),
-            _i32((plan.num_ranks, tokens)),
         ),
         x, weights, row_pos, dest, rank, group,
         like=(x, weights, row_pos),
@@ -127,12 +129,11 @@ def _send(plan: Plan, x, weights, row_pos, dest, rank, group):
 
 def _fused_combine(handle: Handle, y, weights, weighted):
     plan = handle.plan
-    recv_row_pos, recv_token = handle.private
     return _call(
         "combine",
         jax.ShapeDtypeStruct((plan.tokens, y.shape[1]), y.dtype),
-        y, weights, recv_token, recv_row_pos, handle.dest, handle.rank, handle.group,
-        like=(y, recv_row_pos),
+        y, weights, handle.row_pos, handle.dest, handle.rank, handle.group,
+        like=(y, handle.row_pos),
         plan=plan,
         weighted=np.bool_(weighted),
     )  # fmt: skip
@@ -140,12 +141,11 @@ def _fused_combine(handle: Handle, y, weights, weighted):
 
 def _fused_return_row_values(handle: Handle, values):
     plan = handle.plan
-    recv_row_pos, recv_token = handle.private
     return _call(
         "return_row_values",
         jax.ShapeDtypeStruct((plan.tokens, plan.k), jnp.float32),
-        values, recv_token, recv_row_pos, handle.rank, handle.group,
-        like=(values, recv_row_pos),
+        values, handle.row_pos, handle.dest, handle.rank, handle.group,
+        like=(values, handle.row_pos),
         plan=plan,
     )  # fmt: skip
 
@@ -269,11 +269,8 @@ def _levels_return_row_values(handle: Handle, values):
 
 def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     if _fused(plan):
-        tokens, row_weights, recv_row_pos, recv_token = _send(
-            plan, x, weights, row_pos, dest, rank, group
-        )
-        return tokens, row_weights, Handle(row_pos, dest, rank, group,
-                                           (recv_row_pos, recv_token), plan)  # fmt: skip
+        tokens, row_weights = _send(plan, x, weights, row_pos, dest, rank, group)
+        return tokens, row_weights, Handle(row_pos, dest, rank, group, (), plan)
     held, levels = _walk_levels(plan, (x, dest, row_pos, weights), rank, group)
     tokens, row_weights = _expand(plan, held)
     return tokens, row_weights, Handle(row_pos, dest, rank, group, (levels, held[2]), plan)
@@ -300,8 +297,26 @@ def redispatch(handle: Handle, g):
     if not _fused(handle.plan):
         return _levels_redispatch(handle, g)
     zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)
-    rows, *_ = _send(handle.plan, g, zeros, handle.row_pos, handle.dest, handle.rank, handle.group)
+    rows, _ = _send(handle.plan, g, zeros, handle.row_pos, handle.dest, handle.rank, handle.group)
     return rows
+
+
+def redispatch_scaled(handle: Handle, g, weights):
+    """(rows, scaled) [C, H] each: rows = redispatch(g) and scaled = rows * weights[:, None] in
+    float32 rounded to g's dtype (weighted combine's VJP), written by the handlers in one pass."""
+    plan = handle.plan
+    out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),) * 2
+    if _fused(plan):
+        return _call("redispatch_scaled", out_types, g, weights, handle.row_pos, handle.dest,
+                     handle.rank, handle.group, like=(g, handle.row_pos), plan=plan)  # fmt: skip
+    levels, held_pos = handle.private
+    held = g
+    for level, (_, dest, pos) in enumerate(levels):
+        zeros = jnp.zeros(dest.shape, jnp.float32)
+        (held, *_), _ = _send_level(plan, level, (held, dest, pos, zeros), handle.rank,
+                                    handle.group)  # fmt: skip
+    return _call("expand_items_scaled", out_types, held, held_pos, weights, like=(held, held_pos),
+                 plan=plan, exchange=False)  # fmt: skip
 
 
 def combine(handle: Handle, y, weights):

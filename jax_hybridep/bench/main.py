@@ -14,13 +14,20 @@ from jax_hybridep.bench import metrics, report, runner
 from jax_hybridep.bench.workloads import PRESETS, ROUTINGS, make_workload
 
 METHODS = ("hybridep", "gshard", "maxtext", "worst_case")
+DEFAULT_CAPACITIES = (None, 1.25, 2.0, runner.Budget(2.0))
 
 
 def parse_capacities(text: str):
+    """'dropless' -> None, 'budget=F' -> runner.Budget(F), a number -> capacity factor f."""
     out = []
     for item in text.split(","):
         item = item.strip()
-        out.append(None if item in ("none", "dropless") else float(item))
+        if item in ("none", "dropless"):
+            out.append(None)
+        elif item.startswith("budget="):
+            out.append(runner.Budget(float(item.split("=", 1)[1])))
+        else:
+            out.append(float(item))
     return out
 
 
@@ -55,8 +62,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--routings", default=",".join(ROUTINGS), help=f"subset of {ROUTINGS}")
     p.add_argument(
         "--capacities",
-        default="dropless,1.25,2.0",
-        help="comma list: 'dropless' and/or capacity factors",
+        default="dropless,1.25,2.0,budget=2",
+        help="comma list: 'dropless', capacity factors f, and/or 'budget=F' (dropless with the "
+        "opt-in DispatchConfig.row_budget = ceil(F * T * K) rows per rank; overflow is dropped "
+        "and counted; compared with the dropless baselines)",
     )
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {METHODS}")
     p.add_argument("--backends", default="ffi,xla", help="hybridep backends")
@@ -67,6 +76,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="bench.json", help="JSON output path ('' to skip)")
     p.add_argument("--png", default="bench.png", help="PNG chart path ('' to skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="tell glibc malloc to keep freed memory in the process, so XLA's per-call buffers "
+        "are not faulted in from the OS on every call (all methods and the floor alike)",
+    )
     return p
 
 
@@ -79,7 +95,7 @@ def benchmark(
     devices=None,
     *,
     routings=ROUTINGS,
-    capacities=(None, 1.25, 2.0),
+    capacities=DEFAULT_CAPACITIES,
     methods=METHODS,
     backends=("ffi", "xla"),
     topologies=("flat", "hierarchical"),
@@ -91,9 +107,11 @@ def benchmark(
     json_path=None,
     png_path=None,
     command=None,
+    keep_freed_memory=False,
     log=print,
 ) -> dict:
     """Runs the benchmark on `devices` (default: the preset's count of `jax.devices()`)."""
+    malloc_tuned = runner.keep_freed_memory() if keep_freed_memory else False
     preset = PRESETS[preset_name]
     all_devices = jax.devices()
     platform_name = all_devices[0].platform
@@ -133,6 +151,7 @@ def benchmark(
             "num_devices": len(devices),
             "devices": [str(d) for d in devices],
             "command": command or " ".join(sys.argv),
+            "malloc_keeps_freed_memory": malloc_tuned,
         },
         "workload": {
             "preset": preset.name,
@@ -174,6 +193,7 @@ def main(argv=None) -> dict:
         warmup=args.warmup,
         nodes=args.nodes,
         seed=args.seed,
+        keep_freed_memory=args.keep_freed_memory,
         json_path=args.json or None,
         png_path=args.png or None,
         command=" ".join(["python -m jax_hybridep.bench", *(argv or sys.argv[1:])]),

@@ -13,7 +13,10 @@
 * Fair ratios: `ratio_to_best_baseline` = the best baseline's median / this case's median (> 1 is
   faster) within the same routing, direction and capacity setting: dropless against the dropless
   baselines (worst-case buffers, MaxText worst-case factor), capacity f against GShard at the same
-  f. `ratio_to_floor` = median / floor median (>= 1; how far from one copy of the bytes).
+  f. A `budget=F` case (dropless with the opt-in `row_budget = ceil(F * T * K)` rows per rank)
+  is compared with the dropless baselines; rows over its budget are dropped and counted in
+  `dropped`. `ratio_to_floor` = median / floor median (>= 1; how far from one copy of the
+  bytes).
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def case_row(
         "routing": wl.routing,
         "capacity": case.capacity,
         "capacity_factor": case.capacity_factor,
+        "row_budget_factor": None if case.budget is None else case.budget.factor,
+        "baseline_capacity": case.baseline_capacity,
         "direction": direction,
         "median_s": median,
         "times_s": times,
@@ -123,7 +128,7 @@ def add_ratios(cases: list[dict], floors: list[dict]) -> None:
             for r in cases
             if r["method"] != "hybridep"
             and (r["routing"], r["direction"], r["capacity"])
-            == (row["routing"], row["direction"], row["capacity"])
+            == (row["routing"], row["direction"], row.get("baseline_capacity", row["capacity"]))
         ]
         best = min(peers, key=lambda r: r["median_s"], default=None)
         row["best_baseline"] = None if best is None else best["label"]

@@ -48,7 +48,8 @@ def table(doc: dict) -> str:
         )
     lines.append(
         "vs best = best baseline time / this time at the same routing, direction and capacity "
-        "(dropless vs worst-case/MaxText, f vs GShard f); x floor = time / floor time; "
+        "(dropless and budget=F vs worst-case/MaxText, f vs GShard f); x floor = time / floor "
+        "time; "
         "MB = one direction, all ranks."
     )
     return "\n".join(lines)

@@ -10,6 +10,7 @@ dispatch + combine together (identity experts), forward or forward + backward (g
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -26,16 +27,61 @@ from jax_hybridep.bench.workloads import Preset, Workload
 DIRECTIONS = ("fwd", "fwd+bwd")
 
 
+def keep_freed_memory() -> bool:
+    """Tells glibc malloc to keep freed memory in the process (mmap threshold 1 GiB, trim
+    threshold 2 GiB, top pad 64 MiB) instead of returning it to the OS; returns whether it could.
+
+    XLA:CPU allocates every call's output and temporary buffers anew; by default glibc serves
+    buffers over 32 MiB (and, after a trim, smaller ones) with fresh pages from the OS, which the
+    kernel faults in and zeroes on first touch on every call. On 2 cores that costs more than
+    the copies being measured. The setting is process-wide, so it applies to every method and
+    the floor alike (`--no-keep-freed-memory` turns it off). The library never changes it.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    settings = ((m_mmap_threshold, 1 << 30), (m_trim_threshold, 1 << 31), (m_top_pad, 64 << 20))
+    return all(mallopt(option, value) == 1 for option, value in settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A capacity setting: dropless with the opt-in row budget
+    `DispatchConfig(row_budget=ceil(factor * T * K))` (T * K = the rows a rank receives on
+    average); compared with the dropless baselines, its overflow counted in `dropped`."""
+
+    factor: float
+
+    def rows(self, tokens: int, top_k: int) -> int:
+        return math.ceil(self.factor * tokens * top_k)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     method: str  # "hybridep" or a baseline name
     backend: str | None  # hybridep: "ffi" | "xla"; maxtext: "ragged" | "padded"; else None
     topology: str  # "flat" | "hierarchical"
     capacity_factor: float | None  # None = dropless
+    budget: Budget | None = None  # hybridep only: dropless with a row budget
 
     @property
     def capacity(self) -> str:
+        if self.budget is not None:
+            return f"budget={self.budget.factor:g}"
         return "dropless" if self.capacity_factor is None else f"f={self.capacity_factor:g}"
+
+    @property
+    def baseline_capacity(self) -> str:
+        """The capacity setting of the baselines this case is compared with."""
+        return "dropless" if self.budget is not None else self.capacity
 
     @property
     def label(self) -> str:
@@ -45,9 +91,14 @@ class Case:
 
 def build_cases(capacities, methods, backends, topologies, ragged: bool) -> list[Case]:
     """hybridep at every capacity; baselines at their own: GShard at each factor f, MaxText and
-    worst-case buffers dropless."""
+    worst-case buffers dropless. A `Budget` capacity runs hybridep only (against the dropless
+    baselines)."""
     cases = []
     for f in capacities:
+        if isinstance(f, Budget):
+            if "hybridep" in methods:
+                cases += [Case("hybridep", b, t, None, f) for t in topologies for b in backends]
+            continue
         if "hybridep" in methods:
             cases += [Case("hybridep", b, t, f) for t in topologies for b in backends]
         if f is not None and "gshard" in methods:
@@ -75,11 +126,15 @@ def _shard_fn(case: Case, mesh, axes, experts: int):
     ranks = mesh.devices.size
     if case.method == "hybridep":
         topo = hep.Topology.from_mesh(mesh, levels=axes)
-        cfg = hep.DispatchConfig(
-            num_experts=experts, capacity_factor=case.capacity_factor, backend=case.backend
-        )
 
         def fn(x, idx, w):
+            budget = None if case.budget is None else case.budget.rows(*idx.shape)
+            cfg = hep.DispatchConfig(
+                num_experts=experts,
+                capacity_factor=case.capacity_factor,
+                backend=case.backend,
+                row_budget=budget,
+            )
             d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
             out = hep.combine(d.tokens, d.handle, weights=d.weights)
             return out, d.stats.dropped, d.stats.level_rows, d.tokens
@@ -233,9 +288,11 @@ def run(
                     compiled, a, warmup, repeats
                 )
                 recv = receive_rows(fn, mesh, axes, a) if case.method == "hybridep" else None
-                err = (
-                    reference_error(wl, direction, result) if case.capacity_factor is None else None
+                dropped_rows = int(np.sum(np.asarray(dropped)))
+                dropless = case.capacity_factor is None and (
+                    case.budget is None or not dropped_rows
                 )
+                err = reference_error(wl, direction, result) if dropless else None
                 rows.append(
                     metrics.case_row(
                         case,
@@ -245,7 +302,7 @@ def run(
                         nodes=nodes,
                         median=median,
                         times=times,
-                        dropped=int(np.sum(np.asarray(dropped))),
+                        dropped=dropped_rows,
                         level_rows=np.asarray(level_rows).sum(0),
                         axes=axes,
                         recv_rows=recv,
