@@ -291,3 +291,14 @@ def test_capacity_is_per_replica_and_drops_are_counted():
     # Per replica cap = ceil(0.5 * 8 tokens * 4 ranks * 4 / 16) = 4 rows; the block routes 256.
     kept = TOKENS * K - int(tight.dropped)
     assert 0 < int(tight.dropped) and kept <= 8 * (2 * 2) * 4
+
+
+def test_moe_block_rejects_compression_it_would_ignore():
+    mesh = make_mesh(SHAPE, NAMES)
+    topo = hep.Topology.from_mesh(mesh, levels=NAMES)
+    kw = dict(router=hnn.RouterConfig(num_experts=E, top_k=K), mesh=mesh, topology=topo)
+    with pytest.raises(ValueError, match="needs expert_domains"):
+        hnn.MoEBlock(H, F, domain_compression=10.0, rngs=nnx.Rngs(0), **kw)
+    domains = xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2})
+    with pytest.raises(ValueError, match="beside an ExpertDomains"):
+        hnn.MoEBlock(H, F, expert_domains=domains, domain_compression=10.0, rngs=nnx.Rngs(0), **kw)

@@ -123,9 +123,25 @@ class MoEBlock(nnx.Module):
                 f"router.num_experts={router.num_experts}"
             )
         self.mesh, self.topology, self.dispatch_config = mesh, topology, dispatch
-        if expert_domains is not None and not isinstance(expert_domains, xdc.ExpertDomains):
+        if isinstance(expert_domains, xdc.ExpertDomains):
+            if domain_compression is not None:
+                raise ValueError(
+                    "domain_compression is given beside an ExpertDomains: set its compression "
+                    "when building it (xdc.ExpertDomains.from_mesh(..., compression=...))"
+                )
+            if expert_domains.topology != topology:
+                raise ValueError(
+                    f"expert_domains were built for topology {expert_domains.topology.levels}, "
+                    f"not this block's {topology.levels}"
+                )
+        elif expert_domains is not None:
             expert_domains = xdc.ExpertDomains.from_mesh(
                 mesh, topology, expert_domains, domain_compression
+            )
+        elif domain_compression is not None:
+            raise ValueError(
+                f"domain_compression={domain_compression} needs expert_domains (it compresses the "
+                "experts moved inside a domain)"
             )
         self.domains = expert_domains
         self.dtype = dtype
