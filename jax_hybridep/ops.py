@@ -265,17 +265,11 @@ def _combine_rows_fwd(weighted, handle, y, weights):
 def _combine_rows_bwd(weighted, residuals, g):
     handle, y, weights = residuals
     impl = backends.get(handle.backend)
-    if weighted and hasattr(impl, "redispatch_scaled"):
-        # The backend writes rows and their weighted gradient in one pass (same values as below).
-        rows, grad_y = impl.redispatch_scaled(handle, g, weights)
-        grad_weights = jnp.sum(y.astype(jnp.float32) * rows.astype(jnp.float32), axis=1)
-        return None, grad_y, grad_weights
-    rows = impl.redispatch(handle, g)  # [C, H'] in y's dtype
     if not weighted:
-        return None, rows, jnp.zeros_like(weights)
-    rows32 = rows.astype(jnp.float32)
-    grad_y = (rows32 * weights[:, None]).astype(y.dtype)
-    grad_weights = jnp.sum(y.astype(jnp.float32) * rows32, axis=1)
+        return None, impl.redispatch(handle, g), jnp.zeros_like(weights)
+    # rows [C, H'] of g along the dispatch, and rows * weights rounded to y's dtype.
+    rows, grad_y = impl.redispatch_scaled(handle, g, weights)
+    grad_weights = jnp.sum(y.astype(jnp.float32) * rows.astype(jnp.float32), axis=1)
     return None, grad_y, grad_weights
 
 

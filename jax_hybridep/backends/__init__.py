@@ -1,6 +1,6 @@
 """Backend selection: one module per backend, each with the same per-shard functions.
 
-Each backend module provides `layout`, `dispatch`, `redispatch`, `combine` and
+Each backend module provides `layout`, `dispatch`, `redispatch`, `redispatch_scaled`, `combine` and
 `return_row_values` (see backends/xla.py, the oracle). `xla` runs everywhere; `ffi` where its
 handlers are built and the EP group lives in one process. `auto` picks `ffi` when it can run the
 call and `xla` otherwise; the env var JAX_HYBRIDEP_BACKEND overrides the config.

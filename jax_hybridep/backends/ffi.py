@@ -218,14 +218,20 @@ def _expand(plan: Plan, held):
     )  # fmt: skip
 
 
-def _levels_redispatch(handle: Handle, g):
-    levels, held_pos = handle.private
-    plan, held = handle.plan, g
+def _forward_levels(handle: Handle, g):
+    """g [T, H] carried along the dispatch's levels: what each rank holds before expanding."""
+    levels, _ = handle.private
+    held = g
     for level, (_, dest, pos) in enumerate(levels):
         zeros = jnp.zeros(dest.shape, jnp.float32)
-        (held, *_), _ = _send_level(plan, level, (held, dest, pos, zeros), handle.rank,
+        (held, *_), _ = _send_level(handle.plan, level, (held, dest, pos, zeros), handle.rank,
                                     handle.group)  # fmt: skip
-    return _expand(plan, (held, None, held_pos, jnp.zeros(held_pos.shape, jnp.float32)))[0]
+    return held
+
+
+def _levels_redispatch(handle: Handle, g):
+    held, (_, held_pos) = _forward_levels(handle, g), handle.private
+    return _expand(handle.plan, (held, None, held_pos, jnp.zeros(held_pos.shape, jnp.float32)))[0]
 
 
 def _levels_combine(handle: Handle, y, weights, weighted):
@@ -309,12 +315,7 @@ def redispatch_scaled(handle: Handle, g, weights):
     if _fused(plan):
         return _call("redispatch_scaled", out_types, g, weights, handle.row_pos, handle.dest,
                      handle.rank, handle.group, like=(g, handle.row_pos), plan=plan)  # fmt: skip
-    levels, held_pos = handle.private
-    held = g
-    for level, (_, dest, pos) in enumerate(levels):
-        zeros = jnp.zeros(dest.shape, jnp.float32)
-        (held, *_), _ = _send_level(plan, level, (held, dest, pos, zeros), handle.rank,
-                                    handle.group)  # fmt: skip
+    held, (_, held_pos) = _forward_levels(handle, g), handle.private
     return _call("expand_items_scaled", out_types, held, held_pos, weights, like=(held, held_pos),
                  plan=plan, exchange=False)  # fmt: skip
 

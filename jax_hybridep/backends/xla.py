@@ -223,6 +223,13 @@ def redispatch(handle: Handle, g):
     return _expand_rows(held, row_src)
 
 
+def redispatch_scaled(handle: Handle, g, weights):
+    """(rows, scaled): rows = redispatch(g), scaled = rows * weights[:, None] in float32 rounded
+    to g's dtype (a weighted combine's VJP)."""
+    rows = redispatch(handle, g)
+    return rows, (rows.astype(jnp.float32) * weights[:, None]).astype(rows.dtype)
+
+
 def _reduce_level(plan: Plan, level: int, send_slot, partials, dtype):
     """Per held item: its peers' partials [S * M, H] added in ascending peer order, in float32."""
     size = plan.topology.level_sizes[level]

@@ -20,15 +20,15 @@ over the original EP axes has the same shards over `expert_axes`; `gather_expert
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
 import jax
-import numpy as np
 
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
-from jax_hybridep.xdc import compress
+from jax_hybridep.xdc import compress, geometry
 
 INNER_SUFFIX = "_domain"
 
@@ -138,7 +138,7 @@ class ExpertDomains:
         # Every level replicated: the token group is one rank; keep the fastest (size 1) axis.
         return levels or (self.topology.levels[-1],)
 
-    @property
+    @functools.cached_property
     def token_topology(self) -> Topology:
         """The topology `dispatch`/`combine` run on: outer axes only (inner axes are groups)."""
         return Topology.from_mesh(self.mesh, levels=self.token_levels)
@@ -156,27 +156,12 @@ class ExpertDomains:
     def placement(self, num_experts: int) -> tuple[tuple[int, int], ...]:
         """Per expert, (token-group rank, slot) of the replica in the sender's own domain.
 
-        The owner's coordinate c_l at each level splits into (c_l // S_l, c_l % S_l). The replica
-        lives on the token-group rank of the owner's outer coordinates; its slot is where the
-        slow -> fast all-gathers put it: each gather over level l stacks S_l blocks of what the
-        rank held before, so the fastest inner coordinate is the most significant.
+        See `geometry.replica_placement`; the slot order is that of `gather_experts`.
         """
-        e_local = self.local_experts(num_experts)
-        owners = np.arange(num_experts) // e_local
-        coords = np.stack(np.unravel_index(owners, self.topology.level_sizes))  # [levels, E]
-        outer = coords // np.asarray(self.sizes)[:, None]
-        inner = coords % np.asarray(self.sizes)[:, None]
-        token_sizes = [n for n in self.outer_sizes if n > 1]
-        token_coords = [o for o, n in zip(outer, self.outer_sizes, strict=True) if n > 1]
-        ranks = (
-            np.ravel_multi_index(token_coords, token_sizes)
-            if token_sizes
-            else np.zeros_like(owners)
+        self.local_experts(num_experts)  # validates divisibility
+        ranks, slots = geometry.replica_placement(
+            self.topology.level_sizes, self.sizes, num_experts
         )
-        slots, held = np.arange(num_experts) % e_local, e_local
-        for j, size in zip(inner, self.sizes, strict=True):
-            if size > 1:
-                slots, held = j * held + slots, held * size
         return tuple((int(r), int(s)) for r, s in zip(ranks, slots, strict=True))
 
     def dispatch_config(self, config: DispatchConfig) -> DispatchConfig:

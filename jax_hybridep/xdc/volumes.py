@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_hybridep import traffic
+from jax_hybridep.xdc import geometry
+from jax_hybridep.xdc.geometry import token_level_sizes
 
 INDEX_BYTES = 4  # compressed experts carry int32 indices
 
@@ -124,11 +126,6 @@ def realisable_domains(level_sizes: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*divisors))
 
 
-def token_level_sizes(level_sizes: Sequence[int], domains: Sequence[int]) -> tuple[int, ...]:
-    """The token EP group's level sizes: the outer sizes `n_l > 1`, slow -> fast."""
-    return tuple(g // s for g, s in zip(level_sizes, domains, strict=True) if g // s > 1)
-
-
 def topk_count(elements: int, ratio: float, value_bytes: int) -> int:
     """Values kept of an `elements`-element matrix compressed by `ratio` in value-index form."""
     return max(1, math.floor(elements * value_bytes / (ratio * (value_bytes + INDEX_BYTES))))
@@ -177,14 +174,6 @@ def _check(level_sizes, domains, num_experts, top_k=None):
     if top_k is not None and not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
     return level_sizes, domains
-
-
-def _expert_groups(level_sizes, domains, num_experts) -> np.ndarray:
-    """[E] token-group rank of each expert's replica (the same in every token group)."""
-    owner = np.arange(num_experts) // (num_experts // math.prod(level_sizes))
-    coords = np.unravel_index(owner, level_sizes)
-    outer = [c // s for c, s in zip(coords, domains, strict=True)]
-    return np.ravel_multi_index(outer, [g // s for g, s in zip(level_sizes, domains, strict=True)])
 
 
 def exact_loads(dest, token_sizes: Sequence[int]):
@@ -336,7 +325,7 @@ def expected_volumes(
             raise ValueError(f"expert_probs must be [{num_experts}] non-negative, not all 0")
         probs = probs / probs.sum()
     token_sizes = token_level_sizes(level_sizes, domains)
-    groups = _expert_groups(level_sizes, domains, num_experts)
+    groups = geometry.replica_placement(level_sizes, domains, num_experts)[0]
     per_rank = np.stack(_expected_loads(token_sizes, groups, probs, tokens, top_k))
     # Every token group sees the same routing statistics.
     per_group = np.broadcast_to(per_rank[:, None], (3, math.prod(domains), *per_rank.shape[1:]))
@@ -377,7 +366,7 @@ def routed_volumes(
     if topk_idx.max(initial=-1) >= num_experts or topk_idx.min(initial=0) < -1:
         raise ValueError(f"topk_idx holds ids outside [-1, {num_experts})")
     experts = _experts(expert_bytes, expert_matrices, ratio, value_bytes)
-    groups = _expert_groups(level_sizes, domains, num_experts)
+    groups = geometry.replica_placement(level_sizes, domains, num_experts)[0]
     dest = np.where(topk_idx >= 0, groups[np.maximum(topk_idx, 0)], -1)
     token_sizes = token_level_sizes(level_sizes, domains)
     # Reorder the full ranks into [token group, group rank] to count each group exactly.
