@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+
 import jax
 
 try:
@@ -13,11 +15,24 @@ else:
     IMPORT_ERROR = None
     for _name, _capsule in _hybridep.cpu_registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+    if _hybridep.with_cuda:
+        # Registered whether or not a GPU is present: XLA keeps them until a CUDA backend starts.
+        for _name, _capsule in _hybridep.cuda_registrations().items():
+            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+        # Registered windows are freed before the interpreter (and the CUDA runtime) goes away.
+        atexit.register(_hybridep.release_cuda_windows)
 
 
 def available() -> bool:
     """Whether the native module is built and its host handlers are registered."""
     return _hybridep is not None
+
+
+def platforms() -> tuple[str, ...]:
+    """JAX platforms the built module has ffi handlers for."""
+    if _hybridep is None:
+        return ()
+    return ("cpu", "gpu") if _hybridep.with_cuda else ("cpu",)
 
 
 def module():

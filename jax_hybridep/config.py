@@ -19,6 +19,7 @@ from jax_hybridep.topology import Topology
 BACKENDS = ("auto", "xla", "ffi")
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
+MAX_SMS = 256  # xla_ffi/cuda/transport.h: kMaxSendBlocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,8 @@ class DispatchConfig:
         slot and the rows that do not fit overflow: they are dropped in the §2.1 order and
         counted in `stats.dropped` (strict mode raises), never silently. Default None: the worst
         case, which never overflows.
+      num_sms: GPUs only: thread blocks (about one SM each) of every transport kernel of the
+        ffi backend's CUDA path; the rest of the GPU stays free for compute running beside it.
     """
 
     num_experts: int
@@ -56,6 +59,7 @@ class DispatchConfig:
     strict: bool = False
     timeout_s: float = 120.0
     row_budget: int | None = None
+    num_sms: int = 16
 
     def __post_init__(self):
         if not isinstance(self.num_experts, int | np.integer) or self.num_experts < 1:
@@ -80,6 +84,8 @@ class DispatchConfig:
                     f"combined with capacity_factor={self.capacity_factor} (a capacity already "
                     "bounds the buffer)"
                 )
+        if not isinstance(self.num_sms, int | np.integer) or not 1 <= self.num_sms <= MAX_SMS:
+            raise ValueError(f"num_sms must be an int in [1, {MAX_SMS}], got {self.num_sms!r}")
         if self.num_local_slots is not None and self.num_local_slots < 1:
             raise ValueError(f"num_local_slots must be >= 1, got {self.num_local_slots!r}")
         if self.expert_placement is not None:

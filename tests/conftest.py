@@ -22,3 +22,37 @@ def pytest_collection_modifyitems(config, items):
     # An installed package without its native module must fail loudly, not skip the ffi tests.
     if not _native.available():
         raise pytest.UsageError(f"jax_hybridep native module not built: {_native.IMPORT_ERROR}")
+
+
+REQUIRE_GPU = os.environ.get("JAX_HYBRIDEP_REQUIRE_GPU") == "1"
+
+
+def no_gpu_reason() -> str | None:
+    """Why the CUDA kernels cannot run here, or None."""
+    native = _native.module()
+    if not native.with_cuda:
+        return "jax_hybridep was built without CUDA (with_cuda is False)"
+    if native.cuda_device_count() == 0:
+        return "no CUDA device visible (no GPU or no driver)"
+    return None
+
+
+def _skip_or_fail(reason: str):
+    if REQUIRE_GPU:
+        pytest.fail(f"JAX_HYBRIDEP_REQUIRE_GPU=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def gpu():
+    """Skips (or, with JAX_HYBRIDEP_REQUIRE_GPU=1, fails) unless the CUDA kernels can run."""
+    reason = no_gpu_reason()
+    if reason is not None:
+        _skip_or_fail(reason)
+
+
+@pytest.fixture
+def cuda_build():
+    """Skips unless the self-test hooks exist (the host references need no GPU)."""
+    if not _native.module().with_cuda:
+        _skip_or_fail("jax_hybridep was built without CUDA (with_cuda is False)")

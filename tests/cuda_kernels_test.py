@@ -22,35 +22,7 @@ import pytest
 
 from jax_hybridep import _hybridep as native
 
-REQUIRE_GPU = os.environ.get("JAX_HYBRIDEP_REQUIRE_GPU") == "1"
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-def _no_gpu_reason() -> str | None:
-    if not native.with_cuda:
-        return "jax_hybridep was built without CUDA (with_cuda is False)"
-    if native.cuda_device_count() == 0:
-        return "no CUDA device visible (no GPU or no driver)"
-    return None
-
-
-@pytest.fixture
-def gpu():
-    """Skips (or, with JAX_HYBRIDEP_REQUIRE_GPU=1, fails) unless the CUDA kernels can run."""
-    reason = _no_gpu_reason()
-    if reason is not None:
-        if REQUIRE_GPU:
-            pytest.fail(f"JAX_HYBRIDEP_REQUIRE_GPU=1 but {reason}")
-        pytest.skip(reason)
-
-
-@pytest.fixture
-def cuda_build():
-    """Skips unless the self-test hooks exist (the host references need no GPU)."""
-    if not native.with_cuda:
-        if REQUIRE_GPU:
-            pytest.fail("JAX_HYBRIDEP_REQUIRE_GPU=1 but jax_hybridep was built without CUDA")
-        pytest.skip("jax_hybridep was built without CUDA (with_cuda is False)")
 
 
 def test_built_with_cuda_when_nvcc_present():

@@ -24,22 +24,6 @@ namespace jax_hybridep {
 namespace ffi = xla::ffi;
 namespace {
 
-std::string FormatList(const std::vector<int64_t>& values) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
-  out << "]";
-  return out.str();
-}
-
-// The static layout attributes, copied: the attribute spans live in the executable, and the
-// layout may run after the handler returned.
-struct LayoutAttrs {
-  int64_t num_ranks, num_slots, capacity, rows, pad_multiple;
-  std::vector<int64_t> expert_rank, expert_slot;
-  bool strict;
-};
-
 struct LayoutOutputs {
   int32_t *row_pos, *group_sizes, *tokens_per_expert, *dropped, *invalid;
 };
@@ -71,35 +55,7 @@ Status ComputeLayout(const LayoutAttrs& attrs, const int32_t* topk_idx, int64_t 
                                       keep_limit.data(), group_offset.data(), out.row_pos));
   std::copy_n(all_group_sizes.begin() + rank * num_slots, num_slots, out.group_sizes);
   out.invalid[0] = static_cast<int32_t>(invalid_per_rank[rank]);
-  if (!attrs.strict) return Status::Ok();
-  std::vector<int64_t> dropped_per_rank(num_ranks);
-  DroppedPerSource(all_counts.data(), num_ranks, num_experts, keep_limit.data(),
-                   dropped_per_rank.data());
-  int64_t total_dropped = 0, total_invalid = 0;
-  for (int64_t r = 0; r < num_ranks; ++r) {
-    total_dropped += dropped_per_rank[r];
-    total_invalid += invalid_per_rank[r];
-  }
-  if (total_dropped + total_invalid == 0) return Status::Ok();
-  // Must match jax_hybridep/errors.py:strict_mode_message word for word.
-  std::ostringstream msg;
-  msg << "jax_hybridep strict mode: " << total_dropped << " row(s) dropped over capacity and "
-      << total_invalid << " invalid expert id(s) in EP group " << group << "; dropped per EP rank "
-      << FormatList(dropped_per_rank) << ", invalid per EP rank " << FormatList(invalid_per_rank);
-  return Status{Status::Code::kFailedPrecondition, msg.str()};
-}
-
-LayoutAttrs MakeLayoutAttrs(int64_t num_ranks, int64_t num_slots, int64_t capacity, int64_t rows,
-                            int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
-                            ffi::Span<const int64_t> expert_slot, bool strict) {
-  return {num_ranks,
-          num_slots,
-          capacity,
-          rows,
-          pad_multiple,
-          std::vector<int64_t>(expert_rank.begin(), expert_rank.end()),
-          std::vector<int64_t>(expert_slot.begin(), expert_slot.end()),
-          strict};
+  return attrs.strict ? StrictCheck(attrs, gathered, group) : Status::Ok();
 }
 
 // Layout: all-gather per-(source rank, expert) counts through the rendezvous, then assign rows.

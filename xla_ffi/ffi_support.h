@@ -5,10 +5,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/layout.h"
 #include "xla_ffi/numeric.h"
 #include "xla_ffi/rendezvous.h"
 
@@ -81,6 +84,73 @@ inline ffi::Future Exchange(const char* name, const CallSite& call, Participant 
   JoinExchange(name, call.run_id.run_id, call.site, call.group, call.rank, call.num_ranks,
                std::chrono::milliseconds(call.timeout_ms), std::move(participant));
   return future;
+}
+
+// The static layout attributes, copied: the attribute spans live in the executable, and the
+// layout may run after the handler returned.
+struct LayoutAttrs {
+  int64_t num_ranks, num_slots, capacity, rows, pad_multiple;
+  std::vector<int64_t> expert_rank, expert_slot;
+  bool strict;
+};
+
+inline LayoutAttrs MakeLayoutAttrs(int64_t num_ranks, int64_t num_slots, int64_t capacity,
+                                   int64_t rows, int64_t pad_multiple,
+                                   ffi::Span<const int64_t> expert_rank,
+                                   ffi::Span<const int64_t> expert_slot, bool strict) {
+  return {num_ranks,
+          num_slots,
+          capacity,
+          rows,
+          pad_multiple,
+          std::vector<int64_t>(expert_rank.begin(), expert_rank.end()),
+          std::vector<int64_t>(expert_slot.begin(), expert_slot.end()),
+          strict};
+}
+
+inline std::string FormatList(const std::vector<int64_t>& values) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
+  out << "]";
+  return out.str();
+}
+
+// Strict mode: any drop or invalid id anywhere in the EP group is an error, the same on every rank
+// and backend. gathered: host copy of the all-gathered counts [R, E + 1] (per expert, then the
+// invalid-id count).
+inline Status StrictCheck(const LayoutAttrs& attrs, const int32_t* gathered, int32_t group) {
+  const int64_t num_ranks = attrs.num_ranks;
+  const int64_t num_experts = static_cast<int64_t>(attrs.expert_rank.size());
+  const Placement placement{attrs.expert_rank.data(), attrs.expert_slot.data(), num_experts,
+                            num_ranks, attrs.num_slots};
+  std::vector<int32_t> all_counts(num_ranks * num_experts);
+  std::vector<int64_t> invalid_per_rank(num_ranks), dropped_per_rank(num_ranks);
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    for (int64_t e = 0; e < num_experts; ++e) {
+      all_counts[r * num_experts + e] = gathered[r * (num_experts + 1) + e];
+    }
+    invalid_per_rank[r] = gathered[r * (num_experts + 1) + num_experts];
+  }
+  std::vector<int32_t> keep_limit(num_experts), group_offset(num_experts);
+  std::vector<int32_t> group_sizes(num_ranks * attrs.num_slots), tokens_per_expert(num_experts);
+  PlanGroups(all_counts.data(), placement,
+             CapacityPlan{attrs.capacity, attrs.rows, attrs.pad_multiple}, keep_limit.data(),
+             group_offset.data(), group_sizes.data(), tokens_per_expert.data());
+  DroppedPerSource(all_counts.data(), num_ranks, num_experts, keep_limit.data(),
+                   dropped_per_rank.data());
+  int64_t total_dropped = 0, total_invalid = 0;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    total_dropped += dropped_per_rank[r];
+    total_invalid += invalid_per_rank[r];
+  }
+  if (total_dropped + total_invalid == 0) return Status::Ok();
+  // Must match jax_hybridep/errors.py:strict_mode_message word for word.
+  std::ostringstream msg;
+  msg << "jax_hybridep strict mode: " << total_dropped << " row(s) dropped over capacity and "
+      << total_invalid << " invalid expert id(s) in EP group " << group << "; dropped per EP rank "
+      << FormatList(dropped_per_rank) << ", invalid per EP rank " << FormatList(invalid_per_rank);
+  return Status{Status::Code::kFailedPrecondition, msg.str()};
 }
 
 }  // namespace jax_hybridep

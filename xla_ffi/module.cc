@@ -2,6 +2,7 @@
 // introspection hooks for tests.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
@@ -11,6 +12,8 @@
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
 #include "xla_ffi/cuda/bindings.h"
+#include "xla_ffi/cuda/cuda_handlers.h"
+#include "xla_ffi/cuda/windows.h"
 #endif
 
 namespace nb = nanobind;
@@ -18,9 +21,9 @@ namespace nb = nanobind;
 namespace jax_hybridep {
 namespace {
 
-nb::dict CpuRegistrations() {
+nb::dict Registrations(const std::vector<HandlerEntry>& handlers) {
   nb::dict out;
-  for (const HandlerEntry& entry : CpuHandlers()) {
+  for (const HandlerEntry& entry : handlers) {
     out[entry.name] = nb::capsule(reinterpret_cast<void*>(entry.handler));
   }
   return out;
@@ -48,13 +51,22 @@ nb::bytes RoundTrip(const std::string& dtype, nb::bytes values) {
 
 NB_MODULE(_hybridep, m) {
   m.doc() = "jax_hybridep native kernels and XLA FFI handlers";
-  m.def("cpu_registrations", &jax_hybridep::CpuRegistrations,
-        "FFI target name -> handler capsule, for platform 'cpu'.");
+  m.def(
+      "cpu_registrations", [] { return jax_hybridep::Registrations(jax_hybridep::CpuHandlers()); },
+      "FFI target name -> handler capsule, for platform 'cpu'.");
   m.def("open_exchange_count", &jax_hybridep::OpenExchangeCount,
         "Exchanges waiting for ranks in this process (0 when idle).");
   m.def("round_trip", &jax_hybridep::RoundTrip, nb::arg("dtype"), nb::arg("values"));
 #ifdef JAX_HYBRIDEP_WITH_CUDA
   m.attr("with_cuda") = true;
+  m.def(
+      "cuda_registrations",
+      [] { return jax_hybridep::Registrations(jax_hybridep::CudaHandlers()); },
+      "FFI target name -> handler capsule, for platform 'CUDA'.");
+  m.def("cuda_window_error", &jax_hybridep::FirstWindowError,
+        "The first device-side error recorded in any exchange window ('' when none).");
+  m.def("release_cuda_windows", &jax_hybridep::ReleaseWindows,
+        "Frees every registered exchange window (called at exit).");
   jax_hybridep::RegisterCudaBindings(m);
 #else
   m.attr("with_cuda") = false;

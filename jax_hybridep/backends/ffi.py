@@ -10,6 +10,11 @@ all-to-all. A one-level topology in one process takes the fused path (one custom
 direction); every other topology composes the per-level steps in the same order as the `xla`
 backend, so both agree bitwise. The EP rank and group ids are operands, so the handlers never
 guess them from device ordinals.
+
+On GPUs (handlers in xla_ffi/cuda/cuda_handlers.cc) a one-level EP group inside one process runs
+the direct-write transport over registered windows: the counts are all-gathered by an XLA
+collective and planned by the CUDA layout kernels, and dispatch returns the receiver's map of rows
+to (source, t, k) with the handle, which combine and the VJPs send back along.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from jax_hybridep.config import Plan
 from jax_hybridep.handle import Handle, Layout
 
 NAME = "ffi"
-PLATFORMS = ("cpu",)  # CUDA handlers are not registered yet: see README "Backends".
 
 # Every emitted custom call gets its own call-site id; repeated executions of one call site within
 # an execution (scan, remat) are told apart by the handlers' generation counter.
@@ -39,10 +43,19 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
 
     if not _native.available():
         return f"the native module is not built ({_native.IMPORT_ERROR})"
-    if plan_topology.platform not in PLATFORMS:
+    platforms = _native.platforms()
+    if plan_topology.platform not in platforms:
         return (
             f"this build has no '{plan_topology.platform}' handlers for the ffi backend "
-            f"(available: {PLATFORMS})"
+            f"(available: {platforms})"
+        )
+    if plan_topology.platform == "gpu" and not (
+        len(plan_topology.levels) == 1 and plan_topology.level_local == (True,)
+    ):
+        return (
+            "on GPUs the ffi backend runs one-level EP groups whose GPUs share a process "
+            f"(levels {plan_topology.levels}, in-process per level: {plan_topology.level_local}); "
+            "multi-level and multi-process GPU topologies run on backend='xla' for now"
         )
     unmanaged = [a for a in plan_topology.group_axes if a not in manual_axes]
     if unmanaged:
@@ -90,9 +103,25 @@ def _layout_attrs(plan: Plan):
     )
 
 
+def _gpu(plan: Plan) -> bool:
+    return plan.topology.platform == "gpu"
+
+
+def _gpu_attrs(plan: Plan):
+    return dict(num_sms=np.int64(plan.config.num_sms))
+
+
 def layout(plan: Plan, topk_idx, rank, group) -> Layout:
     out_types = (_i32(topk_idx.shape), _i32((plan.num_slots,)), _i32((plan.num_experts,)),
                  _i32(()), _i32(()))  # fmt: skip
+    if _gpu(plan):  # counts all-gathered by an XLA collective, planned by the CUDA kernels
+        _, _, gathered = xla.gather_counts(plan, topk_idx)
+        out_types = out_types[:3] + (jax.ShapeDtypeStruct((), jnp.int64),) + out_types[4:]
+        row_pos, sizes, per_expert, dropped, invalid = _call(
+            "cuda_layout", out_types, topk_idx, gathered, rank, group, like=(topk_idx, gathered),
+            plan=plan, exchange=False, site=np.int64(next(_sites)), **_layout_attrs(plan),
+        )  # fmt: skip
+        return Layout(row_pos, sizes, per_expert, dropped.astype(jnp.int32), invalid)
     if plan.topology.single_process:  # counts all-gathered through the rendezvous
         outs = _call("layout", out_types, topk_idx, rank, group, like=(topk_idx,), plan=plan,
                      **_layout_attrs(plan))  # fmt: skip
@@ -125,6 +154,31 @@ def _send(plan: Plan, x, weights, row_pos, dest, rank, group):
         like=(x, weights, row_pos),
         plan=plan,
     )  # fmt: skip
+
+
+def _gpu_send(plan: Plan, x, weights, row_pos, dest, rank, group):
+    """(rows [C, H], weights [C], recv_row_pos [R * T, K]): each source writes one copy per
+    (token, destination GPU) into the destinations' windows, which expand them into rows."""
+    return _call(
+        "cuda_dispatch",
+        (
+            jax.ShapeDtypeStruct((plan.rows, x.shape[1]), x.dtype),
+            jax.ShapeDtypeStruct((plan.rows,), jnp.float32),
+            _i32((plan.num_ranks * plan.tokens, plan.k)),
+        ),
+        x, weights, row_pos, dest, rank, group,
+        like=(x, weights, row_pos),
+        plan=plan,
+        **_gpu_attrs(plan),
+    )  # fmt: skip
+
+
+def _gpu_exchange(name, out_types, handle: Handle, *args, like, **attrs):
+    """A GPU exchange along an existing dispatch: its inputs, then dest and the receive map."""
+    (recv_row_pos,) = handle.private
+    return _call(name, out_types, *args, handle.dest, recv_row_pos, handle.rank, handle.group,
+                 like=like + (handle.dest,), plan=handle.plan, **_gpu_attrs(handle.plan),
+                 **attrs)  # fmt: skip
 
 
 def _fused_combine(handle: Handle, y, weights, weighted):
@@ -274,6 +328,9 @@ def _levels_return_row_values(handle: Handle, values):
 
 
 def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
+    if _gpu(plan):
+        tokens, row_weights, recv_row_pos = _gpu_send(plan, x, weights, row_pos, dest, rank, group)
+        return tokens, row_weights, Handle(row_pos, dest, rank, group, (recv_row_pos,), plan)
     if _fused(plan):
         tokens, row_weights = _send(plan, x, weights, row_pos, dest, rank, group)
         return tokens, row_weights, Handle(row_pos, dest, rank, group, (), plan)
@@ -300,6 +357,9 @@ def level_rows(handle: Handle):
 
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
+    if _gpu(handle.plan):
+        out_type = jax.ShapeDtypeStruct((handle.plan.rows, g.shape[1]), g.dtype)
+        return _gpu_exchange("cuda_redispatch", out_type, handle, g, like=(g,))
     if not _fused(handle.plan):
         return _levels_redispatch(handle, g)
     zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)
@@ -312,6 +372,9 @@ def redispatch_scaled(handle: Handle, g, weights):
     float32 rounded to g's dtype (weighted combine's VJP), written by the handlers in one pass."""
     plan = handle.plan
     out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),) * 2
+    if _gpu(plan):
+        return _gpu_exchange("cuda_redispatch_scaled", out_types, handle, g, weights,
+                             like=(g, weights))  # fmt: skip
     if _fused(plan):
         return _call("redispatch_scaled", out_types, g, weights, handle.row_pos, handle.dest,
                      handle.rank, handle.group, like=(g, handle.row_pos), plan=plan)  # fmt: skip
@@ -324,6 +387,10 @@ def combine(handle: Handle, y, weights):
     weighted = weights is not None
     if not weighted:
         weights = jnp.zeros((handle.plan.rows,), jnp.float32)  # ignored by the handlers
+    if _gpu(handle.plan):
+        out_type = jax.ShapeDtypeStruct((handle.plan.tokens, y.shape[1]), y.dtype)
+        return _gpu_exchange("cuda_combine", out_type, handle, y, weights, like=(y,),
+                             weighted=np.bool_(weighted))  # fmt: skip
     if _fused(handle.plan):
         return _fused_combine(handle, y, weights, weighted)
     return _levels_combine(handle, y, weights, weighted)
@@ -331,6 +398,9 @@ def combine(handle: Handle, y, weights):
 
 def return_row_values(handle: Handle, values):
     """[T, K] float32: values[row] sent back to the (t, k) each row came from; 0 elsewhere."""
+    if _gpu(handle.plan):
+        out_type = jax.ShapeDtypeStruct((handle.plan.tokens, handle.plan.k), jnp.float32)
+        return _gpu_exchange("cuda_return_row_values", out_type, handle, values, like=(values,))
     if _fused(handle.plan):
         return _fused_return_row_values(handle, values)
     return _levels_return_row_values(handle, values)

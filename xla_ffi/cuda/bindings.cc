@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <optional>
 #include <set>
 #include <stdexcept>
@@ -25,6 +27,7 @@
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/exchange.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/numeric.h"
@@ -395,6 +398,144 @@ nb::object SelftestWriteRowValues(HostArray<float> values, HostArray<int32_t> to
   return ToNumpy(std::move(out), {r, t, k});
 }
 
+// The virtual-rank harness (transport.h): R ranks' windows on this one GPU, every exchange one
+// cooperative launch with the ranks' blocks side by side. Runs `rounds` times the sequence
+// dispatch, combine, redispatch (scaled), row values, so later rounds reuse both window halves,
+// and returns the last round's results. Inputs are stacked per rank; byte arrays are uint8.
+nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArray<uint8_t> x,
+                           HostArray<int32_t> dest, HostArray<int32_t> row_pos,
+                           HostArray<float> weights, HostArray<uint8_t> y,
+                           std::optional<HostArray<float>> y_weights, HostArray<uint8_t> g,
+                           HostArray<float> scale, HostArray<float> values, int64_t send_blocks,
+                           int64_t rounds, int64_t timeout_ms) {
+  const Dtype dtype = ParseDtype(dtype_name);
+  Require(x.ndim() == 3 && dest.ndim() == 3, "x: expected [R, T, row_bytes], dest [R, T, K]");
+  const int64_t R = x.shape(0), T = x.shape(1), row_bytes = x.shape(2), K = dest.shape(2);
+  const int64_t C = rows;
+  Require(R >= 1 && R <= kMaxWindowRanks && rounds >= 1, "need 1 <= R <= 128 and rounds >= 1");
+  Require(row_bytes % DtypeBytes(dtype) == 0, "x: row_bytes is not whole elements");
+  RequireShape(dest, "dest", {R, T, K});
+  RequireShape(row_pos, "row_pos", {R, T, K});
+  RequireShape(weights, "weights", {R, T, K});
+  RequireShape(y, "y", {R, C, row_bytes});
+  if (y_weights) RequireShape(*y_weights, "y_weights", {R, C});
+  RequireShape(g, "g", {R, T, row_bytes});
+  RequireShape(scale, "scale", {R, C});
+  RequireShape(values, "values", {R, C});
+  RequireRange(dest.data(), dest.size(), R, "dest");
+  RequireRange(row_pos.data(), row_pos.size(), C, "row_pos");
+  for (size_t i = 0; i < dest.size(); ++i) {
+    Require((dest.data()[i] < 0) == (row_pos.data()[i] < 0), "dest and row_pos disagree on -1");
+  }
+  int resident = 0;
+  CheckCuda(HarnessResidentBlocks(R, &resident), "HarnessResidentBlocks");
+  Require(send_blocks >= 1 && send_blocks <= resident,
+          "send_blocks must be in [1, " + std::to_string(resident) +
+              "] for R=" + std::to_string(R) + " ranks to be resident on this GPU");
+
+  GpuSession gpu;
+  cudaStream_t s = gpu.stream();
+  const WindowGeometry geometry{R, T, K, row_bytes};
+  std::vector<Window> windows(R);
+  for (int64_t r = 0; r < R; ++r) {
+    windows[r] = CarveWindow(gpu.Zeros<char>(WindowBytes(geometry)), geometry);
+  }
+  const Window* d_windows = gpu.Upload(windows.data(), R);
+  void* host_error = nullptr;
+  CheckCuda(cudaHostAlloc(&host_error, sizeof(TransportError) * R, cudaHostAllocMapped),
+            "cudaHostAlloc");
+  std::unique_ptr<void, cudaError_t (*)(void*)> host_error_owner(host_error, cudaFreeHost);
+  std::memset(host_error, 0, sizeof(TransportError) * R);
+  void* mapped_error = nullptr;
+  CheckCuda(cudaHostGetDevicePointer(&mapped_error, host_error, 0), "cudaHostGetDevicePointer");
+
+  HarnessArgs a{};
+  a.dtype = dtype;
+  a.rows = C;
+  a.dest = gpu.Upload(dest.data(), dest.size());
+  a.row_pos = gpu.Upload(row_pos.data(), row_pos.size());
+  a.recv_row_pos = gpu.Zeros<int32_t>(R * R * T * K);
+  const char* d_x = gpu.Upload(reinterpret_cast<const char*>(x.data()), x.size());
+  const char* d_y = gpu.Upload(reinterpret_cast<const char*>(y.data()), y.size());
+  const char* d_g = gpu.Upload(reinterpret_cast<const char*>(g.data()), g.size());
+  const float* d_weights = gpu.Upload(weights.data(), weights.size());
+  const float* d_y_weights = y_weights ? gpu.Upload(y_weights->data(), R * C) : nullptr;
+  const float* d_scale = gpu.Upload(scale.data(), scale.size());
+  const float* d_values = gpu.Upload(values.data(), values.size());
+  char* tokens = gpu.Zeros<char>(R * C * row_bytes);
+  float* row_weights = gpu.Zeros<float>(R * C);
+  char* combined = gpu.Zeros<char>(R * T * row_bytes);
+  char* redispatched = gpu.Zeros<char>(R * C * row_bytes);
+  char* scaled = gpu.Zeros<char>(R * C * row_bytes);
+  float* row_values = gpu.Zeros<float>(R * T * K);
+
+  std::vector<ExchangeContext> contexts(R);
+  ExchangeContext* d_contexts = gpu.Zeros<ExchangeContext>(R);
+  uint64_t generation = 0;
+  auto run = [&](HarnessExchange exchange) {
+    ++generation;
+    for (int64_t r = 0; r < R; ++r) {
+      contexts[r] = ExchangeContext{d_windows,
+                                    R,
+                                    T,
+                                    K,
+                                    row_bytes,
+                                    static_cast<int32_t>(r),
+                                    generation,
+                                    static_cast<int32_t>(send_blocks),
+                                    timeout_ms * 1000000,
+                                    static_cast<TransportError*>(mapped_error) + r};
+    }
+    CheckCuda(cudaMemcpyAsync(d_contexts, contexts.data(), sizeof(ExchangeContext) * R,
+                              cudaMemcpyHostToDevice, s),
+              "cudaMemcpyAsync");
+    a.exchange = exchange;
+    CheckCuda(LaunchHarness(d_contexts, R, static_cast<int32_t>(send_blocks), a, s),
+              "LaunchHarness");
+    CheckCuda(cudaStreamSynchronize(s), "harness kernel");
+    for (int64_t r = 0; r < R; ++r) {
+      const TransportError& e = static_cast<const TransportError*>(host_error)[r];
+      Require(e.code == 0, "exchange " + std::to_string(e.generation) + ": rank " +
+                               std::to_string(e.rank) + " timed out waiting for rank " +
+                               std::to_string(e.peer) + " block " + std::to_string(e.block));
+    }
+  };
+  for (int64_t round = 0; round < rounds; ++round) {
+    CheckCuda(cudaMemsetAsync(tokens, 0, R * C * row_bytes, s), "cudaMemsetAsync");
+    CheckCuda(cudaMemsetAsync(row_weights, 0, R * C * sizeof(float), s), "cudaMemsetAsync");
+    a.in_rows = d_x, a.in_values = d_weights, a.out_rows = tokens, a.out_values = row_weights;
+    a.out_scaled = nullptr;
+    run(HarnessExchange::kDispatch);
+    a.in_rows = d_y, a.in_values = d_y_weights, a.out_rows = combined;
+    run(HarnessExchange::kCombine);
+    for (int64_t r = 0; r < R; ++r) {
+      CheckCuda(
+          LaunchPrefillRedispatch(C, row_bytes, dtype, d_scale + r * C,
+                                  redispatched + r * C * row_bytes, scaled + r * C * row_bytes, s),
+          "LaunchPrefillRedispatch");
+    }
+    a.in_rows = d_g, a.in_values = d_scale, a.out_rows = redispatched, a.out_scaled = scaled;
+    run(HarnessExchange::kRedispatch);
+    a.in_values = d_values, a.out_values = row_values, a.out_scaled = nullptr;
+    run(HarnessExchange::kRowValues);
+  }
+  auto bytes = [&](const char* device, size_t n) {
+    const std::vector<char> host = gpu.Download(device, n);
+    return std::vector<uint8_t>(host.begin(), host.end());
+  };
+  const size_t r = R, t = T, k = K, c = C, rb = row_bytes;
+  nb::dict out;
+  out["tokens"] = ToNumpy(bytes(tokens, r * c * rb), {r, c, rb});
+  out["weights"] = ToNumpy(gpu.Download(row_weights, r * c), {r, c});
+  out["recv_row_pos"] = ToNumpy(gpu.Download(a.recv_row_pos, r * r * t * k), {r, r * t, k});
+  out["combined"] = ToNumpy(bytes(combined, r * t * rb), {r, t, rb});
+  out["redispatched"] = ToNumpy(bytes(redispatched, r * c * rb), {r, c, rb});
+  out["scaled"] = ToNumpy(bytes(scaled, r * c * rb), {r, c, rb});
+  out["row_values"] = ToNumpy(gpu.Download(row_values, r * t * k), {r, t, k});
+  out["blocks_resident"] = resident;
+  return out;
+}
+
 }  // namespace
 
 void RegisterCudaBindings(nb::module_& m) {
@@ -421,6 +562,13 @@ void RegisterCudaBindings(nb::module_& m) {
   m.def("cuda_selftest_write_row_values", &SelftestWriteRowValues, nb::arg("values"),
         nb::arg("token_ids"), nb::arg("recv_row_pos"), nb::arg("reference") = false,
         "WriteRowValues (values [C]). Returns all sources' buffers, [R, T, K].");
+  m.def("cuda_selftest_transport", &SelftestTransport, nb::arg("dtype"), nb::arg("rows"),
+        nb::arg("x"), nb::arg("dest"), nb::arg("row_pos"), nb::arg("weights"), nb::arg("y"),
+        nb::arg("y_weights").none(), nb::arg("g"), nb::arg("scale"), nb::arg("values"),
+        nb::arg("send_blocks"), nb::arg("rounds") = 1, nb::arg("timeout_ms") = 10000,
+        "The direct-write transport's virtual-rank harness: R ranks on this GPU, dispatch, "
+        "combine, redispatch (scaled) and row values `rounds` times. Returns a dict of the last "
+        "round's results.");
 }
 
 }  // namespace jax_hybridep

@@ -1,0 +1,108 @@
+"""The ffi backend's CUDA lowering, checked on any machine (DESIGN §5).
+
+Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
+the custom-call targets: a one-level EP group in one process runs the CUDA handlers of
+xla_ffi/cuda/cuda_handlers.cc and nothing of the host's; other GPU topologies fall back to the
+xla backend under "auto" and are refused with a reason under "ffi".
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_hybridep as hep
+from jax_hybridep import _native
+
+pytestmark = pytest.mark.skipif(
+    "gpu" not in _native.platforms(), reason="jax_hybridep was built without CUDA handlers"
+)
+
+T, H, K, E = 8, 64, 2, 8
+CUDA_TARGETS = {
+    "jax_hybridep_cuda_layout",
+    "jax_hybridep_cuda_dispatch",
+    "jax_hybridep_cuda_combine",
+    "jax_hybridep_cuda_redispatch_scaled",
+    "jax_hybridep_cuda_return_row_values",
+}
+
+
+def _gpu_topology(shape: dict[str, int], levels, local=None) -> hep.Topology:
+    return hep.Topology(
+        levels=tuple((lvl,) for lvl in levels),
+        mesh_axes=tuple(shape),
+        mesh_shape=tuple(shape.values()),
+        platform="gpu",
+        level_local=local or (True,) * len(levels),
+    )
+
+
+def _lowered(topo: hep.Topology, config: hep.DispatchConfig, weighted=True, grad=True) -> str:
+    mesh = AbstractMesh(topo.mesh_shape, topo.mesh_axes, axis_types=(AxisType.Explicit,) * len(
+        topo.mesh_axes))  # fmt: skip
+    spec = P(topo.mesh_axes)
+
+    def layer(x, idx, w):
+        d = hep.dispatch(x, idx, w, topology=topo, config=config)
+        y = d.tokens * 2
+        return hep.combine(y, d.handle, weights=d.weights if weighted else None)
+
+    def loss(x, idx, w):
+        out = jax.shard_map(layer, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(x, idx, w)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    n = topo.ep_size * T
+    sharding = NamedSharding(mesh, spec)
+    args = (
+        jax.ShapeDtypeStruct((n, H), jnp.bfloat16, sharding=sharding),
+        jax.ShapeDtypeStruct((n, K), jnp.int32, sharding=sharding),
+        jax.ShapeDtypeStruct((n, K), jnp.float32, sharding=sharding),
+    )
+    fn = jax.grad(loss, argnums=(0, 2)) if grad else loss
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _targets(text: str) -> set[str]:
+    return set(re.findall(r"custom_call @(\w+)", text))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_one_level_lowers_to_cuda_handlers(weighted):
+    topo = _gpu_topology({"ep": 4}, ["ep"])
+    text = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi", num_sms=8), weighted)
+    targets = _targets(text)
+    # Combine's VJP scales the rows in the same call when the combine was weighted.
+    redispatch = "jax_hybridep_cuda_redispatch" + ("_scaled" if weighted else "")
+    want = CUDA_TARGETS - {"jax_hybridep_cuda_redispatch_scaled"} | {redispatch}
+    hybridep = {t for t in targets if t.startswith("jax_hybridep_")}
+    assert hybridep == want
+    assert "num_sms = 8" in text
+    # The counts travel through an XLA all-gather (NCCL on GPUs), not a host rendezvous.
+    assert "all_gather" in text
+
+
+def test_auto_picks_cuda_handlers_on_gpu_mesh():
+    topo = _gpu_topology({"ep": 8}, ["ep"])
+    targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
+    assert {"jax_hybridep_cuda_layout", "jax_hybridep_cuda_dispatch"} <= targets
+    assert not any(t.startswith("jax_hybridep_") and "cuda" not in t for t in targets)
+
+
+def test_multi_level_gpu_topology_falls_back_to_xla():
+    topo = _gpu_topology({"node": 2, "local": 4}, ["node", "local"])
+    targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
+    assert not any(t.startswith("jax_hybridep_") for t in targets)
+    with pytest.raises(ValueError, match="on GPUs the ffi backend runs one-level EP groups"):
+        _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi"), grad=False)
+
+
+def test_multi_process_gpu_group_falls_back_to_xla():
+    topo = _gpu_topology({"ep": 4}, ["ep"], local=(False,))
+    targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
+    assert not any(t.startswith("jax_hybridep_") for t in targets)

@@ -1,0 +1,798 @@
+// The direct-write transport's device code (transport.h): send and receive phases, flags with
+// timeouts, the warp-specialised bulk-copy pipeline of the dispatch send, and the virtual-rank
+// harness. Results are bitwise those of the host steps (exchange.h): sums use __fadd_rn /
+// __fmul_rn in the host's order and 16-bit values go through numeric.h's conversions.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "xla_ffi/cuda/transport.h"
+
+namespace jax_hybridep {
+namespace {
+
+// Send blocks: one loader warp (bulk copies into a shared-memory ring on Hopper) and writer warps
+// (stores to the destinations). Without the bulk path every warp copies.
+constexpr int kWriterWarps = 8;
+constexpr int kThreads = 32 * (kWriterWarps + 1);
+constexpr int kStages = 6;
+constexpr int kChunkBytes = 8192;
+constexpr int kRingBytes = kStages * kChunkBytes;  // 48 KiB: no opt-in for more shared memory
+// A spinning wait checks whether another wait already failed this often (a mapped-host read).
+constexpr int kPollsPerErrorCheck = 1024;
+
+constexpr size_t kAlign = 256;
+
+size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// ----------------------------------------------------------------------------- flags and waits
+
+__device__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ uint64_t LoadAcquire(const uint64_t* flag) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+__device__ void StoreRelease(uint64_t* flag, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(flag), "l"(v) : "memory");
+}
+
+// Records the first failed wait of this rank (claimed in device memory, written to mapped host
+// memory) so the host can report it.
+__device__ void RecordTimeout(const ExchangeContext& ctx, int64_t peer, int64_t block) {
+  if (atomicCAS(ctx.windows[ctx.rank].error_claim, 0u, 1u) != 0u) return;
+  volatile TransportError* e = ctx.error;
+  e->rank = static_cast<uint32_t>(ctx.rank);
+  e->peer = static_cast<uint32_t>(peer);
+  e->block = static_cast<uint32_t>(block);
+  e->generation = ctx.generation;
+  __threadfence_system();
+  e->code = 1;
+  __threadfence_system();
+}
+
+// One thread waits until source `src`'s block `block` completed this generation here; false when
+// the timeout passed (or another wait of this rank already failed).
+__device__ bool WaitArrived(const ExchangeContext& ctx, int64_t src, int64_t block) {
+  const uint64_t* flag = ctx.windows[ctx.rank].arrived + src * kMaxSendBlocks + block;
+  if (LoadAcquire(flag) >= ctx.generation) return true;
+  const uint64_t start = GlobalTimerNs();
+  for (int polls = 1;; ++polls) {
+    if (LoadAcquire(flag) >= ctx.generation) return true;
+    if (polls % kPollsPerErrorCheck == 0) {
+      if (*static_cast<volatile uint32_t*>(ctx.windows[ctx.rank].error_claim) != 0u) return false;
+      if (static_cast<int64_t>(GlobalTimerNs() - start) > ctx.timeout_ns) {
+        RecordTimeout(ctx, src, block);
+        return false;
+      }
+    }
+    __nanosleep(32);
+  }
+}
+
+// Block-wide WaitArrived (thread 0 waits, every thread gets the answer).
+__device__ bool BlockWaitArrived(const ExchangeContext& ctx, int64_t src, int64_t block) {
+  __shared__ int ok;
+  __syncthreads();  // `ok` may still be read from the previous call.
+  if (threadIdx.x == 0) ok = WaitArrived(ctx, src, block);
+  __syncthreads();
+  return ok != 0;
+}
+
+// Ends a send phase: once every thread of the block is done, its rows are made visible system-wide
+// and the block's flag is raised in every peer's window.
+__device__ void SignalBlockDone(const ExchangeContext& ctx, int64_t block) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int64_t d = 0; d < ctx.ranks; ++d) {
+      StoreRelease(ctx.windows[d].arrived + ctx.rank * kMaxSendBlocks + block, ctx.generation);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- row copies
+
+__device__ int64_t RowStrideOnDevice(int64_t row_bytes) { return (row_bytes + 15) / 16 * 16; }
+
+// The widest word (<= 16 bytes) dividing both addresses and the byte count.
+__device__ int WordBytesOf(const void* a, const void* b, int64_t bytes) {
+  const uint64_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+                        static_cast<uint64_t>(bytes);
+  for (int w = 16; w > 1; w /= 2) {
+    if (bits % w == 0) return w;
+  }
+  return 1;
+}
+
+// One source row to several destination rows: each word is read once. Rows with index < 0 are
+// skipped; row i lives at base + rows[i] * stride.
+template <typename Word>
+__device__ void FanOutWords(char* base, int64_t stride, const int32_t* rows, int64_t n,
+                            const char* src, int64_t bytes) {
+  const Word* s = reinterpret_cast<const Word*>(src);
+  for (int64_t w = threadIdx.x; w < bytes / static_cast<int64_t>(sizeof(Word)); w += blockDim.x) {
+    const Word value = s[w];
+    for (int64_t j = 0; j < n; ++j) {
+      if (rows[j] >= 0) reinterpret_cast<Word*>(base + rows[j] * stride)[w] = value;
+    }
+  }
+}
+
+__device__ void FanOutRow(char* base, int64_t stride, const int32_t* rows, int64_t n,
+                          const char* src, int64_t bytes) {
+  switch (WordBytesOf(base, src, bytes | stride)) {
+    case 16:
+      return FanOutWords<uint4>(base, stride, rows, n, src, bytes);
+    case 8:
+      return FanOutWords<uint2>(base, stride, rows, n, src, bytes);
+    case 4:
+      return FanOutWords<uint32_t>(base, stride, rows, n, src, bytes);
+    case 2:
+      return FanOutWords<uint16_t>(base, stride, rows, n, src, bytes);
+    default:
+      return FanOutWords<uint8_t>(base, stride, rows, n, src, bytes);
+  }
+}
+
+// Whether destination d = dest[j] appears first at j among dest[0..K) (and is a rank).
+__device__ bool FirstOccurrence(const int32_t* dest, int64_t j) {
+  const int32_t d = dest[j];
+  if (d < 0) return false;
+  for (int64_t i = 0; i < j; ++i) {
+    if (dest[i] == d) return false;
+  }
+  return true;
+}
+
+__device__ bool AnyDest(const int32_t* dest, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) {
+    if (dest[j] >= 0) return true;
+  }
+  return false;
+}
+
+// ----------------------------------------------------------------------------- dispatch send
+
+// Every destination's metadata for token t of this rank: its rows of t (-1 elsewhere) and their
+// weights, written by `threads` threads from `tid` (every token, so stale slots never survive).
+__device__ void SendMetadata(const ExchangeContext& ctx, int64_t t, const int32_t* dest,
+                             const int32_t* row_pos, const float* weights, int tid, int threads) {
+  const int64_t K = ctx.k, parity = ctx.generation & 1;
+  const int64_t slot = (ctx.rank * ctx.tokens + t) * K;
+  for (int64_t i = tid; i < ctx.ranks * K; i += threads) {
+    const int64_t d = i / K, j = i % K;
+    const bool here = dest[t * K + j] == d;
+    const Window& w = ctx.windows[d];
+    w.row_pos[parity][slot + j] = here ? row_pos[t * K + j] : -1;
+    w.values[parity][slot + j] = here && weights != nullptr ? weights[t * K + j] : 0.0f;
+  }
+}
+
+__device__ char* PayloadSlot(const ExchangeContext& ctx, int64_t d, int64_t src, int64_t t) {
+  const int64_t parity = ctx.generation & 1;
+  return ctx.windows[d].payload[parity] + (src * ctx.tokens + t) * RowStrideOnDevice(ctx.row_bytes);
+}
+
+// Plain path: every thread loads words of x[t] and stores each to every destination of t.
+template <typename Word>
+__device__ void SendTokenWords(const ExchangeContext& ctx, int64_t t, const char* x,
+                               const int32_t* dest_t) {
+  const Word* src = reinterpret_cast<const Word*>(x + t * ctx.row_bytes);
+  for (int64_t w = threadIdx.x; w < ctx.row_bytes / static_cast<int64_t>(sizeof(Word));
+       w += blockDim.x) {
+    const Word value = src[w];
+    for (int64_t j = 0; j < ctx.k; ++j) {
+      if (FirstOccurrence(dest_t, j)) {
+        reinterpret_cast<Word*>(PayloadSlot(ctx, dest_t[j], ctx.rank, t))[w] = value;
+      }
+    }
+  }
+}
+
+__device__ void SendTokensPlain(const ExchangeContext& ctx, int64_t block, const char* x,
+                                const int32_t* dest, const int32_t* row_pos, const float* weights) {
+  const int word = WordBytesOf(x, nullptr, ctx.row_bytes);
+  for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
+    if (row_pos != nullptr) {
+      SendMetadata(ctx, t, dest, row_pos, weights, threadIdx.x, blockDim.x);
+    }
+    const int32_t* dest_t = dest + t * ctx.k;
+    switch (word) {
+      case 16:
+        SendTokenWords<uint4>(ctx, t, x, dest_t);
+        break;
+      case 8:
+        SendTokenWords<uint2>(ctx, t, x, dest_t);
+        break;
+      case 4:
+        SendTokenWords<uint32_t>(ctx, t, x, dest_t);
+        break;
+      case 2:
+        SendTokenWords<uint16_t>(ctx, t, x, dest_t);
+        break;
+      default:
+        SendTokenWords<uint8_t>(ctx, t, x, dest_t);
+        break;
+    }
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Hopper bulk-copy pipeline: mbarriers and the TMA engine's 1-D global -> shared copies.
+
+__device__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ void BarrierInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" : : "r"(SharedAddress(bar)), "r"(count));
+}
+
+__device__ void BarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" : : "r"(SharedAddress(bar)) : "memory");
+}
+
+__device__ void BarrierExpectBytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :
+               : "r"(SharedAddress(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Waits for the completion of the barrier's phase with parity `parity`.
+__device__ void BarrierWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(SharedAddress(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ void BulkLoad(void* smem, const void* global, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      :
+      : "r"(SharedAddress(smem)), "l"(global), "r"(bytes), "r"(SharedAddress(bar))
+      : "memory");
+}
+
+// Warp 0 (one lane) streams the block's token rows chunk by chunk into a ring of kStages slots;
+// writer warps store each chunk to every destination of its token and hand the slot back. A token
+// is read from HBM once whatever its number of destinations. Needs row_bytes % 16 == 0 and a
+// 16-byte aligned x.
+__device__ void SendTokensBulk(const ExchangeContext& ctx, int64_t block, const char* x,
+                               const int32_t* dest, const int32_t* row_pos, const float* weights) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      BarrierInit(&full[s], 1);
+      BarrierInit(&empty[s], kWriterWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int64_t chunks = (ctx.row_bytes + kChunkBytes - 1) / kChunkBytes;
+  int64_t item = 0;  // (token, chunk) pairs in this block's order: the same walk in every warp
+  if (warp == 0) {
+    if (lane == 0) {
+      for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
+        if (!AnyDest(dest + t * ctx.k, ctx.k)) continue;
+        for (int64_t c = 0; c < chunks; ++c, ++item) {
+          const int s = item % kStages;
+          const uint32_t phase = (item / kStages) & 1;
+          const int64_t offset = c * kChunkBytes;
+          const uint32_t bytes = static_cast<uint32_t>(
+              ctx.row_bytes - offset < kChunkBytes ? ctx.row_bytes - offset : kChunkBytes);
+          BarrierWait(&empty[s], phase ^ 1);
+          BarrierExpectBytes(&full[s], bytes);
+          BulkLoad(ring + s * kChunkBytes, x + t * ctx.row_bytes + offset, bytes, &full[s]);
+        }
+      }
+    }
+  } else {
+    const int tid = threadIdx.x - 32, threads = 32 * kWriterWarps;
+    for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
+      if (row_pos != nullptr) SendMetadata(ctx, t, dest, row_pos, weights, tid, threads);
+      const int32_t* dest_t = dest + t * ctx.k;
+      if (!AnyDest(dest_t, ctx.k)) continue;
+      for (int64_t c = 0; c < chunks; ++c, ++item) {
+        const int s = item % kStages;
+        const uint32_t phase = (item / kStages) & 1;
+        const int64_t offset = c * kChunkBytes;
+        const int64_t bytes =
+            ctx.row_bytes - offset < kChunkBytes ? ctx.row_bytes - offset : kChunkBytes;
+        BarrierWait(&full[s], phase);
+        const uint4* chunk = reinterpret_cast<const uint4*>(ring + s * kChunkBytes);
+        for (int64_t j = 0; j < ctx.k; ++j) {
+          if (!FirstOccurrence(dest_t, j)) continue;
+          uint4* out = reinterpret_cast<uint4*>(PayloadSlot(ctx, dest_t[j], ctx.rank, t) + offset);
+          for (int64_t w = tid; w < bytes / 16; w += threads) out[w] = chunk[w];
+        }
+        __syncwarp();
+        if (lane == 0) BarrierArrive(&empty[s]);
+      }
+    }
+  }
+}
+#endif
+
+__device__ void SendTokensPhase(const ExchangeContext& ctx, int64_t block, const char* x,
+                                const int32_t* dest, const int32_t* row_pos, const float* weights) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (ctx.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    SendTokensBulk(ctx, block, x, dest, row_pos, weights);
+    SignalBlockDone(ctx, block);
+    return;
+  }
+#endif
+  SendTokensPlain(ctx, block, x, dest, row_pos, weights);
+  SignalBlockDone(ctx, block);
+}
+
+// ----------------------------------------------------------------------------- dispatch receive
+
+// Receiving block `block` expands the slots (src, t) with t = block (mod send_blocks), source by
+// source, each after its sender block's flag. Returns false when a wait failed.
+__device__ bool ReceiveRowsPhase(const ExchangeContext& ctx, int64_t block, char* out_tokens,
+                                 float* out_weights, int32_t* recv_row_pos) {
+  const int64_t T = ctx.tokens, K = ctx.k, parity = ctx.generation & 1;
+  const Window& self = ctx.windows[ctx.rank];
+  for (int64_t src = 0; src < ctx.ranks; ++src) {
+    if (!BlockWaitArrived(ctx, src, block)) return false;
+    for (int64_t t = block; t < T; t += ctx.send_blocks) {
+      const int64_t slot = src * T + t;
+      const int32_t* rows = self.row_pos[parity] + slot * K;
+      for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
+        recv_row_pos[slot * K + j] = rows[j];
+        if (rows[j] >= 0) out_weights[rows[j]] = self.values[parity][slot * K + j];
+      }
+      FanOutRow(out_tokens, ctx.row_bytes, rows, K, PayloadSlot(ctx, ctx.rank, src, t),
+                ctx.row_bytes);
+    }
+  }
+  return true;
+}
+
+// Redispatch receive: rows from the dispatch's recv_row_pos, and the scaled rows elementwise.
+template <Dtype kDtype>
+__device__ bool ReceiveRedispatchPhase(const ExchangeContext& ctx, int64_t block,
+                                       const int32_t* recv_row_pos, const float* scale,
+                                       char* out_tokens, char* out_scaled) {
+  const int64_t T = ctx.tokens, K = ctx.k;
+  const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
+  for (int64_t src = 0; src < ctx.ranks; ++src) {
+    if (!BlockWaitArrived(ctx, src, block)) return false;
+    for (int64_t t = block; t < T; t += ctx.send_blocks) {
+      const int32_t* rows = recv_row_pos + (src * T + t) * K;
+      const char* payload = PayloadSlot(ctx, ctx.rank, src, t);
+      FanOutRow(out_tokens, ctx.row_bytes, rows, K, payload, ctx.row_bytes);
+      if (scale == nullptr) continue;
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t row = rows[j];
+        if (row < 0) continue;
+        char* out = out_scaled + row * ctx.row_bytes;
+        for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+          StoreFromFloat(out, h, __fmul_rn(LoadAsFloat(payload, h, kDtype), scale[row]), kDtype);
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// ----------------------------------------------------------------------------- combine
+
+// Destination side: each received (src, t) gets its partial, written into src's window at
+// [this rank, t]. Block `block` handles t = block (mod send_blocks) of every source.
+template <Dtype kDtype>
+__device__ void SendPartialsPhase(const ExchangeContext& ctx, int64_t block, const char* y,
+                                  const float* weights, const int32_t* recv_row_pos) {
+  const int64_t T = ctx.tokens, K = ctx.k;
+  const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
+  for (int64_t src = 0; src < ctx.ranks; ++src) {
+    for (int64_t t = block; t < T; t += ctx.send_blocks) {
+      const int32_t* rows = recv_row_pos + (src * T + t) * K;
+      if (!AnyDest(rows, K)) continue;
+      char* out = ctx.windows[src].payload[ctx.generation & 1] +
+                  (ctx.rank * T + t) * RowStrideOnDevice(ctx.row_bytes);
+      for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+        float acc = 0.0f;  // The host starts from +0 too (turns a lone -0 into +0).
+        for (int64_t j = 0; j < K; ++j) {
+          const int32_t row = rows[j];
+          if (row < 0) continue;
+          float v = LoadAsFloat(y, row * hidden + h, kDtype);
+          if (weights != nullptr) v = __fmul_rn(v, weights[row]);
+          acc = __fadd_rn(acc, v);
+        }
+        StoreFromFloat(out, h, acc, kDtype);
+      }
+    }
+  }
+  SignalBlockDone(ctx, block);
+}
+
+// Source side: out[t] = sum of its partials over its distinct destinations in ascending rank.
+template <Dtype kDtype>
+__device__ bool ReducePartialsPhase(const ExchangeContext& ctx, int64_t block, const int32_t* dest,
+                                    char* out) {
+  __shared__ int32_t dests[64];
+  __shared__ int num_dests;
+  __shared__ int ok;
+  __shared__ bool ready[kMaxWindowRanks];
+  const int64_t T = ctx.tokens, K = ctx.k;
+  const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
+  const int64_t stride = RowStrideOnDevice(ctx.row_bytes);
+  const char* partials = ctx.windows[ctx.rank].payload[ctx.generation & 1];
+  for (int64_t d = threadIdx.x; d < ctx.ranks; d += blockDim.x) ready[d] = false;
+  for (int64_t t = block; t < T; t += ctx.send_blocks) {
+    __syncthreads();  // The previous token's list is no longer read.
+    if (threadIdx.x == 0) {
+      int n = 0;
+      ok = 1;
+      for (int64_t i = 0; i < K; ++i) {
+        if (!FirstOccurrence(dest + t * K, i)) continue;
+        const int32_t d = dest[t * K + i];
+        int j = n++;  // Insertion sort keeps the list ascending.
+        for (; j > 0 && dests[j - 1] > d; --j) dests[j] = dests[j - 1];
+        dests[j] = d;
+        if (!ready[d]) {
+          ready[d] = WaitArrived(ctx, d, block);
+          if (!ready[d]) ok = 0;
+        }
+      }
+      num_dests = n;
+    }
+    __syncthreads();
+    if (!ok) return false;
+    char* out_row = out + t * ctx.row_bytes;
+    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+      float acc = 0.0f;
+      for (int i = 0; i < num_dests; ++i) {
+        acc = __fadd_rn(acc, LoadAsFloat(partials + (dests[i] * T + t) * stride, h, kDtype));
+      }
+      StoreFromFloat(out_row, h, acc, kDtype);
+    }
+  }
+  // Every peer's flag must have been seen before this rank's next send may reuse the other half
+  // of their windows (transport.h), also from peers none of this block's tokens went to.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ok = 1;
+    for (int64_t d = 0; d < ctx.ranks && ok; ++d) {
+      if (!ready[d]) ok = WaitArrived(ctx, d, block);
+    }
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// ----------------------------------------------------------------------------- row values
+
+__device__ void SendRowValuesPhase(const ExchangeContext& ctx, int64_t block, const float* values,
+                                   const int32_t* recv_row_pos) {
+  const int64_t T = ctx.tokens, K = ctx.k;
+  for (int64_t src = 0; src < ctx.ranks; ++src) {
+    float* out = ctx.windows[src].values[ctx.generation & 1] + ctx.rank * T * K;
+    for (int64_t t = block; t < T; t += ctx.send_blocks) {
+      const int32_t* rows = recv_row_pos + (src * T + t) * K;
+      for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
+        if (rows[j] >= 0) out[t * K + j] = values[rows[j]];
+      }
+    }
+  }
+  SignalBlockDone(ctx, block);
+}
+
+__device__ bool ReceiveRowValuesPhase(const ExchangeContext& ctx, int64_t block,
+                                      const int32_t* dest, float* out) {
+  const int64_t T = ctx.tokens, K = ctx.k;
+  const float* values = ctx.windows[ctx.rank].values[ctx.generation & 1];
+  for (int64_t d = 0; d < ctx.ranks; ++d) {
+    if (!BlockWaitArrived(ctx, d, block)) return false;
+  }
+  for (int64_t t = block; t < T; t += ctx.send_blocks) {
+    for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
+      const int32_t d = dest[t * K + j];
+      out[t * K + j] = d >= 0 ? values[(d * T + t) * K + j] : 0.0f;
+    }
+  }
+  return true;
+}
+
+// ----------------------------------------------------------------------------- per-rank kernels
+
+__global__ void __launch_bounds__(kThreads)
+    SendTokensKernel(ExchangeContext ctx, const char* x, const int32_t* dest,
+                     const int32_t* row_pos, const float* weights) {
+  SendTokensPhase(ctx, blockIdx.x, x, dest, row_pos, weights);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    ReceiveRowsKernel(ExchangeContext ctx, char* out_tokens, float* out_weights,
+                      int32_t* recv_row_pos) {
+  ReceiveRowsPhase(ctx, blockIdx.x, out_tokens, out_weights, recv_row_pos);
+}
+
+template <Dtype kDtype>
+__global__ void __launch_bounds__(kThreads)
+    ReceiveRedispatchKernel(ExchangeContext ctx, const int32_t* recv_row_pos, const float* scale,
+                            char* out_tokens, char* out_scaled) {
+  ReceiveRedispatchPhase<kDtype>(ctx, blockIdx.x, recv_row_pos, scale, out_tokens, out_scaled);
+}
+
+template <Dtype kDtype>
+__global__ void PrefillRedispatchKernel(int64_t rows, int64_t row_bytes, const float* scale,
+                                        char* out_tokens, char* out_scaled) {
+  const int64_t hidden = row_bytes / DtypeBytes(kDtype);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+      StoreFromFloat(out_tokens + row * row_bytes, h, 0.0f, kDtype);
+      if (out_scaled != nullptr) {
+        StoreFromFloat(out_scaled + row * row_bytes, h, __fmul_rn(0.0f, scale[row]), kDtype);
+      }
+    }
+  }
+}
+
+template <Dtype kDtype>
+__global__ void __launch_bounds__(kThreads)
+    SendPartialsKernel(ExchangeContext ctx, const char* y, const float* weights,
+                       const int32_t* recv_row_pos) {
+  SendPartialsPhase<kDtype>(ctx, blockIdx.x, y, weights, recv_row_pos);
+}
+
+template <Dtype kDtype>
+__global__ void __launch_bounds__(kThreads)
+    ReducePartialsKernel(ExchangeContext ctx, const int32_t* dest, char* out) {
+  ReducePartialsPhase<kDtype>(ctx, blockIdx.x, dest, out);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    SendRowValuesKernel(ExchangeContext ctx, const float* values, const int32_t* recv_row_pos) {
+  SendRowValuesPhase(ctx, blockIdx.x, values, recv_row_pos);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    ReceiveRowValuesKernel(ExchangeContext ctx, const int32_t* dest, float* out) {
+  ReceiveRowValuesPhase(ctx, blockIdx.x, dest, out);
+}
+
+// ----------------------------------------------------------------------------- harness
+
+template <Dtype kDtype>
+__device__ void HarnessRank(const ExchangeContext& ctx, int64_t block, const HarnessArgs& a) {
+  const int64_t r = ctx.rank, T = ctx.tokens, K = ctx.k, R = ctx.ranks;
+  const int64_t rb = ctx.row_bytes;
+  const int32_t* dest = a.dest + r * T * K;
+  int32_t* recv_row_pos = a.recv_row_pos + r * R * T * K;
+  switch (a.exchange) {
+    case HarnessExchange::kDispatch:
+      SendTokensPhase(ctx, block, a.in_rows + r * T * rb, dest, a.row_pos + r * T * K,
+                      a.in_values + r * T * K);
+      ReceiveRowsPhase(ctx, block, a.out_rows + r * a.rows * rb, a.out_values + r * a.rows,
+                       recv_row_pos);
+      break;
+    case HarnessExchange::kRedispatch:
+      SendTokensPhase(ctx, block, a.in_rows + r * T * rb, dest, nullptr, nullptr);
+      ReceiveRedispatchPhase<kDtype>(
+          ctx, block, recv_row_pos, a.in_values == nullptr ? nullptr : a.in_values + r * a.rows,
+          a.out_rows + r * a.rows * rb,
+          a.out_scaled == nullptr ? nullptr : a.out_scaled + r * a.rows * rb);
+      break;
+    case HarnessExchange::kCombine:
+      SendPartialsPhase<kDtype>(ctx, block, a.in_rows + r * a.rows * rb,
+                                a.in_values == nullptr ? nullptr : a.in_values + r * a.rows,
+                                recv_row_pos);
+      ReducePartialsPhase<kDtype>(ctx, block, dest, a.out_rows + r * T * rb);
+      break;
+    case HarnessExchange::kRowValues:
+      SendRowValuesPhase(ctx, block, a.in_values + r * a.rows, recv_row_pos);
+      ReceiveRowValuesPhase(ctx, block, dest, a.out_values + r * T * K);
+      break;
+  }
+}
+
+template <Dtype kDtype>
+__global__ void __launch_bounds__(kThreads)
+    HarnessKernel(const ExchangeContext* contexts, int32_t blocks_per_rank, HarnessArgs args) {
+  const ExchangeContext ctx = contexts[blockIdx.x / blocks_per_rank];
+  HarnessRank<kDtype>(ctx, blockIdx.x % blocks_per_rank, args);
+}
+
+// ----------------------------------------------------------------------------- launch helpers
+
+dim3 SendGrid(const ExchangeContext& ctx) { return dim3(static_cast<unsigned>(ctx.send_blocks)); }
+
+cudaError_t CheckContext(const ExchangeContext& ctx) {
+  if (ctx.send_blocks < 1 || ctx.send_blocks > kMaxSendBlocks || ctx.ranks < 1 ||
+      ctx.ranks > kMaxWindowRanks || ctx.k > 64) {
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+template <typename Launch>
+cudaError_t ByDtype(Dtype dtype, Launch&& launch) {
+  switch (dtype) {
+    case Dtype::kF32:
+      launch(std::integral_constant<Dtype, Dtype::kF32>());
+      break;
+    case Dtype::kBF16:
+      launch(std::integral_constant<Dtype, Dtype::kBF16>());
+      break;
+    case Dtype::kF16:
+      launch(std::integral_constant<Dtype, Dtype::kF16>());
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t RowStride(int64_t row_bytes) { return (row_bytes + 15) / 16 * 16; }
+
+namespace {
+struct WindowOffsets {
+  size_t payload[2], row_pos[2], values[2], arrived, error_claim, total;
+};
+
+WindowOffsets Offsets(const WindowGeometry& g) {
+  const size_t slots = static_cast<size_t>(g.ranks * g.tokens);
+  const size_t payload = AlignUp(slots * RowStride(g.row_bytes));
+  const size_t meta = AlignUp(slots * g.k * sizeof(int32_t));
+  WindowOffsets o{};
+  size_t at = 0;
+  for (int p = 0; p < 2; ++p) {
+    o.payload[p] = at;
+    at += payload;
+    o.row_pos[p] = at;
+    at += meta;
+    o.values[p] = at;
+    at += meta;
+  }
+  o.arrived = at;
+  at += AlignUp(static_cast<size_t>(g.ranks * kMaxSendBlocks) * sizeof(uint64_t));
+  o.error_claim = at;
+  at += kAlign;
+  o.total = at;
+  return o;
+}
+}  // namespace
+
+size_t WindowBytes(const WindowGeometry& geometry) { return Offsets(geometry).total; }
+
+Window CarveWindow(char* base, const WindowGeometry& geometry) {
+  const WindowOffsets o = Offsets(geometry);
+  Window w;
+  for (int p = 0; p < 2; ++p) {
+    w.payload[p] = base + o.payload[p];
+    w.row_pos[p] = reinterpret_cast<int32_t*>(base + o.row_pos[p]);
+    w.values[p] = reinterpret_cast<float*>(base + o.values[p]);
+  }
+  w.arrived = reinterpret_cast<uint64_t*>(base + o.arrived);
+  w.error_claim = reinterpret_cast<uint32_t*>(base + o.error_claim);
+  return w;
+}
+
+cudaError_t LaunchSendTokens(const ExchangeContext& ctx, const char* x, const int32_t* dest,
+                             const int32_t* row_pos, const float* weights, cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  SendTokensKernel<<<SendGrid(ctx), kThreads, kRingBytes, stream>>>(ctx, x, dest, row_pos, weights);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchReceiveRows(const ExchangeContext& ctx, char* out_tokens, float* out_weights,
+                              int32_t* recv_row_pos, int64_t rows, cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  cudaError_t status = cudaMemsetAsync(out_tokens, 0, rows * ctx.row_bytes, stream);
+  if (status == cudaSuccess) status = cudaMemsetAsync(out_weights, 0, rows * sizeof(float), stream);
+  if (status != cudaSuccess) return status;
+  ReceiveRowsKernel<<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, out_tokens, out_weights,
+                                                            recv_row_pos);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPrefillRedispatch(int64_t rows, int64_t row_bytes, Dtype dtype,
+                                    const float* scale, char* out_tokens, char* out_scaled,
+                                    cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(rows, 4096)));
+  return ByDtype(dtype, [&](auto d) {
+    PrefillRedispatchKernel<decltype(d)::value>
+        <<<grid, 256, 0, stream>>>(rows, row_bytes, scale, out_tokens, out_scaled);
+  });
+}
+
+cudaError_t LaunchReceiveRedispatch(const ExchangeContext& ctx, Dtype dtype,
+                                    const int32_t* recv_row_pos, const float* scale,
+                                    char* out_tokens, char* out_scaled, cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  return ByDtype(dtype, [&](auto d) {
+    ReceiveRedispatchKernel<decltype(d)::value>
+        <<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, recv_row_pos, scale, out_tokens, out_scaled);
+  });
+}
+
+cudaError_t LaunchSendPartials(const ExchangeContext& ctx, Dtype dtype, const char* y,
+                               const float* weights, const int32_t* recv_row_pos,
+                               cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  return ByDtype(dtype, [&](auto d) {
+    SendPartialsKernel<decltype(d)::value>
+        <<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, y, weights, recv_row_pos);
+  });
+}
+
+cudaError_t LaunchReducePartials(const ExchangeContext& ctx, Dtype dtype, const int32_t* dest,
+                                 char* out, cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  return ByDtype(dtype, [&](auto d) {
+    ReducePartialsKernel<decltype(d)::value>
+        <<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, dest, out);
+  });
+}
+
+cudaError_t LaunchSendRowValues(const ExchangeContext& ctx, const float* values,
+                                const int32_t* recv_row_pos, cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  SendRowValuesKernel<<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, values, recv_row_pos);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchReceiveRowValues(const ExchangeContext& ctx, const int32_t* dest, float* out,
+                                   cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  ReceiveRowValuesKernel<<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, dest, out);
+  return cudaGetLastError();
+}
+
+cudaError_t HarnessResidentBlocks(int64_t ranks, int* blocks_per_rank) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t s = cudaGetDevice(&device);
+  if (s == cudaSuccess) s = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  // The float32 instance stands for all: every instance has the same block shape and ring.
+  if (s == cudaSuccess) {
+    s = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, HarnessKernel<Dtype::kF32>, kThreads,
+                                                      kRingBytes);
+  }
+  if (s != cudaSuccess) return s;
+  *blocks_per_rank = static_cast<int>(std::min<int64_t>(
+      kMaxSendBlocks, static_cast<int64_t>(sms) * per_sm / std::max<int64_t>(ranks, 1)));
+  return cudaSuccess;
+}
+
+cudaError_t LaunchHarness(const ExchangeContext* contexts_device, int64_t ranks,
+                          int32_t blocks_per_rank, const HarnessArgs& args, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ranks * blocks_per_rank));
+  HarnessArgs a = args;
+  const ExchangeContext* contexts = contexts_device;
+  int32_t bpr = blocks_per_rank;
+  void* params[] = {&contexts, &bpr, &a};
+  cudaError_t status = cudaSuccess;
+  ByDtype(args.dtype, [&](auto d) {
+    status = cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(&HarnessKernel<decltype(d)::value>), grid, dim3(kThreads),
+        params, kRingBytes, stream);
+  });
+  return status != cudaSuccess ? status : cudaGetLastError();
+}
+
+}  // namespace jax_hybridep

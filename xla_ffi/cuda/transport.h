@@ -1,0 +1,168 @@
+// The one-level direct-write transport on GPUs (DESIGN §2.1, §3): each rank writes its tokens
+// straight into its peers' registered windows, each destination expands what it received into
+// expert-major rows; combine runs the reverse. Framework-free: raw device pointers and a stream.
+//
+// Protocol. Every exchange has a generation g (1, 2, ...: one per exchange call on a window, the
+// same sequence on every rank) and uses the window half g % 2. A send phase runs as `send_blocks`
+// persistent blocks; block b handles items b, b + send_blocks, ... and, when done, stores g into
+// arrived[b] of its own rank's row in every peer's window (a system-scope release after a fence),
+// so there is no synchronisation between blocks and receivers can start on the items of a block
+// as soon as that block is done. A receive phase waits, per item, for the flag of the sender block
+// that handled it (an acquire). Reusing a half is safe without any extra handshake: a rank writes
+// half g % 2 again only at g + 2, after it saw every peer's flag for g + 1, which each peer sets
+// only after it finished reading g (one stream per rank orders its receive of g before its send of
+// g + 1). Waits give up after `timeout_ns` (device global timer), record the first failure in the
+// mapped host error record and return; the host reports it on the next call (never a hang).
+//
+// The same __device__ phases run in the per-rank kernels of the FFI handlers (one launch per rank
+// and phase) and in the virtual-rank harness (all ranks of a group in one cooperative launch on one
+// GPU, blocks split by rank, every rank resident), so the protocol is tested on a single GPU.
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TRANSPORT_H_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_TRANSPORT_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "xla_ffi/numeric.h"
+
+namespace jax_hybridep {
+
+// Most blocks one rank's send phase may use (the size of a window's flag table per source).
+constexpr int64_t kMaxSendBlocks = 256;
+// Most ranks in one window group.
+constexpr int64_t kMaxWindowRanks = 128;
+
+// Geometry a window is sized for.
+struct WindowGeometry {
+  int64_t ranks;      // R
+  int64_t tokens;     // T per source rank
+  int64_t k;          // K routing slots per token
+  int64_t row_bytes;  // the widest row this window carries (H * element size)
+};
+
+// Bytes of one rank's window, and its regions at their offsets (all 256-byte aligned).
+size_t WindowBytes(const WindowGeometry& geometry);
+
+// One rank's window as any rank of the group addresses it (peer pointers on other devices).
+struct Window {
+  char* payload[2];       // [R, T, row_stride]: token rows (dispatch) or partial sums (combine)
+  int32_t* row_pos[2];    // [R, T, K]: the receiver's row per (source, t, k), -1 when none
+  float* values[2];       // [R, T, K]: routing weights (dispatch) or returned row values
+  uint64_t* arrived;      // [R, kMaxSendBlocks]: generation each source block last completed
+  uint32_t* error_claim;  // [1]: set by the first of this rank's waits to fail
+};
+
+// Carves a window's regions out of `base` (WindowBytes(geometry) bytes, 256-byte aligned).
+Window CarveWindow(char* base, const WindowGeometry& geometry);
+
+// Stride of a row slot in the payload (row_bytes rounded up to 16 bytes).
+int64_t RowStride(int64_t row_bytes);
+
+// Where a failed wait is recorded: in mapped host memory, written once (first failure wins).
+struct TransportError {
+  uint32_t code;   // 0: none; 1: a wait timed out
+  uint32_t rank;   // the rank that waited
+  uint32_t peer;   // the source rank it waited for
+  uint32_t block;  // the sender block whose flag never came
+  uint64_t generation;
+};
+
+// What every phase of one exchange needs. Every receive phase runs as `send_blocks` blocks too:
+// receiving block b handles the items sending block b wrote, so it waits on flags arrived[., b].
+struct ExchangeContext {
+  const Window* windows;  // device array [R]: every rank's window, addressable from this device
+  int64_t ranks;          // R
+  int64_t tokens;         // T
+  int64_t k;              // K
+  int64_t row_bytes;      // bytes of this exchange's rows (<= the window's)
+  int32_t rank;           // this rank
+  uint64_t generation;    // this exchange's generation, >= 1
+  int32_t send_blocks;    // blocks of every rank's send phase (<= kMaxSendBlocks)
+  int64_t timeout_ns;     // how long a wait may spin
+  TransportError* error;  // device pointer to the mapped host record
+};
+
+// ---- Per-rank launches (the FFI handlers); each returns the launch status, never synchronises.
+
+// Dispatch send: for every token t with at least one kept row, one copy of x[t] to each distinct
+// destination's window (dest [T, K], -1 = no row); with `row_pos`, also every destination's
+// metadata for t (its rows of t, -1 elsewhere, and the weights; weights may be null: 0 sent).
+// Without `row_pos` only rows move (redispatch along an existing layout).
+cudaError_t LaunchSendTokens(const ExchangeContext& ctx, const char* x, const int32_t* dest,
+                             const int32_t* row_pos, const float* weights, cudaStream_t stream);
+
+// Dispatch receive: out_tokens [C, row_bytes] gets each received token in each of its rows
+// (out_tokens zeroed beforehand by the caller), out_weights [C] its routing weight, and
+// recv_row_pos [R * T, K] the metadata (the handle's map of rows to (source, t, k)).
+cudaError_t LaunchReceiveRows(const ExchangeContext& ctx, char* out_tokens, float* out_weights,
+                              int32_t* recv_row_pos, int64_t rows, cudaStream_t stream);
+
+// Redispatch receive along an existing layout (recv_row_pos from the dispatch): out_tokens as
+// above and, when `scale` is non-null, out_scaled[row] = out_tokens[row] * scale[row] in float32
+// rounded to `dtype` (combine's weighted VJP). The caller prefills both (PrefillRedispatch).
+cudaError_t LaunchReceiveRedispatch(const ExchangeContext& ctx, Dtype dtype,
+                                    const int32_t* recv_row_pos, const float* scale,
+                                    char* out_tokens, char* out_scaled, cudaStream_t stream);
+
+// Zeroes out_tokens [C, row_bytes] and sets out_scaled[row] = 0 * scale[row] rounded to `dtype`
+// (as XLA computes the product for rows nobody fills: -0 for negative scales, NaN for infinite).
+cudaError_t LaunchPrefillRedispatch(int64_t rows, int64_t row_bytes, Dtype dtype,
+                                    const float* scale, char* out_tokens, char* out_scaled,
+                                    cudaStream_t stream);
+
+// Combine send (destination side): for every received (source, t), the float32 sum over
+// ascending k of y[row] (times weights[row] when non-null), rounded to `dtype`, written into the
+// source's window. y: [C, H]; recv_row_pos: [R * T, K].
+cudaError_t LaunchSendPartials(const ExchangeContext& ctx, Dtype dtype, const char* y,
+                               const float* weights, const int32_t* recv_row_pos,
+                               cudaStream_t stream);
+
+// Combine receive (source side): out[t] = the float32 sum of its partials over the distinct
+// destinations of dest[t, :] in ascending rank, rounded once to `dtype`. out: [T, row_bytes].
+cudaError_t LaunchReducePartials(const ExchangeContext& ctx, Dtype dtype, const int32_t* dest,
+                                 char* out, cudaStream_t stream);
+
+// Row values back to their (t, k) (the routing-weight gradient): the destination sends
+// values[row] for every received row; the source reads out[t, k] from destination dest[t, k]
+// (0 where dest is -1).
+cudaError_t LaunchSendRowValues(const ExchangeContext& ctx, const float* values,
+                                const int32_t* recv_row_pos, cudaStream_t stream);
+cudaError_t LaunchReceiveRowValues(const ExchangeContext& ctx, const int32_t* dest, float* out,
+                                   cudaStream_t stream);
+
+// ---- Virtual-rank harness: R ranks of one group on one GPU, one cooperative launch per exchange.
+// Per-rank arrays are [R, ...] concatenations; contexts: device array [R] (rank r's context).
+
+enum class HarnessExchange : int32_t {
+  kDispatch = 0,    // x, dest, row_pos, weights -> out_tokens, out_weights, recv_row_pos
+  kRedispatch = 1,  // x, dest, recv_row_pos, scale -> out_tokens, out_scaled (prefilled)
+  kCombine = 2,     // y, weights, recv_row_pos, dest -> out
+  kRowValues = 3,   // values, recv_row_pos, dest -> out_values
+};
+
+struct HarnessArgs {
+  HarnessExchange exchange;
+  Dtype dtype;
+  int64_t rows;            // C per rank
+  const char* in_rows;     // x [R, T, row_bytes] or y [R, C, row_bytes]
+  const int32_t* dest;     // [R, T, K]
+  const int32_t* row_pos;  // [R, T, K] (dispatch)
+  const float* in_values;  // weights [R, T, K] (dispatch), scale/weights [R, C] or values
+  int32_t* recv_row_pos;   // [R, R * T, K]: written by dispatch, read by the others
+  char* out_rows;          // [R, C, row_bytes] or [R, T, row_bytes] (combine)
+  char* out_scaled;        // [R, C, row_bytes] (redispatch) or null
+  float* out_values;       // [R, C] weights (dispatch) or [R, T, K] (row values)
+};
+
+// Blocks per rank the harness can keep resident for a given send_blocks (0 when R ranks of that
+// many blocks do not fit on the device at once); the receive phases use the same blocks.
+cudaError_t HarnessResidentBlocks(int64_t ranks, int* blocks_per_rank);
+
+cudaError_t LaunchHarness(const ExchangeContext* contexts_device, int64_t ranks,
+                          int32_t blocks_per_rank, const HarnessArgs& args, cudaStream_t stream);
+
+}  // namespace jax_hybridep
+
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TRANSPORT_H_

@@ -1,0 +1,52 @@
+// Registered windows (transport.h) of the GPUs of one process: allocated once per (EP group,
+// geometry) and device, peer pointers exchanged once through a host rendezvous, reused for every
+// exchange behind generation flags, freed by ReleaseWindows (Python calls it at exit).
+//
+// One process driving several GPUs reaches its peers' windows through peer access (NVLink or PCIe
+// P2P). Plain C++ against the CUDA runtime API.
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_WINDOWS_H_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_WINDOWS_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "xla_ffi/cuda/transport.h"
+#include "xla_ffi/rendezvous.h"
+
+namespace jax_hybridep {
+
+struct WindowKey {
+  int64_t group;  // EP-group id (several groups may share a process)
+  WindowGeometry geometry;
+};
+
+// One rank's view of its window group.
+struct RankWindow {
+  int32_t rank = 0;
+  int device = 0;
+  const Window* windows = nullptr;         // device array [R]: every rank's window from this device
+  TransportError* error_host = nullptr;    // mapped host record (read by the host)
+  TransportError* error_device = nullptr;  // the same record as the kernels address it
+  uint64_t generation = 0;                 // exchanges enqueued on this window by this rank
+};
+
+// This rank's window of group `key` on `device`; the first call of each rank allocates it and
+// waits (up to `timeout`) until every rank of the group has, then maps the peers' windows.
+// Errors: peers that cannot reach each other, allocation failures, ranks that never came.
+Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
+                     std::chrono::milliseconds timeout, RankWindow** out);
+
+// Fails with the recorded device-side error of this rank's window, if any (a wait that timed
+// out); the window is unusable afterwards (its ranks no longer agree on the generation).
+Status WindowError(const RankWindow& window);
+
+// The first recorded error of any window of this process, or "" (hep.check_errors()).
+std::string FirstWindowError();
+
+// Frees every window (after synchronising their devices). Later exchanges allocate anew.
+void ReleaseWindows();
+
+}  // namespace jax_hybridep
+
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_WINDOWS_H_
