@@ -1,9 +1,10 @@
 """The ffi backend's CUDA lowering, checked on any machine (DESIGN §5).
 
 Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
-the custom-call targets: a one-level EP group in one process runs the CUDA handlers of
-xla_ffi/cuda/cuda_handlers.cc and nothing of the host's; other GPU topologies fall back to the
-xla backend under "auto" and are refused with a reason under "ffi".
+the custom-call targets: with backend="ffi", a one-level EP group in one process runs the CUDA
+handlers of xla_ffi/cuda/cuda_handlers.cc and nothing of the host's; other GPU topologies are
+refused with a reason under "ffi" and run on the xla backend under "auto" (which keeps to xla on
+GPUs until the CUDA path has been verified on hardware).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
-from jax_hybridep import _native
+from jax_hybridep import _native, backends
 
 pytestmark = pytest.mark.skipif(
     "gpu" not in _native.platforms(), reason="jax_hybridep was built without CUDA handlers"
@@ -87,8 +88,11 @@ def test_one_level_lowers_to_cuda_handlers(weighted):
     assert "all_gather" in text
 
 
-def test_auto_picks_cuda_handlers_on_gpu_mesh():
+def test_auto_keeps_xla_on_gpus_until_verified(monkeypatch):
     topo = _gpu_topology({"ep": 8}, ["ep"])
+    targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
+    assert not any(t.startswith("jax_hybridep_") for t in targets)
+    monkeypatch.setattr(backends, "GPU_AUTO", True)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert {"jax_hybridep_cuda_layout", "jax_hybridep_cuda_dispatch"} <= targets
     assert not any(t.startswith("jax_hybridep_") and "cuda" not in t for t in targets)

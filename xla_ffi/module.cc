@@ -11,6 +11,7 @@
 #include "xla_ffi/rendezvous.h"
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
+#include "xla_ffi/cuda/bench_bindings.h"
 #include "xla_ffi/cuda/bindings.h"
 #include "xla_ffi/cuda/cuda_handlers.h"
 #include "xla_ffi/cuda/windows.h"
@@ -68,6 +69,7 @@ NB_MODULE(_hybridep, m) {
   m.def("release_cuda_windows", &jax_hybridep::ReleaseWindows,
         "Frees every registered exchange window (called at exit).");
   jax_hybridep::RegisterCudaBindings(m);
+  jax_hybridep::RegisterCudaBenchBindings(m);
 #else
   m.attr("with_cuda") = false;
 #endif

@@ -3,7 +3,9 @@
 Each backend module provides `layout`, `dispatch`, `redispatch`, `redispatch_scaled`, `combine` and
 `return_row_values` (see backends/xla.py, the oracle). `xla` runs everywhere; `ffi` where its
 handlers are built and the EP group lives in one process. `auto` picks `ffi` when it can run the
-call and `xla` otherwise; the env var JAX_HYBRIDEP_BACKEND overrides the config.
+call and `xla` otherwise, except on GPUs, where the CUDA handlers run only when asked for
+(`backend="ffi"`) until scripts/gpu_check.sh has passed on GPU hardware; the env var
+JAX_HYBRIDEP_BACKEND overrides the config.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig
 from jax_hybridep.topology import Topology
 
 _MODULES = {xla.NAME: xla, ffi.NAME: ffi}
+# Whether `auto` picks the CUDA handlers on GPUs. Off until they have run on GPU hardware (no GPU
+# was available when they were written): backend="ffi" opts in.
+GPU_AUTO = False
 
 
 def resolve(config: DispatchConfig, topology: Topology, manual_axes) -> str:
@@ -23,6 +28,8 @@ def resolve(config: DispatchConfig, topology: Topology, manual_axes) -> str:
     if requested not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={requested!r}; expected one of {BACKENDS}")
     if requested == xla.NAME:
+        return xla.NAME
+    if requested == "auto" and topology.platform == "gpu" and not GPU_AUTO:
         return xla.NAME
     reason = ffi.unsupported_reason(topology, manual_axes)
     if reason is None:
