@@ -1,18 +1,31 @@
 """The GPU direct-write transport (xla_ffi/cuda/transport.h) on one GPU, bit for bit (DESIGN §2.1).
 
-`cuda_selftest_transport` runs R virtual ranks on one GPU through the virtual-rank harness: their
-windows are separate allocations, every exchange one cooperative launch with each rank's blocks
-resident, the same device code as the FFI handlers. Each round runs dispatch, combine, redispatch
-(scaled) and row values; several rounds reuse both window halves behind the generation flags.
+`cuda_selftest_transport` runs R ranks on one GPU, their windows separate allocations, with the
+same device code as the FFI handlers: through the virtual-rank harness (every exchange one
+cooperative launch with each rank's blocks resident) or through the per-rank launchers on one
+stream per rank with nothing but the flags between them (a rank's next send then overlaps its
+peers' receives, as across GPUs). Each round runs dispatch, combine, redispatch (scaled) and row
+values with its own routing and values, so reading a stale window half would show.
 Tests marked `gpu` compare every output with a numpy model of §2.1; they skip without a CUDA build
 or a GPU, and fail instead when JAX_HYBRIDEP_REQUIRE_GPU=1.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from cuda_kernels_test import DTYPES, _bits, _layout_args, _numpy_layout, _routing, _values
+from cuda_kernels_test import (
+    DTYPES,
+    _bits,
+    _combine,
+    _layout_args,
+    _numpy_layout,
+    _routing,
+    _values,
+    _write_tokens,
+)
 
 from jax_hybridep import _hybridep as native
 
@@ -20,8 +33,10 @@ from jax_hybridep import _hybridep as native
 class Round:
     """Inputs of one harness round over R ranks, and the numpy model's outputs."""
 
-    def __init__(self, routing: str, dtype: str, hidden: int, R: int, T: int = 24, K: int = 3):
-        rng = np.random.default_rng(R * 7 + hidden)
+    def __init__(
+        self, routing: str, dtype: str, hidden: int, R: int, T: int = 24, K: int = 3, seed: int = 0
+    ):
+        rng = np.random.default_rng([R, hidden, seed])
         E = 2 * R
         idx = _routing(routing, rng, R=R, T=T, K=K, E=E)
         args = _layout_args(idx, E, "dropless")
@@ -42,12 +57,13 @@ class Round:
         self.values = rng.standard_normal((R, self.C)).astype(np.float32)
         self.np_dtype = np_dtype
 
-    def run(self, send_blocks: int, rounds: int, weighted: bool) -> dict:
+    def inputs(self, weighted: bool) -> dict:
+        """This round's arguments of cuda_selftest_transport (before stacking rounds)."""
         as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:2] + (-1,))  # noqa: E731
-        return native.cuda_selftest_transport(
-            self.dtype, self.C, as_bytes(self.x), self.dest, self.row_pos, self.weights,
-            as_bytes(self.y), self.y_weights if weighted else None, as_bytes(self.g), self.scale,
-            self.values, send_blocks=send_blocks, rounds=rounds,
+        return dict(
+            x=as_bytes(self.x), dest=self.dest, row_pos=self.row_pos, weights=self.weights,
+            y=as_bytes(self.y), y_weights=self.y_weights if weighted else None, g=as_bytes(self.g),
+            scale=self.scale, values=self.values,
         )  # fmt: skip
 
     def sends(self):
@@ -94,6 +110,21 @@ class Round:
         )  # fmt: skip
 
 
+def run_rounds(rounds: list[Round], weighted: bool, send_blocks: int, per_rank_streams=False):
+    """Runs the rounds in order on one set of windows; returns each round's outputs."""
+    first = rounds[0]
+    per_round = [r.inputs(weighted) for r in rounds]
+    stacked = {
+        key: None if per_round[0][key] is None else np.stack([p[key] for p in per_round])
+        for key in per_round[0]
+    }
+    out = native.cuda_selftest_transport(
+        first.dtype, first.C, **stacked, send_blocks=send_blocks, per_rank_streams=per_rank_streams
+    )
+    return [{key: value[n] for key, value in out.items() if key != "blocks_resident"}
+            for n in range(len(rounds))]  # fmt: skip
+
+
 def _assert_round(got: dict, want: dict, what: str):
     for key, value in want.items():
         np.testing.assert_array_equal(
@@ -113,33 +144,58 @@ def test_transport_matches_numpy(gpu, ranks, routing, dtype):
     hidden = 2052 if dtype == "float32" else 300
     case = Round(routing, dtype, hidden, R=ranks)
     for weighted in (False, True):
-        _assert_round(case.run(send_blocks=3, rounds=1, weighted=weighted),
-                      case.expected(weighted), f"weighted={weighted}")  # fmt: skip
+        (got,) = run_rounds([case], weighted, send_blocks=3)
+        _assert_round(got, case.expected(weighted), f"weighted={weighted}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("send_blocks", [1, 2, 7])
+@pytest.mark.parametrize("per_rank_streams", [False, True])
+@pytest.mark.parametrize("send_blocks", [1, 2, 5])
 @pytest.mark.parametrize("hidden", [5, 256])
-def test_transport_reuses_windows(gpu, send_blocks, hidden):
-    """Later rounds reuse both halves of every window behind the flags; same bits each time."""
-    case = Round("random", "float16", hidden, R=4)
-    want = case.expected(weighted=True)
-    _assert_round(case.run(send_blocks, rounds=5, weighted=True), want, "after 5 rounds")
+def test_transport_reuses_windows(gpu, per_rank_streams, send_blocks, hidden):
+    """Five rounds, each with new routing and values, on one set of windows: both halves are
+    reused behind the flags and no round sees another's data."""
+    routings = ("random", "duplicates", "one_expert", "random", "empty_rank")
+    rounds = [Round(r, "float16", hidden, R=4, seed=n) for n, r in enumerate(routings)]
+    got = run_rounds(rounds, True, send_blocks, per_rank_streams)
+    for n, case in enumerate(rounds):
+        _assert_round(got[n], case.expected(weighted=True), f"round {n} ({routings[n]})")
 
 
 def test_transport_hook_rejects_bad_shapes(cuda_build):
     case = Round("random", "float32", 4, R=2)
-    with pytest.raises(ValueError, match=r"y: expected shape \(2,"):
+    args = {k: None if v is None else v[None] for k, v in case.inputs(weighted=False).items()}
+    with pytest.raises(ValueError, match=r"y: expected shape \(1, 2,"):
         native.cuda_selftest_transport(
-            "float32", case.C, case.x.view(np.uint8).reshape(2, case.T, -1), case.dest,
-            case.row_pos, case.weights, np.zeros((2, 1, 16), np.uint8), None,
-            case.g.view(np.uint8).reshape(2, case.T, -1), case.scale, case.values, send_blocks=1,
-        )  # fmt: skip
-    bad = case.dest.copy()
-    bad[0, 0, 0] = 5
+            "float32", case.C, **{**args, "y": np.zeros((1, 2, 1, 16), np.uint8)}, send_blocks=1
+        )
+    bad = args["dest"].copy()
+    bad[0, 0, 0, 0] = 5
     with pytest.raises(ValueError, match="dest has 5, outside"):
-        native.cuda_selftest_transport(
-            "float32", case.C, case.x.view(np.uint8).reshape(2, case.T, -1), bad, case.row_pos,
-            case.weights, case.y.view(np.uint8).reshape(2, case.C, -1), None,
-            case.g.view(np.uint8).reshape(2, case.T, -1), case.scale, case.values, send_blocks=1,
+        native.cuda_selftest_transport("float32", case.C, **{**args, "dest": bad}, send_blocks=1)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_numpy_model_matches_host_kernels(cuda_build, routing, dtype):
+    """The model the GPU tests trust, against the host kernels of the same steps (exchange.h):
+    WriteTokens + ExpandRows for dispatch, WritePartials + ReducePartials for combine."""
+    case = Round(routing, dtype, 7, R=4)
+    x_bytes = case.x.view(np.uint8).reshape(case.R, case.T, -1)
+    recv = _write_tokens(x_bytes, case.dest, case.row_pos, case.weights)
+    for weighted in (False, True):
+        want = case.expected(weighted)
+        for d in range(case.R):
+            tokens, weights = native.cuda_selftest_expand_rows(
+                recv[0][d], recv[1][d], recv[2][d], recv[3][d], case.C, reference=True
+            )
+            np.testing.assert_array_equal(tokens, _bits(want["tokens"][d]).reshape(tokens.shape))
+            np.testing.assert_array_equal(_bits(weights), _bits(want["weights"][d]))
+        host = SimpleNamespace(
+            R=case.R, T=case.T, K=case.K, C=case.C, hidden=case.hidden, dtype=dtype,
+            dest=case.dest, recv=recv, y=case.y, row_weights=case.y_weights,
+            y_bytes=lambda d: case.y[d].view(np.uint8).reshape(case.C, -1),
         )  # fmt: skip
+        np.testing.assert_array_equal(
+            _bits(_combine(host, weighted, reference=True)), _bits(want["combined"])
+        )

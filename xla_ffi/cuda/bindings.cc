@@ -292,30 +292,37 @@ nb::object SelftestWriteRowValues(HostArray<float> values, HostArray<int32_t> to
   return ToNumpy(std::move(out), {r, t, k});
 }
 
-// The virtual-rank harness (transport.h): R ranks' windows on this one GPU, every exchange one
-// cooperative launch with the ranks' blocks side by side. Runs `rounds` times the sequence
-// dispatch, combine, redispatch (scaled), row values, so later rounds reuse both window halves,
-// and returns the last round's results. Inputs are stacked per rank; byte arrays are uint8.
+// The transport (transport.h) with R ranks' windows on this one GPU, `N` rounds of dispatch,
+// combine, redispatch (scaled) and row values, each round with its own inputs (leading dimension
+// N), all on the same windows so later rounds reuse both halves. Two drivers:
+//  * the virtual-rank harness: each exchange one cooperative launch with every rank's blocks
+//    resident (the host waits after each);
+//  * per-rank streams: the per-rank launchers of the FFI handlers, rank r on its own stream, every
+//    round enqueued before the host waits once, so a rank's next send can overlap a peer's
+//    receive as it would across GPUs. Needs the ranks' kernels to run side by side: keep
+//    R * send_blocks small.
+// Byte arrays are uint8; outputs are stacked [N, R, ...].
 nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArray<uint8_t> x,
                            HostArray<int32_t> dest, HostArray<int32_t> row_pos,
                            HostArray<float> weights, HostArray<uint8_t> y,
                            std::optional<HostArray<float>> y_weights, HostArray<uint8_t> g,
                            HostArray<float> scale, HostArray<float> values, int64_t send_blocks,
-                           int64_t rounds, int64_t timeout_ms) {
+                           bool per_rank_streams, int64_t timeout_ms) {
   const Dtype dtype = ParseDtype(dtype_name);
-  Require(x.ndim() == 3 && dest.ndim() == 3, "x: expected [R, T, row_bytes], dest [R, T, K]");
-  const int64_t R = x.shape(0), T = x.shape(1), row_bytes = x.shape(2), K = dest.shape(2);
-  const int64_t C = rows;
-  Require(R >= 1 && R <= kMaxWindowRanks && rounds >= 1, "need 1 <= R <= 128 and rounds >= 1");
+  Require(x.ndim() == 4 && dest.ndim() == 4, "x: expected [N, R, T, row_bytes], dest [N, R, T, K]");
+  const int64_t N = x.shape(0), R = x.shape(1), T = x.shape(2), row_bytes = x.shape(3);
+  const int64_t K = dest.shape(3), C = rows;
+  Require(N >= 1 && R >= 1 && R <= kMaxWindowRanks, "need N >= 1 rounds and 1 <= R <= 128");
+  Require(K >= 1 && K <= 64, "K must be in [1, 64]");
   Require(row_bytes % DtypeBytes(dtype) == 0, "x: row_bytes is not whole elements");
-  RequireShape(dest, "dest", {R, T, K});
-  RequireShape(row_pos, "row_pos", {R, T, K});
-  RequireShape(weights, "weights", {R, T, K});
-  RequireShape(y, "y", {R, C, row_bytes});
-  if (y_weights) RequireShape(*y_weights, "y_weights", {R, C});
-  RequireShape(g, "g", {R, T, row_bytes});
-  RequireShape(scale, "scale", {R, C});
-  RequireShape(values, "values", {R, C});
+  RequireShape(dest, "dest", {N, R, T, K});
+  RequireShape(row_pos, "row_pos", {N, R, T, K});
+  RequireShape(weights, "weights", {N, R, T, K});
+  RequireShape(y, "y", {N, R, C, row_bytes});
+  if (y_weights) RequireShape(*y_weights, "y_weights", {N, R, C});
+  RequireShape(g, "g", {N, R, T, row_bytes});
+  RequireShape(scale, "scale", {N, R, C});
+  RequireShape(values, "values", {N, R, C});
   RequireRange(dest.data(), dest.size(), R, "dest");
   RequireRange(row_pos.data(), row_pos.size(), C, "row_pos");
   for (size_t i = 0; i < dest.size(); ++i) {
@@ -328,7 +335,6 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
               "] for R=" + std::to_string(R) + " ranks to be resident on this GPU");
 
   GpuSession gpu;
-  cudaStream_t s = gpu.stream();
   const WindowGeometry geometry{R, T, K, row_bytes};
   std::vector<Window> windows(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -342,90 +348,149 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
   std::memset(host_error, 0, sizeof(TransportError) * R);
   void* mapped_error = nullptr;
   CheckCuda(cudaHostGetDevicePointer(&mapped_error, host_error, 0), "cudaHostGetDevicePointer");
-
-  HarnessArgs a{};
-  a.dtype = dtype;
-  a.rows = C;
-  a.dest = gpu.Upload(dest.data(), dest.size());
-  a.row_pos = gpu.Upload(row_pos.data(), row_pos.size());
-  a.recv_row_pos = gpu.Zeros<int32_t>(R * R * T * K);
-  const char* d_x = gpu.Upload(reinterpret_cast<const char*>(x.data()), x.size());
-  const char* d_y = gpu.Upload(reinterpret_cast<const char*>(y.data()), y.size());
-  const char* d_g = gpu.Upload(reinterpret_cast<const char*>(g.data()), g.size());
-  const float* d_weights = gpu.Upload(weights.data(), weights.size());
-  const float* d_y_weights = y_weights ? gpu.Upload(y_weights->data(), R * C) : nullptr;
-  const float* d_scale = gpu.Upload(scale.data(), scale.size());
-  const float* d_values = gpu.Upload(values.data(), values.size());
-  char* tokens = gpu.Zeros<char>(R * C * row_bytes);
-  float* row_weights = gpu.Zeros<float>(R * C);
-  char* combined = gpu.Zeros<char>(R * T * row_bytes);
-  char* redispatched = gpu.Zeros<char>(R * C * row_bytes);
-  char* scaled = gpu.Zeros<char>(R * C * row_bytes);
-  float* row_values = gpu.Zeros<float>(R * T * K);
-
-  std::vector<ExchangeContext> contexts(R);
-  ExchangeContext* d_contexts = gpu.Zeros<ExchangeContext>(R);
-  uint64_t generation = 0;
-  auto run = [&](HarnessExchange exchange) {
-    ++generation;
+  const auto* errors = static_cast<const TransportError*>(host_error);
+  auto check_errors = [&] {
     for (int64_t r = 0; r < R; ++r) {
-      contexts[r] = ExchangeContext{d_windows,
-                                    R,
-                                    T,
-                                    K,
-                                    row_bytes,
-                                    static_cast<int32_t>(r),
-                                    generation,
-                                    static_cast<int32_t>(send_blocks),
-                                    timeout_ms * 1000000,
-                                    static_cast<TransportError*>(mapped_error) + r};
-    }
-    CheckCuda(cudaMemcpyAsync(d_contexts, contexts.data(), sizeof(ExchangeContext) * R,
-                              cudaMemcpyHostToDevice, s),
-              "cudaMemcpyAsync");
-    a.exchange = exchange;
-    CheckCuda(LaunchHarness(d_contexts, R, static_cast<int32_t>(send_blocks), a, s),
-              "LaunchHarness");
-    CheckCuda(cudaStreamSynchronize(s), "harness kernel");
-    for (int64_t r = 0; r < R; ++r) {
-      const TransportError& e = static_cast<const TransportError*>(host_error)[r];
-      Require(e.code == 0, "exchange " + std::to_string(e.generation) + ": rank " +
-                               std::to_string(e.rank) + " timed out waiting for rank " +
-                               std::to_string(e.peer) + " block " + std::to_string(e.block));
+      Require(errors[r].code == 0,
+              "exchange " + std::to_string(errors[r].generation) + ": rank " +
+                  std::to_string(errors[r].rank) + " timed out waiting for rank " +
+                  std::to_string(errors[r].peer) + " block " + std::to_string(errors[r].block));
     }
   };
-  for (int64_t round = 0; round < rounds; ++round) {
-    CheckCuda(cudaMemsetAsync(tokens, 0, R * C * row_bytes, s), "cudaMemsetAsync");
-    CheckCuda(cudaMemsetAsync(row_weights, 0, R * C * sizeof(float), s), "cudaMemsetAsync");
-    a.in_rows = d_x, a.in_values = d_weights, a.out_rows = tokens, a.out_values = row_weights;
-    a.out_scaled = nullptr;
-    run(HarnessExchange::kDispatch);
-    a.in_rows = d_y, a.in_values = d_y_weights, a.out_rows = combined;
-    run(HarnessExchange::kCombine);
+
+  // Inputs and per-round outputs, all [N, R, ...] on the device.
+  auto up = [&](const auto& a) { return gpu.Upload(a.data(), a.size()); };
+  const char* d_x = reinterpret_cast<const char*>(up(x));
+  const char* d_y = reinterpret_cast<const char*>(up(y));
+  const char* d_g = reinterpret_cast<const char*>(up(g));
+  const int32_t *d_dest = up(dest), *d_row_pos = up(row_pos);
+  const float *d_weights = up(weights), *d_scale = up(scale), *d_values = up(values);
+  const float* d_y_weights = y_weights ? up(*y_weights) : nullptr;
+  char* tokens = gpu.Zeros<char>(N * R * C * row_bytes);
+  float* row_weights = gpu.Zeros<float>(N * R * C);
+  int32_t* recv_row_pos = gpu.Zeros<int32_t>(N * R * R * T * K);
+  char* combined = gpu.Zeros<char>(N * R * T * row_bytes);
+  char* redispatched = gpu.Zeros<char>(N * R * C * row_bytes);
+  char* scaled = gpu.Zeros<char>(N * R * C * row_bytes);
+  float* row_values = gpu.Zeros<float>(N * R * T * K);
+
+  uint64_t generation = 0;
+  auto context = [&](int64_t r, uint64_t gen) {
+    return ExchangeContext{d_windows,
+                           R,
+                           T,
+                           K,
+                           row_bytes,
+                           static_cast<int32_t>(r),
+                           gen,
+                           static_cast<int32_t>(send_blocks),
+                           timeout_ms * 1000000,
+                           static_cast<TransportError*>(mapped_error) + r};
+  };
+  // Per (round, rank) slices.
+  auto at = [&](auto* base, int64_t n, int64_t r, int64_t per_rank) {
+    return base + (n * R + r) * per_rank;
+  };
+  const int64_t tk = T * K, rc = C * row_bytes, rt = T * row_bytes;
+  for (int64_t n = 0; n < N; ++n) {
     for (int64_t r = 0; r < R; ++r) {
       CheckCuda(
-          LaunchPrefillRedispatch(C, row_bytes, dtype, d_scale + r * C,
-                                  redispatched + r * C * row_bytes, scaled + r * C * row_bytes, s),
+          LaunchPrefillRedispatch(C, row_bytes, dtype, at(d_scale, n, r, C),
+                                  at(redispatched, n, r, rc), at(scaled, n, r, rc), gpu.stream()),
           "LaunchPrefillRedispatch");
     }
-    a.in_rows = d_g, a.in_values = d_scale, a.out_rows = redispatched, a.out_scaled = scaled;
-    run(HarnessExchange::kRedispatch);
-    a.in_values = d_values, a.out_values = row_values, a.out_scaled = nullptr;
-    run(HarnessExchange::kRowValues);
   }
-  auto bytes = [&](const char* device, size_t n) {
-    const std::vector<char> host = gpu.Download(device, n);
+  CheckCuda(cudaStreamSynchronize(gpu.stream()), "prefill");
+
+  if (per_rank_streams) {
+    std::vector<cudaStream_t> streams(R);
+    for (auto& st : streams) CheckCuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "s");
+    auto launch = [&](cudaError_t status, const char* what) { CheckCuda(status, what); };
+    for (int64_t n = 0; n < N; ++n) {
+      const uint64_t first = generation;
+      generation += 4;
+      for (int64_t r = 0; r < R; ++r) {
+        cudaStream_t st = streams[r];
+        const ExchangeContext dispatch = context(r, first + 1), combine = context(r, first + 2);
+        const ExchangeContext redispatch = context(r, first + 3), back = context(r, first + 4);
+        int32_t* map = at(recv_row_pos, n, r, R * tk);
+        launch(LaunchSendTokens(dispatch, at(d_x, n, r, rt), at(d_dest, n, r, tk),
+                                at(d_row_pos, n, r, tk), at(d_weights, n, r, tk), st),
+               "send");
+        launch(
+            LaunchReceiveRows(dispatch, at(tokens, n, r, rc), at(row_weights, n, r, C), map, C, st),
+            "receive");
+        launch(LaunchSendPartials(combine, dtype, at(d_y, n, r, rc),
+                                  d_y_weights ? at(d_y_weights, n, r, C) : nullptr, map, st),
+               "partials");
+        launch(
+            LaunchReducePartials(combine, dtype, at(d_dest, n, r, tk), at(combined, n, r, rt), st),
+            "reduce");
+        launch(LaunchSendTokens(redispatch, at(d_g, n, r, rt), at(d_dest, n, r, tk), nullptr,
+                                nullptr, st),
+               "resend");
+        launch(LaunchReceiveRedispatch(redispatch, dtype, map, at(d_scale, n, r, C),
+                                       at(redispatched, n, r, rc), at(scaled, n, r, rc), st),
+               "rereceive");
+        launch(LaunchSendRowValues(back, at(d_values, n, r, C), map, st), "values");
+        launch(LaunchReceiveRowValues(back, at(d_dest, n, r, tk), at(row_values, n, r, tk), st),
+               "values back");
+      }
+    }
+    for (auto& st : streams) {
+      CheckCuda(cudaStreamSynchronize(st), "per-rank kernels");
+      cudaStreamDestroy(st);
+    }
+    check_errors();
+  } else {
+    std::vector<ExchangeContext> contexts(R);
+    ExchangeContext* d_contexts = gpu.Zeros<ExchangeContext>(R);
+    auto run = [&](HarnessExchange exchange, HarnessArgs a) {
+      ++generation;
+      for (int64_t r = 0; r < R; ++r) contexts[r] = context(r, generation);
+      CheckCuda(cudaMemcpyAsync(d_contexts, contexts.data(), sizeof(ExchangeContext) * R,
+                                cudaMemcpyHostToDevice, gpu.stream()),
+                "cudaMemcpyAsync");
+      a.exchange = exchange;
+      CheckCuda(LaunchHarness(d_contexts, R, static_cast<int32_t>(send_blocks), a, gpu.stream()),
+                "LaunchHarness");
+      CheckCuda(cudaStreamSynchronize(gpu.stream()), "harness kernel");
+      check_errors();
+    };
+    for (int64_t n = 0; n < N; ++n) {
+      HarnessArgs a{};
+      a.dtype = dtype;
+      a.rows = C;
+      a.dest = at(d_dest, n, 0, tk);
+      a.row_pos = at(d_row_pos, n, 0, tk);
+      a.recv_row_pos = at(recv_row_pos, n, 0, R * tk);
+      a.in_rows = at(d_x, n, 0, rt), a.in_values = at(d_weights, n, 0, tk);
+      a.out_rows = at(tokens, n, 0, rc), a.out_values = at(row_weights, n, 0, C);
+      run(HarnessExchange::kDispatch, a);
+      a.in_rows = at(d_y, n, 0, rc), a.out_rows = at(combined, n, 0, rt);
+      a.in_values = d_y_weights ? at(d_y_weights, n, 0, C) : nullptr;
+      run(HarnessExchange::kCombine, a);
+      a.in_rows = at(d_g, n, 0, rt), a.in_values = at(d_scale, n, 0, C);
+      a.out_rows = at(redispatched, n, 0, rc), a.out_scaled = at(scaled, n, 0, rc);
+      run(HarnessExchange::kRedispatch, a);
+      a.in_values = at(d_values, n, 0, C), a.out_values = at(row_values, n, 0, tk);
+      a.out_scaled = nullptr;
+      run(HarnessExchange::kRowValues, a);
+    }
+  }
+  auto bytes = [&](const char* device, size_t count) {
+    const std::vector<char> host = gpu.Download(device, count);
     return std::vector<uint8_t>(host.begin(), host.end());
   };
-  const size_t r = R, t = T, k = K, c = C, rb = row_bytes;
+  const size_t n = N, r = R, t = T, k = K, c = C, rb = row_bytes;
   nb::dict out;
-  out["tokens"] = ToNumpy(bytes(tokens, r * c * rb), {r, c, rb});
-  out["weights"] = ToNumpy(gpu.Download(row_weights, r * c), {r, c});
-  out["recv_row_pos"] = ToNumpy(gpu.Download(a.recv_row_pos, r * r * t * k), {r, r * t, k});
-  out["combined"] = ToNumpy(bytes(combined, r * t * rb), {r, t, rb});
-  out["redispatched"] = ToNumpy(bytes(redispatched, r * c * rb), {r, c, rb});
-  out["scaled"] = ToNumpy(bytes(scaled, r * c * rb), {r, c, rb});
-  out["row_values"] = ToNumpy(gpu.Download(row_values, r * t * k), {r, t, k});
+  out["tokens"] = ToNumpy(bytes(tokens, n * r * c * rb), {n, r, c, rb});
+  out["weights"] = ToNumpy(gpu.Download(row_weights, n * r * c), {n, r, c});
+  out["recv_row_pos"] = ToNumpy(gpu.Download(recv_row_pos, n * r * r * t * k), {n, r, r * t, k});
+  out["combined"] = ToNumpy(bytes(combined, n * r * t * rb), {n, r, t, rb});
+  out["redispatched"] = ToNumpy(bytes(redispatched, n * r * c * rb), {n, r, c, rb});
+  out["scaled"] = ToNumpy(bytes(scaled, n * r * c * rb), {n, r, c, rb});
+  out["row_values"] = ToNumpy(gpu.Download(row_values, n * r * t * k), {n, r, t, k});
   out["blocks_resident"] = resident;
   return out;
 }
@@ -459,10 +524,11 @@ void RegisterCudaBindings(nb::module_& m) {
   m.def("cuda_selftest_transport", &SelftestTransport, nb::arg("dtype"), nb::arg("rows"),
         nb::arg("x"), nb::arg("dest"), nb::arg("row_pos"), nb::arg("weights"), nb::arg("y"),
         nb::arg("y_weights").none(), nb::arg("g"), nb::arg("scale"), nb::arg("values"),
-        nb::arg("send_blocks"), nb::arg("rounds") = 1, nb::arg("timeout_ms") = 10000,
-        "The direct-write transport's virtual-rank harness: R ranks on this GPU, dispatch, "
-        "combine, redispatch (scaled) and row values `rounds` times. Returns a dict of the last "
-        "round's results.");
+        nb::arg("send_blocks"), nb::arg("per_rank_streams") = false, nb::arg("timeout_ms") = 10000,
+        "The direct-write transport with R ranks on this GPU: N rounds (the inputs' leading "
+        "dimension) of dispatch, combine, redispatch (scaled) and row values on the same windows, "
+        "through the virtual-rank harness or the per-rank launchers on R streams. Returns a dict "
+        "of [N, R, ...] results.");
 }
 
 }  // namespace jax_hybridep

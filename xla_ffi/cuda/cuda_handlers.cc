@@ -80,27 +80,34 @@ std::map<std::pair<int64_t, int32_t>, std::unique_ptr<SiteState>>& Sites() {
 }
 
 // The state of (site, device), created on first use with this shard's rank and group read from
-// their operands (a synchronous copy, once per site and device).
+// their operands (a synchronous copy, once per site and device). The copy waits for this rank's
+// earlier exchanges, which may wait for peers at their own first calls: no lock is held meanwhile.
 ffi::ErrorOr<SiteState*> Site(int64_t site, int32_t device, cudaStream_t stream,
                               ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group) {
-  std::lock_guard<std::mutex> lock(sites_mu);
-  std::unique_ptr<SiteState>& state = Sites()[{site, device}];
-  if (state) return state.get();
-  auto fresh = std::make_unique<SiteState>();
+  {
+    std::lock_guard<std::mutex> lock(sites_mu);
+    auto it = Sites().find({site, device});
+    if (it != Sites().end()) return it->second.get();
+  }
   int32_t ids[2];
   cudaError_t s = cudaSetDevice(device);  // The site's scratch and window live on this device.
-  if (s == cudaSuccess)
+  if (s == cudaSuccess) {
     s = cudaMemcpyAsync(&ids[0], rank.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToHost,
                         stream);
+  }
   if (s == cudaSuccess) {
     s = cudaMemcpyAsync(&ids[1], group.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToHost,
                         stream);
   }
   if (s == cudaSuccess) s = cudaStreamSynchronize(stream);
   if (s != cudaSuccess) return ffi::Unexpected(CudaError(s, "reading the EP rank"));
-  fresh->rank = ids[0];
-  fresh->group = ids[1];
-  state = std::move(fresh);
+  std::lock_guard<std::mutex> lock(sites_mu);
+  std::unique_ptr<SiteState>& state = Sites()[{site, device}];
+  if (!state) {  // Calls of one site on one device are sequential; this is the first.
+    state = std::make_unique<SiteState>();
+    state->rank = ids[0];
+    state->group = ids[1];
+  }
   return state.get();
 }
 

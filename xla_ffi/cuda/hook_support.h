@@ -108,8 +108,8 @@ inline void RequireShape(const HostArray<T>& a, const char* name, std::vector<in
   bool ok = a.ndim() == shape.size();
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = static_cast<int64_t>(a.shape(i)) == shape[i];
   std::string want, got;
-  for (int64_t d : shape) want += std::to_string(d) + ",";
-  for (size_t i = 0; i < a.ndim(); ++i) got += std::to_string(a.shape(i)) + ",";
+  for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+  for (size_t i = 0; i < a.ndim(); ++i) got += (i ? ", " : "") + std::to_string(a.shape(i));
   Require(ok, std::string(name) + ": expected shape (" + want + ") but got (" + got + ")");
 }
 

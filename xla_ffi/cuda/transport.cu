@@ -17,9 +17,11 @@ namespace {
 // (stores to the destinations). Without the bulk path every warp copies.
 constexpr int kWriterWarps = 8;
 constexpr int kThreads = 32 * (kWriterWarps + 1);
-constexpr int kStages = 6;
+constexpr int kStages = 5;
 constexpr int kChunkBytes = 8192;
-constexpr int kRingBytes = kStages * kChunkBytes;  // 48 KiB: no opt-in for more shared memory
+// 40 KiB: with the kernels' static shared memory it stays under the 48 KiB a block gets without
+// opting in (exactly 48 KiB of dynamic memory plus any static would fail to launch).
+constexpr int kRingBytes = kStages * kChunkBytes;
 // A spinning wait checks whether another wait already failed this often (a mapped-host read).
 constexpr int kPollsPerErrorCheck = 1024;
 
@@ -704,6 +706,10 @@ cudaError_t LaunchReceiveRows(const ExchangeContext& ctx, char* out_tokens, floa
   if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
   cudaError_t status = cudaMemsetAsync(out_tokens, 0, rows * ctx.row_bytes, stream);
   if (status == cudaSuccess) status = cudaMemsetAsync(out_weights, 0, rows * sizeof(float), stream);
+  // All -1 first: if a wait times out, the slots it never reached must not hand later exchanges
+  // garbage rows to index with (the error surfaces at the next call).
+  const size_t map_bytes = ctx.ranks * ctx.tokens * ctx.k * sizeof(int32_t);
+  if (status == cudaSuccess) status = cudaMemsetAsync(recv_row_pos, 0xff, map_bytes, stream);
   if (status != cudaSuccess) return status;
   ReceiveRowsKernel<<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, out_tokens, out_weights,
                                                             recv_row_pos);

@@ -37,7 +37,7 @@ using KeyTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 struct Registry {
   std::mutex mu;
-  std::map<KeyTuple, std::unique_ptr<Group>> groups;
+  std::map<KeyTuple, std::unique_ptr<Group>> groups;  // never erased: views outlive release
 };
 
 Registry& GetRegistry() {
@@ -50,7 +50,35 @@ KeyTuple Tuple(const WindowKey& key) {
   return {key.group, g.ranks, g.tokens, g.k, g.row_bytes};
 }
 
-Status Allocate(const WindowGeometry& geometry, int device, char** base, RankWindow* view) {
+// Setup copies run on a private non-blocking stream: a synchronous call on the legacy default
+// stream could wait for this device's in-flight exchanges, which may wait for peers that are
+// themselves still setting up.
+class SetupStream {
+ public:
+  SetupStream() { status_ = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); }
+  ~SetupStream() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  cudaError_t status() const { return status_; }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaError_t status_;
+};
+
+// The owner's allocations for one window, released unless kept.
+struct Allocation {
+  char* base = nullptr;
+  TransportError* host = nullptr;
+  TransportError* mapped = nullptr;
+  ~Allocation() {
+    if (base != nullptr) cudaFree(base);
+    if (host != nullptr) cudaFreeHost(host);
+  }
+};
+
+Status Allocate(const WindowGeometry& geometry, int device, Allocation* a) {
   cudaError_t s = cudaSetDevice(device);
   if (s != cudaSuccess) return CudaFailure(s, "cudaSetDevice");
   const size_t bytes = WindowBytes(geometry);
@@ -64,30 +92,32 @@ Status Allocate(const WindowGeometry& geometry, int device, char** base, RankWin
         << "; XLA may hold most GPU memory: lower XLA_PYTHON_CLIENT_MEM_FRACTION)";
     return CudaFailure(s, msg.str());
   }
-  *base = static_cast<char*>(ptr);
-  s = cudaMemset(ptr, 0, bytes);  // Flags start at generation 0.
-  if (s != cudaSuccess) return CudaFailure(s, "cudaMemset");
+  a->base = static_cast<char*>(ptr);
   void* host = nullptr;
   s = cudaHostAlloc(&host, sizeof(TransportError), cudaHostAllocMapped | cudaHostAllocPortable);
   if (s != cudaSuccess) return CudaFailure(s, "cudaHostAlloc");
-  *static_cast<TransportError*>(host) = TransportError{};
+  a->host = static_cast<TransportError*>(host);
+  *a->host = TransportError{};
   void* mapped = nullptr;
   s = cudaHostGetDevicePointer(&mapped, host, 0);
   if (s != cudaSuccess) return CudaFailure(s, "cudaHostGetDevicePointer");
-  view->error_host = static_cast<TransportError*>(host);
-  view->error_device = static_cast<TransportError*>(mapped);
-  view->device = device;
-  return Status::Ok();
+  a->mapped = static_cast<TransportError*>(mapped);
+  SetupStream stream;
+  s = stream.status();
+  if (s == cudaSuccess) s = cudaMemsetAsync(ptr, 0, bytes, stream.get());  // Flags start at 0.
+  if (s == cudaSuccess) s = cudaStreamSynchronize(stream.get());
+  return s == cudaSuccess ? Status::Ok() : CudaFailure(s, "clearing the window");
 }
 
-// Maps every peer's window into rank's device: peer access, then the device array of views.
-Status MapPeers(const WindowGeometry& geometry, Group& group, int32_t rank) {
-  const int device = group.devices[rank];
+// The device array [R] of every rank's window as `rank`'s device addresses it (peer access on).
+Status MapPeers(const WindowGeometry& geometry, const std::vector<char*>& bases,
+                const std::vector<int>& devices, int32_t rank, const Window** out) {
+  const int device = devices[rank];
   cudaError_t s = cudaSetDevice(device);
   if (s != cudaSuccess) return CudaFailure(s, "cudaSetDevice");
-  std::vector<Window> windows(group.ranks);
-  for (int64_t r = 0; r < group.ranks; ++r) {
-    const int peer = group.devices[r];
+  std::vector<Window> windows(bases.size());
+  for (size_t r = 0; r < bases.size(); ++r) {
+    const int peer = devices[r];
     if (peer != device) {
       int can = 0;
       s = cudaDeviceCanAccessPeer(&can, device, peer);
@@ -107,14 +137,23 @@ Status MapPeers(const WindowGeometry& geometry, Group& group, int32_t rank) {
         return CudaFailure(s, "cudaDeviceEnablePeerAccess");
       }
     }
-    windows[r] = CarveWindow(group.bases[r], geometry);
+    windows[r] = CarveWindow(bases[r], geometry);
   }
   void* array = nullptr;
   s = cudaMalloc(&array, sizeof(Window) * windows.size());
   if (s != cudaSuccess) return CudaFailure(s, "cudaMalloc");
-  s = cudaMemcpy(array, windows.data(), sizeof(Window) * windows.size(), cudaMemcpyHostToDevice);
-  if (s != cudaSuccess) return CudaFailure(s, "cudaMemcpy");
-  group.views[rank].windows = static_cast<const Window*>(array);
+  SetupStream stream;
+  s = stream.status();
+  if (s == cudaSuccess) {
+    s = cudaMemcpyAsync(array, windows.data(), sizeof(Window) * windows.size(),
+                        cudaMemcpyHostToDevice, stream.get());
+  }
+  if (s == cudaSuccess) s = cudaStreamSynchronize(stream.get());
+  if (s != cudaSuccess) {
+    cudaFree(array);
+    return CudaFailure(s, "copying the window table");
+  }
+  *out = static_cast<const Window*>(array);
   return Status::Ok();
 }
 
@@ -123,48 +162,76 @@ Status MapPeers(const WindowGeometry& geometry, Group& group, int32_t rank) {
 Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
                      std::chrono::milliseconds timeout, RankWindow** out) {
   const WindowGeometry& geometry = key.geometry;
-  if (geometry.ranks > kMaxWindowRanks) {
+  if (geometry.ranks < 1 || geometry.ranks > kMaxWindowRanks || rank < 0 ||
+      rank >= geometry.ranks) {
     std::ostringstream msg;
-    msg << "an EP group of " << geometry.ranks << " GPUs in one process exceeds the transport's "
-        << kMaxWindowRanks;
+    msg << "EP rank " << rank << " of a group of " << geometry.ranks << " GPUs: the transport "
+        << "takes groups of 1 to " << kMaxWindowRanks << " GPUs in one process";
     return Failure(msg.str());
   }
   Registry& registry = GetRegistry();
-  std::unique_lock<std::mutex> lock(registry.mu);
-  std::unique_ptr<Group>& slot = registry.groups[Tuple(key)];
-  if (!slot) {
-    slot = std::make_unique<Group>();
-    slot->ranks = geometry.ranks;
-    slot->bases.assign(geometry.ranks, nullptr);
-    slot->devices.assign(geometry.ranks, -1);
-    slot->views.resize(geometry.ranks);
+  Group* group = nullptr;
+  bool allocate = false;
+  {
+    std::lock_guard<std::mutex> lock(registry.mu);
+    std::unique_ptr<Group>& slot = registry.groups[Tuple(key)];
+    if (!slot) {
+      slot = std::make_unique<Group>();
+      slot->ranks = geometry.ranks;
+      slot->bases.assign(geometry.ranks, nullptr);
+      slot->devices.assign(geometry.ranks, -1);
+      slot->views.resize(geometry.ranks);
+    }
+    group = slot.get();
+    RankWindow& view = group->views[rank];
+    if (view.windows != nullptr || view.released) {
+      *out = &view;
+      return Status::Ok();
+    }
+    allocate = group->bases[rank] == nullptr;
   }
-  Group& group = *slot;
-  RankWindow& view = group.views[rank];
-  if (view.windows != nullptr) {
-    *out = &view;
-    return Status::Ok();
-  }
-  if (group.bases[rank] == nullptr) {
+  if (allocate) {
+    Allocation a;
+    if (Status s = Allocate(geometry, device, &a); !s.ok()) return s;
+    std::lock_guard<std::mutex> lock(registry.mu);
+    RankWindow& view = group->views[rank];
     view.rank = rank;
-    if (Status s = Allocate(geometry, device, &group.bases[rank], &view); !s.ok()) return s;
-    group.devices[rank] = device;
-    ++group.joined;
-    group.all_joined.notify_all();
+    view.device = device;
+    view.error_host = a.host;
+    view.error_device = a.mapped;
+    group->bases[rank] = a.base;
+    group->devices[rank] = device;
+    a.base = nullptr;  // Kept: the group owns them now.
+    a.host = nullptr;
+    ++group->joined;
+    group->all_joined.notify_all();
   }
-  if (!group.all_joined.wait_for(lock, timeout, [&] { return group.joined == group.ranks; })) {
-    std::ostringstream msg;
-    msg << "EP rank " << rank << " waited " << timeout.count() << " ms for the other ranks to "
-        << "register their exchange windows (" << group.joined << " of " << group.ranks
-        << " did); a device of the group never ran this exchange";
-    return Status{Status::Code::kDeadlineExceeded, "jax_hybridep: " + msg.str()};
+  std::vector<char*> bases;
+  std::vector<int> devices;
+  {
+    std::unique_lock<std::mutex> lock(registry.mu);
+    if (!group->all_joined.wait_for(lock, timeout, [&] { return group->joined == group->ranks; })) {
+      std::ostringstream msg;
+      msg << "EP rank " << rank << " waited " << timeout.count() << " ms for the other ranks to "
+          << "register their exchange windows (" << group->joined << " of " << group->ranks
+          << " did); a device of the group never ran this exchange";
+      return Status{Status::Code::kDeadlineExceeded, "jax_hybridep: " + msg.str()};
+    }
+    bases = group->bases;
+    devices = group->devices;
   }
-  if (Status s = MapPeers(geometry, group, rank); !s.ok()) return s;
-  *out = &view;
+  const Window* windows = nullptr;
+  if (Status s = MapPeers(geometry, bases, devices, rank, &windows); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(registry.mu);
+  group->views[rank].windows = windows;
+  *out = &group->views[rank];
   return Status::Ok();
 }
 
 Status WindowError(const RankWindow& window) {
+  if (window.released) {
+    return Failure("the GPU exchange windows were released (process exit); no more exchanges");
+  }
   const volatile TransportError* e = window.error_host;
   if (e == nullptr || e->code == 0) return Status::Ok();
   std::ostringstream msg;
@@ -180,6 +247,7 @@ std::string FirstWindowError() {
   std::lock_guard<std::mutex> lock(registry.mu);
   for (const auto& [key, group] : registry.groups) {
     for (const RankWindow& view : group->views) {
+      if (view.released) continue;
       Status s = WindowError(view);
       if (!s.ok()) return s.message;
     }
@@ -192,15 +260,20 @@ void ReleaseWindows() {
   std::lock_guard<std::mutex> lock(registry.mu);
   for (auto& [key, group] : registry.groups) {
     for (int64_t r = 0; r < group->ranks; ++r) {
-      if (group->bases[r] == nullptr) continue;
-      cudaSetDevice(group->devices[r]);
-      cudaDeviceSynchronize();
-      cudaFree(group->bases[r]);
-      cudaFree(const_cast<Window*>(group->views[r].windows));
-      cudaFreeHost(group->views[r].error_host);
+      RankWindow& view = group->views[r];
+      if (group->bases[r] != nullptr) {
+        cudaSetDevice(group->devices[r]);
+        cudaDeviceSynchronize();
+        cudaFree(group->bases[r]);
+        cudaFree(const_cast<Window*>(view.windows));
+        cudaFreeHost(view.error_host);
+      }
+      group->bases[r] = nullptr;
+      view.windows = nullptr;
+      view.error_host = view.error_device = nullptr;
+      view.released = true;
     }
   }
-  registry.groups.clear();
   cudaGetLastError();
 }
 

@@ -29,22 +29,28 @@ struct RankWindow {
   TransportError* error_host = nullptr;    // mapped host record (read by the host)
   TransportError* error_device = nullptr;  // the same record as the kernels address it
   uint64_t generation = 0;                 // exchanges enqueued on this window by this rank
+  bool released = false;                   // ReleaseWindows freed it: exchanges on it fail
 };
 
 // This rank's window of group `key` on `device`; the first call of each rank allocates it and
-// waits (up to `timeout`) until every rank of the group has, then maps the peers' windows.
-// Errors: peers that cannot reach each other, allocation failures, ranks that never came.
+// waits (up to `timeout`) until every rank of the group has, then maps the peers' windows. No lock
+// is held while allocating, copying or waiting for the device. Errors: a rank outside the group,
+// peers that cannot reach each other, allocation failures, ranks that never came. The returned
+// view lives as long as the process.
 Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
                      std::chrono::milliseconds timeout, RankWindow** out);
 
 // Fails with the recorded device-side error of this rank's window, if any (a wait that timed
-// out); the window is unusable afterwards (its ranks no longer agree on the generation).
+// out; the window is unusable afterwards: its ranks no longer agree on the generation), or when
+// the window was released.
 Status WindowError(const RankWindow& window);
 
 // The first recorded error of any window of this process, or "" (hep.check_errors()).
 std::string FirstWindowError();
 
-// Frees every window (after synchronising their devices). Later exchanges allocate anew.
+// Frees every window's memory (after synchronising their devices); for process exit. The views
+// stay valid and report `released`, so a later exchange fails with an error, never a dangling
+// pointer.
 void ReleaseWindows();
 
 }  // namespace jax_hybridep
