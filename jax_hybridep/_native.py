@@ -6,6 +6,8 @@ import atexit
 
 import jax
 
+from jax_hybridep import compat
+
 try:
     from jax_hybridep import _hybridep
 except ImportError as err:  # a source checkout that was never built
@@ -19,6 +21,8 @@ else:
         # Registered whether or not a GPU is present: XLA keeps them until a CUDA backend starts.
         for _name, _capsule in _hybridep.cuda_registrations().items():
             jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+        # Window handles of EP groups that span processes travel through jax.distributed.
+        _hybridep.set_kv_exchange(compat.kv_exchange)
         # Registered windows are freed before the interpreter (and the CUDA runtime) goes away.
         atexit.register(_hybridep.release_cuda_windows)
 

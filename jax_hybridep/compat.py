@@ -48,3 +48,17 @@ def is_batched(x) -> bool:
     from jax._src.interpreters import batching  # noqa: PLC0415  (private: isolated here)
 
     return isinstance(x, batching.BatchTracer)
+
+
+def kv_exchange(prefix: str, rank: int, mine: bytes, count: int, timeout_ms: int) -> list[bytes]:
+    """Publishes `mine` for `rank` in the jax.distributed key-value store and returns all `count`
+    ranks' values (the CUDA transport's window handles across processes). Private JAX API."""
+    from jax._src import distributed  # noqa: PLC0415
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "jax_hybridep: the EP group spans processes but jax.distributed is not initialised"
+        )
+    client.key_value_set_bytes(f"{prefix}/{rank}", mine, allow_overwrite=True)
+    return [client.blocking_key_value_get_bytes(f"{prefix}/{r}", timeout_ms) for r in range(count)]

@@ -45,7 +45,8 @@ run build 240 "$PY" -m pip install -q --no-build-isolation --no-deps --no-index 
   -C cmake.define.JAX_HYBRIDEP_CUDA=ON -C cmake.define.JAX_HYBRIDEP_CUDA_ARCHITECTURES=90a-real \
   -C build-dir=build/gpu_check -e .
 
-GPU_TESTS=(tests/cuda_kernels_test.py tests/cuda_transport_test.py tests/gpu_jax_test.py)
+GPU_TESTS=(tests/cuda_kernels_test.py tests/cuda_transport_test.py tests/cuda_ipc_test.py
+  tests/gpu_jax_test.py)
 JAX_HYBRIDEP_REQUIRE_GPU=1 run tests 240 "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
   --junitxml="$OUT/tests.xml" "${GPU_TESTS[@]}"
 # Lowering for CUDA is checked on CPU machines too; here it runs beside the real handlers.

@@ -2,8 +2,9 @@
 
 Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
 the custom-call targets: with backend="ffi", a one-level EP group in one process runs the CUDA
-handlers of xla_ffi/cuda/cuda_handlers.cc and nothing of the host's; other GPU topologies are
-refused with a reason under "ffi" and run on the xla backend under "auto" (which keeps to xla on
+handlers of xla_ffi/cuda/cuda_handlers.cc and nothing of the host's (whether its GPUs share a
+process or not); multi-level GPU topologies are refused with a reason under "ffi" and run on the
+xla backend under "auto" (which keeps to xla on
 GPUs until the CUDA path has been verified on hardware).
 """
 
@@ -106,7 +107,11 @@ def test_multi_level_gpu_topology_falls_back_to_xla():
         _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi"), grad=False)
 
 
-def test_multi_process_gpu_group_falls_back_to_xla():
-    topo = _gpu_topology({"ep": 4}, ["ep"], local=(False,))
-    targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
-    assert not any(t.startswith("jax_hybridep_") for t in targets)
+@pytest.mark.parametrize("in_process", [True, False])
+def test_one_level_group_across_processes_uses_ipc_windows(in_process):
+    """One process per GPU: the same handlers, told to open the other processes' windows."""
+    topo = _gpu_topology({"ep": 4}, ["ep"], local=(in_process,))
+    text = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi"), grad=False)
+    assert "jax_hybridep_cuda_dispatch" in _targets(text)
+    flags = set(re.findall(r"multi_process = (true|false)", text))
+    assert flags == {"false" if in_process else "true"}

@@ -1,7 +1,8 @@
 """JAX-level dispatch/combine on real GPUs through the CUDA handlers (tests/gpu_worker.py).
 
 The worker runs in its own process with JAX_PLATFORMS=cuda (this suite's process is pinned to fake
-CPU devices): one process driving one GPU (`gpu`) or every local GPU as one EP group
+CPU devices): one process driving one GPU (`gpu`), every local GPU as one EP group, or one process
+per GPU through jax.distributed with the windows of the other processes opened by CUDA IPC
 (`multigpu`). Dispatch outputs must equal the xla backend's bit for bit; combine and gradients
 must agree to float32 rounding (XLA:GPU may contract the xla backend's multiply-adds, which the
 CUDA kernels never do) and be bitwise reproducible from run to run on reused windows. Skips
@@ -17,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from mp_launch import free_port
 
 from jax_hybridep import _native
 
@@ -24,12 +26,16 @@ WORKER = pathlib.Path(__file__).with_name("gpu_worker.py")
 TIMEOUT_S = 300
 
 
+def _env() -> dict:
+    # Without excess precision XLA rounds 16-bit intermediates as written (README, combine order).
+    return dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+                XLA_FLAGS="--xla_allow_excess_precision=false")  # fmt: skip
+
+
 def _run_worker(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
-    env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [sys.executable, str(WORKER), f"--devices={devices}"],
-        env=env,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -39,8 +45,9 @@ def _run_worker(devices: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _check(result: dict, devices: int):
+def _check(result: dict, devices: int, processes: int = 1):
     assert result["devices"] == devices and result["platform"] == "gpu"
+    assert result["processes"] == processes
     for name, case in result["cases"].items():
         assert case["ran_cuda"], name
         assert case["dispatch_bitwise"], (name, case)
@@ -63,3 +70,40 @@ def test_all_local_gpus_one_process(gpu):
     if count < 2:
         pytest.skip(f"{count} GPU visible; this test needs at least 2")
     _check(_run_worker(count), count)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_one_process_per_gpu(gpu):
+    count = _native.module().cuda_device_count()
+    if count < 2:
+        pytest.skip(f"{count} GPU visible; this test needs at least 2")
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                f"--process_id={i}",
+                f"--num_processes={count}",
+                f"--port={port}",
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(count)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+            assert proc.returncode == 0, err[-4000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(r == results[0] for r in results)  # every process gathered the same results
+    assert results[0]["single_process"] is False
+    _check(results[0], count, processes=count)

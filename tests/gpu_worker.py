@@ -1,12 +1,14 @@
 """Worker of tests/gpu_jax_test.py: dispatch/combine through the CUDA handlers on real GPUs.
 
 Run as `JAX_PLATFORMS=cuda python tests/gpu_worker.py --devices N` (one process driving N local
-GPUs as one EP group). For float32 and bfloat16, dropless and a capacity, weighted and unweighted
-combine, it runs the MoE block of tests/harness.py on the ffi backend (CUDA handlers) and on the
-xla backend, values and gradients, and twice on ffi (the registered windows are reused). Prints
-one JSON line: per case, whether dispatch outputs are bitwise equal, the largest relative
-combine/gradient difference, whether those are bitwise, and whether the program ran the CUDA
-handlers.
+GPUs as one EP group), or as one of N processes with one GPU each (`--process_id I
+--num_processes N --port P`: jax.distributed on 127.0.0.1, the EP group spans the processes and
+the CUDA transport reaches the other processes' windows by CUDA IPC). For float32 and bfloat16,
+dropless and a capacity, weighted and unweighted combine, it runs the MoE block of
+tests/harness.py on the ffi backend (CUDA handlers) and on the xla backend, values and gradients,
+and twice on ffi (the registered windows are reused). Prints one JSON line: per case, whether
+dispatch outputs are bitwise equal, the largest relative combine/gradient difference, whether
+those are bitwise, and whether the program ran the CUDA handlers.
 """
 
 from __future__ import annotations
@@ -21,9 +23,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import make_mesh, moe_fn, random_routing  # noqa: E402
+from harness import all_axes_spec, make_mesh, moe_fn, random_routing  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_hybridep as hep  # noqa: E402
+
+
+def _global(mesh, a, spec):
+    """A numpy array as a global array sharded over `mesh` (every process holds all of `a`)."""
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
 
 
 def _run(mesh, topo, backend, dtype, capacity, weighted, args):
@@ -31,14 +41,18 @@ def _run(mesh, topo, backend, dtype, capacity, weighted, args):
     cfg = hep.DispatchConfig(num_experts=E, capacity_factor=capacity, backend=backend)
     fn = moe_fn(mesh, topo, cfg, weighted_combine=weighted)
     x, idx, w, experts = args.inputs(E, dtype)
+    spec = all_axes_spec(mesh)
+    x, idx, w = (_global(mesh, a, spec) for a in (x, idx, w))
+    experts = _global(mesh, experts, P(topo.ep_axes))
 
-    def loss(x, w):
+    def loss(x, w, idx, experts):
         return jnp.sum(fn(x, idx, w, experts)[0].astype(jnp.float32) ** 2)
 
     out, stacked = fn(x, idx, w, experts)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, idx, experts)
     hlo = fn.lower(x, idx, w, experts).as_text()
-    return jax.device_get((out, stacked, grads)), "jax_hybridep_cuda_dispatch" in hlo
+    gathered = multihost_utils.process_allgather((out, stacked, grads), tiled=True)
+    return jax.device_get(gathered), "jax_hybridep_cuda_dispatch" in hlo
 
 
 def _bitwise(a, b) -> bool:
@@ -65,8 +79,16 @@ def main():
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--experts_per_gpu", type=int, default=4)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--process_id", type=int, default=None)
+    p.add_argument("--num_processes", type=int, default=1)
+    p.add_argument("--port", type=int, default=None)
     args = p.parse_args()
-    n = args.devices
+    if args.process_id is not None:  # one GPU per process
+        jax.distributed.initialize(
+            f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+            process_id=args.process_id, local_device_ids=[args.process_id],
+        )  # fmt: skip
+    n = len(jax.devices()) if args.process_id is not None else args.devices
     mesh = make_mesh((n,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
     rng = np.random.default_rng(0)
@@ -75,7 +97,7 @@ def main():
         idx, w = random_routing(rng, n * args.tokens, min(args.k, E), E, invalid_fraction=0.05)
         x = rng.standard_normal((n * args.tokens, args.hidden)).astype(np.float32)
         experts = rng.standard_normal((E, args.hidden, args.hidden)).astype(np.float32) * 0.05
-        return jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w), jnp.asarray(experts, dtype)
+        return x.astype(dtype), idx, w, experts.astype(dtype)
 
     args.inputs = inputs
     cases = {}
@@ -102,7 +124,9 @@ def main():
                     invalid=int(np.sum(np.asarray(stacked[4].invalid))),
                 )
     hep.check_errors()
-    print(json.dumps(dict(devices=n, platform=jax.devices()[0].platform, cases=cases)))
+    report = dict(devices=n, processes=jax.process_count(), single_process=topo.single_process,
+                  platform=jax.devices()[0].platform, cases=cases)  # fmt: skip
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 // The one native module, _hybridep: FFI handler capsules for registration at import, and a few
 // introspection hooks for tests.
 #include <cstdint>
+#include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nanobind/nanobind.h"
@@ -47,6 +49,33 @@ nb::bytes RoundTrip(const std::string& dtype, nb::bytes values) {
   return nb::bytes(out.data(), out.size());
 }
 
+#ifdef JAX_HYBRIDEP_WITH_CUDA
+// Routes the multi-process windows' key-value exchange to a Python callable
+// fn(prefix, rank, mine: bytes, count, timeout_ms) -> list[bytes]; it runs on XLA's threads,
+// holding the GIL while it runs.
+void SetPythonKvExchange(nb::callable fn) {
+  // Kept for the life of the process: releasing a Python object at exit needs a live interpreter.
+  auto* held = new nb::callable(std::move(fn));
+  SetKvExchange([held](const std::string& prefix, int32_t rank, const std::string& mine,
+                       int64_t count, int64_t timeout_ms, std::vector<std::string>* all) {
+    nb::gil_scoped_acquire gil;
+    try {
+      nb::object values =
+          (*held)(prefix, rank, nb::bytes(mine.data(), mine.size()), count, timeout_ms);
+      all->clear();
+      for (nb::handle value : values) {
+        nb::bytes b = nb::cast<nb::bytes>(value);
+        all->emplace_back(b.c_str(), b.size());
+      }
+      return Status::Ok();
+    } catch (const std::exception& e) {
+      return Status{Status::Code::kDeadlineExceeded,
+                    std::string("jax_hybridep: exchanging GPU window handles: ") + e.what()};
+    }
+  });
+}
+#endif
+
 }  // namespace
 }  // namespace jax_hybridep
 
@@ -66,6 +95,9 @@ NB_MODULE(_hybridep, m) {
       "FFI target name -> handler capsule, for platform 'CUDA'.");
   m.def("cuda_window_error", &jax_hybridep::FirstWindowError,
         "The first device-side error recorded in any exchange window ('' when none).");
+  m.def("set_kv_exchange", &jax_hybridep::SetPythonKvExchange, nb::arg("fn"),
+        "Sets fn(prefix, rank, mine, count, timeout_ms) -> list[bytes], the key-value exchange "
+        "of GPU window handles between processes.");
   m.def("release_cuda_windows", &jax_hybridep::ReleaseWindows,
         "Frees every registered exchange window (called at exit).");
   jax_hybridep::RegisterCudaBindings(m);

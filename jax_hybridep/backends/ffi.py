@@ -49,13 +49,10 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
             f"this build has no '{plan_topology.platform}' handlers for the ffi backend "
             f"(available: {platforms})"
         )
-    if plan_topology.platform == "gpu" and not (
-        len(plan_topology.levels) == 1 and plan_topology.level_local == (True,)
-    ):
+    if plan_topology.platform == "gpu" and len(plan_topology.levels) != 1:
         return (
-            "on GPUs the ffi backend runs one-level EP groups whose GPUs share a process "
-            f"(levels {plan_topology.levels}, in-process per level: {plan_topology.level_local}); "
-            "multi-level and multi-process GPU topologies run on backend='xla' for now"
+            f"on GPUs the ffi backend runs one-level EP groups (levels {plan_topology.levels}); "
+            "multi-level GPU topologies run on backend='xla' for now"
         )
     unmanaged = [a for a in plan_topology.group_axes if a not in manual_axes]
     if unmanaged:
@@ -107,8 +104,19 @@ def _gpu(plan: Plan) -> bool:
     return plan.topology.platform == "gpu"
 
 
+def _level_in_process(topology) -> bool:
+    """Whether a one-level group's ranks share this process."""
+    if topology.level_local is None:
+        return topology.single_process
+    return topology.level_local[0]
+
+
 def _gpu_attrs(plan: Plan):
-    return dict(num_sms=np.int64(plan.config.num_sms))
+    # Ranks in other processes (one process per GPU) are reached through CUDA IPC handles.
+    return dict(
+        num_sms=np.int64(plan.config.num_sms),
+        multi_process=np.bool_(not _level_in_process(plan.topology)),
+    )
 
 
 def layout(plan: Plan, topk_idx, rank, group) -> Layout:
@@ -342,7 +350,7 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
 def level_rows(handle: Handle):
     """[levels] int32: item copies this shard sent to other ranks at each level."""
     plan = handle.plan
-    if _fused(plan):  # one copy per (token, remote rank)
+    if _gpu(plan) or _fused(plan):  # one copy per (token, remote rank)
         ranks = jnp.arange(plan.num_ranks)
         to_rank = jnp.any(handle.dest[:, :, None] == ranks, axis=1) & (ranks != handle.rank)
         return jnp.sum(to_rank, dtype=jnp.int32)[None]

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +30,7 @@
 #include "xla_ffi/cuda/hook_support.h"
 #include "xla_ffi/cuda/kernels.h"
 #include "xla_ffi/cuda/transport.h"
+#include "xla_ffi/cuda/windows.h"
 #include "xla_ffi/exchange.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/numeric.h"
@@ -301,13 +303,17 @@ nb::object SelftestWriteRowValues(HostArray<float> values, HostArray<int32_t> to
 //    round enqueued before the host waits once, so a rank's next send can overlap a peer's
 //    receive as it would across GPUs. Needs the ranks' kernels to run side by side: keep
 //    R * send_blocks small.
+// With ipc_rank >= 0 this process runs that one rank on per-rank streams, its window a registered
+// multi-process window (windows.h: the other ranks' come by CUDA IPC through the key-value
+// exchange set with set_kv_exchange), and only that rank's outputs are filled.
 // Byte arrays are uint8; outputs are stacked [N, R, ...].
 nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArray<uint8_t> x,
                            HostArray<int32_t> dest, HostArray<int32_t> row_pos,
                            HostArray<float> weights, HostArray<uint8_t> y,
                            std::optional<HostArray<float>> y_weights, HostArray<uint8_t> g,
                            HostArray<float> scale, HostArray<float> values, int64_t send_blocks,
-                           bool per_rank_streams, int64_t timeout_ms) {
+                           bool per_rank_streams, int64_t timeout_ms, int64_t ipc_rank,
+                           int64_t ipc_group) {
   const Dtype dtype = ParseDtype(dtype_name);
   Require(x.ndim() == 4 && dest.ndim() == 4, "x: expected [N, R, T, row_bytes], dest [N, R, T, K]");
   const int64_t N = x.shape(0), R = x.shape(1), T = x.shape(2), row_bytes = x.shape(3);
@@ -334,27 +340,52 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
           "send_blocks must be in [1, " + std::to_string(resident) +
               "] for R=" + std::to_string(R) + " ranks to be resident on this GPU");
 
+  Require(ipc_rank < R, "ipc_rank must be < R");
+  const bool ipc = ipc_rank >= 0;
+  per_rank_streams = per_rank_streams || ipc;
+
   GpuSession gpu;
   const WindowGeometry geometry{R, T, K, row_bytes};
-  std::vector<Window> windows(R);
-  for (int64_t r = 0; r < R; ++r) {
-    windows[r] = CarveWindow(gpu.Zeros<char>(WindowBytes(geometry)), geometry);
-  }
-  const Window* d_windows = gpu.Upload(windows.data(), R);
-  void* host_error = nullptr;
-  CheckCuda(cudaHostAlloc(&host_error, sizeof(TransportError) * R, cudaHostAllocMapped),
-            "cudaHostAlloc");
-  std::unique_ptr<void, cudaError_t (*)(void*)> host_error_owner(host_error, cudaFreeHost);
-  std::memset(host_error, 0, sizeof(TransportError) * R);
-  void* mapped_error = nullptr;
-  CheckCuda(cudaHostGetDevicePointer(&mapped_error, host_error, 0), "cudaHostGetDevicePointer");
-  const auto* errors = static_cast<const TransportError*>(host_error);
-  auto check_errors = [&] {
+  // Every rank's window and error record as the kernels address them, and the host's view.
+  const Window* d_windows = nullptr;
+  std::vector<TransportError*> error_device(R, nullptr);
+  std::vector<const TransportError*> error_host(R, nullptr);
+  std::unique_ptr<void, cudaError_t (*)(void*)> host_error_owner(nullptr, cudaFreeHost);
+  RankWindow* view = nullptr;
+  if (ipc) {
+    int device = 0;
+    CheckCuda(cudaGetDevice(&device), "cudaGetDevice");
+    const Status s = AcquireWindow(WindowKey{ipc_group, geometry, /*multi_process=*/true},
+                                   static_cast<int32_t>(ipc_rank), device,
+                                   std::chrono::milliseconds(timeout_ms), &view);
+    Require(s.ok(), s.message);
+    d_windows = view->windows;
+    error_device[ipc_rank] = view->error_device;
+    error_host[ipc_rank] = view->error_host;
+  } else {
+    std::vector<Window> windows(R);
     for (int64_t r = 0; r < R; ++r) {
-      Require(errors[r].code == 0,
-              "exchange " + std::to_string(errors[r].generation) + ": rank " +
-                  std::to_string(errors[r].rank) + " timed out waiting for rank " +
-                  std::to_string(errors[r].peer) + " block " + std::to_string(errors[r].block));
+      windows[r] = CarveWindow(gpu.Zeros<char>(WindowBytes(geometry)), geometry);
+    }
+    d_windows = gpu.Upload(windows.data(), R);
+    void* host_error = nullptr;
+    CheckCuda(cudaHostAlloc(&host_error, sizeof(TransportError) * R, cudaHostAllocMapped),
+              "cudaHostAlloc");
+    host_error_owner.reset(host_error);
+    std::memset(host_error, 0, sizeof(TransportError) * R);
+    void* mapped_error = nullptr;
+    CheckCuda(cudaHostGetDevicePointer(&mapped_error, host_error, 0), "cudaHostGetDevicePointer");
+    for (int64_t r = 0; r < R; ++r) {
+      error_device[r] = static_cast<TransportError*>(mapped_error) + r;
+      error_host[r] = static_cast<const TransportError*>(host_error) + r;
+    }
+  }
+  auto check_errors = [&] {
+    for (const TransportError* e : error_host) {
+      if (e == nullptr) continue;
+      Require(e->code == 0, "exchange " + std::to_string(e->generation) + ": rank " +
+                                std::to_string(e->rank) + " timed out waiting for rank " +
+                                std::to_string(e->peer) + " block " + std::to_string(e->block));
     }
   };
 
@@ -374,7 +405,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
   char* scaled = gpu.Zeros<char>(N * R * C * row_bytes);
   float* row_values = gpu.Zeros<float>(N * R * T * K);
 
-  uint64_t generation = 0;
+  uint64_t generation = ipc ? view->generation : 0;
   auto context = [&](int64_t r, uint64_t gen) {
     return ExchangeContext{d_windows,
                            R,
@@ -385,7 +416,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
                            gen,
                            static_cast<int32_t>(send_blocks),
                            timeout_ms * 1000000,
-                           static_cast<TransportError*>(mapped_error) + r};
+                           error_device[r]};
   };
   // Per (round, rank) slices.
   auto at = [&](auto* base, int64_t n, int64_t r, int64_t per_rank) {
@@ -410,6 +441,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
       const uint64_t first = generation;
       generation += 4;
       for (int64_t r = 0; r < R; ++r) {
+        if (ipc && r != ipc_rank) continue;  // the other ranks run in their own processes
         cudaStream_t st = streams[r];
         const ExchangeContext dispatch = context(r, first + 1), combine = context(r, first + 2);
         const ExchangeContext redispatch = context(r, first + 3), back = context(r, first + 4);
@@ -441,6 +473,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
       CheckCuda(cudaStreamSynchronize(st), "per-rank kernels");
       cudaStreamDestroy(st);
     }
+    if (ipc) view->generation = generation;
     check_errors();
   } else {
     std::vector<ExchangeContext> contexts(R);
@@ -521,14 +554,17 @@ void RegisterCudaBindings(nb::module_& m) {
   m.def("cuda_selftest_write_row_values", &SelftestWriteRowValues, nb::arg("values"),
         nb::arg("token_ids"), nb::arg("recv_row_pos"), nb::arg("reference") = false,
         "WriteRowValues (values [C]). Returns all sources' buffers, [R, T, K].");
-  m.def("cuda_selftest_transport", &SelftestTransport, nb::arg("dtype"), nb::arg("rows"),
-        nb::arg("x"), nb::arg("dest"), nb::arg("row_pos"), nb::arg("weights"), nb::arg("y"),
-        nb::arg("y_weights").none(), nb::arg("g"), nb::arg("scale"), nb::arg("values"),
-        nb::arg("send_blocks"), nb::arg("per_rank_streams") = false, nb::arg("timeout_ms") = 10000,
-        "The direct-write transport with R ranks on this GPU: N rounds (the inputs' leading "
-        "dimension) of dispatch, combine, redispatch (scaled) and row values on the same windows, "
-        "through the virtual-rank harness or the per-rank launchers on R streams. Returns a dict "
-        "of [N, R, ...] results.");
+  m.def(
+      "cuda_selftest_transport", &SelftestTransport, nb::arg("dtype"), nb::arg("rows"),
+      nb::arg("x"), nb::arg("dest"), nb::arg("row_pos"), nb::arg("weights"), nb::arg("y"),
+      nb::arg("y_weights").none(), nb::arg("g"), nb::arg("scale"), nb::arg("values"),
+      nb::arg("send_blocks"), nb::arg("per_rank_streams") = false, nb::arg("timeout_ms") = 10000,
+      nb::arg("ipc_rank") = -1, nb::arg("ipc_group") = 0,
+      "The direct-write transport with R ranks on this GPU: N rounds (the inputs' leading "
+      "dimension) of dispatch, combine, redispatch (scaled) and row values on the same windows, "
+      "through the virtual-rank harness or the per-rank launchers on R streams, or (ipc_rank >= 0) "
+      "only that rank, its peers in other processes reached by CUDA IPC. Returns a dict of "
+      "[N, R, ...] results.");
 }
 
 }  // namespace jax_hybridep

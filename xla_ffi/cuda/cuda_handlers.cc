@@ -113,9 +113,9 @@ ffi::ErrorOr<SiteState*> Site(int64_t site, int32_t device, cudaStream_t stream,
 
 // The site's window for rows of `row_bytes`, acquired on its first exchange.
 ffi::Error EnsureWindow(SiteState& site, int32_t device, int64_t num_ranks, int64_t tokens,
-                        int64_t k, int64_t row_bytes, int64_t timeout_ms) {
+                        int64_t k, int64_t row_bytes, bool multi_process, int64_t timeout_ms) {
   if (site.window == nullptr) {
-    const WindowKey key{site.group, WindowGeometry{num_ranks, tokens, k, row_bytes}};
+    const WindowKey key{site.group, WindowGeometry{num_ranks, tokens, k, row_bytes}, multi_process};
     const Status s =
         AcquireWindow(key, site.rank, device, std::chrono::milliseconds(timeout_ms), &site.window);
     if (!s.ok()) return ToError(s);
@@ -157,12 +157,12 @@ ffi::ErrorOr<ExchangeContext> BeginExchange(cudaStream_t stream, int32_t device,
                                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                                             int64_t site_id, int64_t num_ranks, int64_t tokens,
                                             int64_t k, int64_t row_bytes, int64_t send_blocks,
-                                            int64_t timeout_ms) {
+                                            bool multi_process, int64_t timeout_ms) {
   if (ffi::Error e = CheckSendBlocks(send_blocks); e.failure()) return ffi::Unexpected(e);
   auto site = Site(site_id, device, stream, rank, group);
   if (site.has_error()) return ffi::Unexpected(site.error());
-  if (ffi::Error e =
-          EnsureWindow(*site.value(), device, num_ranks, tokens, k, row_bytes, timeout_ms);
+  if (ffi::Error e = EnsureWindow(*site.value(), device, num_ranks, tokens, k, row_bytes,
+                                  multi_process, timeout_ms);
       e.failure()) {
     return ffi::Unexpected(e);
   }
@@ -258,13 +258,13 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> row_pos,
                         ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
                         ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                        int64_t timeout_ms, int64_t num_sms, ffi::Result<ffi::AnyBuffer> tokens,
-                        ffi::ResultBuffer<ffi::F32> row_weights,
+                        int64_t timeout_ms, int64_t num_sms, bool multi_process,
+                        ffi::Result<ffi::AnyBuffer> tokens, ffi::ResultBuffer<ffi::F32> row_weights,
                         ffi::ResultBuffer<ffi::S32> recv_row_pos) {
   if (auto dtype = ToDtype(x.element_type(), "x"); dtype.has_error()) return dtype.error();
   const int64_t T = x.dimensions()[0], K = row_pos.dimensions()[1];
   auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, RowBytes(x), num_sms,
-                           timeout_ms);
+                           multi_process, timeout_ms);
   if (ctx.has_error()) return ctx.error();
   cudaError_t s =
       LaunchSendTokens(ctx.value(), static_cast<const char*>(x.untyped_data()), dest.typed_data(),
@@ -282,13 +282,13 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, const float* scale,
                       ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> recv_row_pos,
                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
-                      int64_t num_ranks, int64_t timeout_ms, int64_t num_sms,
+                      int64_t num_ranks, int64_t timeout_ms, int64_t num_sms, bool multi_process,
                       ffi::AnyBuffer::Dimensions rows_dims, char* rows, char* scaled) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   const int64_t T = g.dimensions()[0], K = dest.dimensions()[1], row_bytes = RowBytes(g);
   auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, row_bytes, num_sms,
-                           timeout_ms);
+                           multi_process, timeout_ms);
   if (ctx.has_error()) return ctx.error();
   cudaError_t s =
       LaunchPrefillRedispatch(rows_dims[0], row_bytes, dtype.value(), scale, rows, scaled, stream);
@@ -307,9 +307,9 @@ ffi::Error RedispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
                           ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> recv_row_pos,
                           ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
                           int64_t num_ranks, int64_t timeout_ms, int64_t num_sms,
-                          ffi::Result<ffi::AnyBuffer> rows) {
+                          bool multi_process, ffi::Result<ffi::AnyBuffer> rows) {
   return Redispatch(stream, device, g, nullptr, dest, recv_row_pos, rank, group, site, num_ranks,
-                    timeout_ms, num_sms, rows->dimensions(),
+                    timeout_ms, num_sms, multi_process, rows->dimensions(),
                     static_cast<char*>(rows->untyped_data()), nullptr);
 }
 
@@ -317,11 +317,11 @@ ffi::Error RedispatchScaledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> dest,
                                 ffi::Buffer<ffi::S32> recv_row_pos, ffi::Buffer<ffi::S32> rank,
                                 ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                                int64_t timeout_ms, int64_t num_sms,
+                                int64_t timeout_ms, int64_t num_sms, bool multi_process,
                                 ffi::Result<ffi::AnyBuffer> rows,
                                 ffi::Result<ffi::AnyBuffer> scaled) {
   return Redispatch(stream, device, g, scale.typed_data(), dest, recv_row_pos, rank, group, site,
-                    num_ranks, timeout_ms, num_sms, rows->dimensions(),
+                    num_ranks, timeout_ms, num_sms, multi_process, rows->dimensions(),
                     static_cast<char*>(rows->untyped_data()),
                     static_cast<char*>(scaled->untyped_data()));
 }
@@ -330,12 +330,13 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                        ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> dest,
                        ffi::Buffer<ffi::S32> recv_row_pos, ffi::Buffer<ffi::S32> rank,
                        ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks, bool weighted,
-                       int64_t timeout_ms, int64_t num_sms, ffi::Result<ffi::AnyBuffer> out) {
+                       int64_t timeout_ms, int64_t num_sms, bool multi_process,
+                       ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = ToDtype(y.element_type(), "y");
   if (dtype.has_error()) return dtype.error();
   const int64_t T = out->dimensions()[0], K = dest.dimensions()[1];
   auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, RowBytes(y), num_sms,
-                           timeout_ms);
+                           multi_process, timeout_ms);
   if (ctx.has_error()) return ctx.error();
   cudaError_t s = LaunchSendPartials(
       ctx.value(), dtype.value(), static_cast<const char*>(y.untyped_data()),
@@ -351,10 +352,10 @@ ffi::Error ReturnRowValuesImpl(cudaStream_t stream, int32_t device, ffi::Buffer<
                                ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> recv_row_pos,
                                ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                                int64_t site, int64_t num_ranks, int64_t timeout_ms, int64_t num_sms,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               bool multi_process, ffi::ResultBuffer<ffi::F32> out) {
   const int64_t T = out->dimensions()[0], K = out->dimensions()[1];
-  auto ctx =
-      BeginExchange(stream, device, rank, group, site, num_ranks, T, K, 0, num_sms, timeout_ms);
+  auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, 0, num_sms,
+                           multi_process, timeout_ms);
   if (ctx.has_error()) return ctx.error();
   cudaError_t s =
       LaunchSendRowValues(ctx.value(), values.typed_data(), recv_row_pos.typed_data(), stream);
@@ -403,6 +404,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaDispatch, DispatchImpl,
                            .Attr<int64_t>("num_ranks")
                            .Attr<int64_t>("timeout_ms")
                            .Attr<int64_t>("num_sms")
+                           .Attr<bool>("multi_process")
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>()    // row_weights [C]
                            .Ret<ffi::Buffer<ffi::S32>>());  // recv_row_pos [R * T, K]
@@ -420,6 +422,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaRedispatch, RedispatchImpl,
                            .Attr<int64_t>("num_ranks")
                            .Attr<int64_t>("timeout_ms")
                            .Attr<int64_t>("num_sms")
+                           .Attr<bool>("multi_process")
                            .Ret<ffi::AnyBuffer>());  // rows [C, H]
 
 XLA_FFI_DEFINE_HANDLER(kCudaRedispatchScaled, RedispatchScaledImpl,
@@ -436,6 +439,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaRedispatchScaled, RedispatchScaledImpl,
                            .Attr<int64_t>("num_ranks")
                            .Attr<int64_t>("timeout_ms")
                            .Attr<int64_t>("num_sms")
+                           .Attr<bool>("multi_process")
                            .Ret<ffi::AnyBuffer>()    // rows [C, H]
                            .Ret<ffi::AnyBuffer>());  // scaled [C, H]
 
@@ -454,6 +458,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaCombine, CombineImpl,
                            .Attr<bool>("weighted")
                            .Attr<int64_t>("timeout_ms")
                            .Attr<int64_t>("num_sms")
+                           .Attr<bool>("multi_process")
                            .Ret<ffi::AnyBuffer>());  // out [T, H]
 
 XLA_FFI_DEFINE_HANDLER(kCudaReturnRowValues, ReturnRowValuesImpl,
@@ -469,6 +474,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaReturnRowValues, ReturnRowValuesImpl,
                            .Attr<int64_t>("num_ranks")
                            .Attr<int64_t>("timeout_ms")
                            .Attr<int64_t>("num_sms")
+                           .Attr<bool>("multi_process")
                            .Ret<ffi::Buffer<ffi::F32>>());  // out [T, K]
 
 std::vector<HandlerEntry> CudaHandlers() {

@@ -2,8 +2,10 @@
 #include "xla_ffi/cuda/windows.h"
 
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,6 +40,7 @@ using KeyTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
 struct Registry {
   std::mutex mu;
   std::map<KeyTuple, std::unique_ptr<Group>> groups;  // never erased: views outlive release
+  KvExchange kv;
 };
 
 Registry& GetRegistry() {
@@ -118,7 +121,7 @@ Status MapPeers(const WindowGeometry& geometry, const std::vector<char*>& bases,
   std::vector<Window> windows(bases.size());
   for (size_t r = 0; r < bases.size(); ++r) {
     const int peer = devices[r];
-    if (peer != device) {
+    if (peer >= 0 && peer != device) {  // < 0: another process's window, opened by CUDA IPC
       int can = 0;
       s = cudaDeviceCanAccessPeer(&can, device, peer);
       if (s != cudaSuccess) return CudaFailure(s, "cudaDeviceCanAccessPeer");
@@ -157,7 +160,70 @@ Status MapPeers(const WindowGeometry& geometry, const std::vector<char*>& bases,
   return Status::Ok();
 }
 
+// What a rank publishes for ranks in other processes: its process, GPU and window handle.
+struct IpcEntry {
+  int64_t pid;
+  int32_t device;
+  cudaIpcMemHandle_t handle;
+};
+
+std::string KvPrefix(const WindowKey& key) {
+  const WindowGeometry& g = key.geometry;
+  std::ostringstream out;
+  out << "jax_hybridep/window/g" << key.group << "/R" << g.ranks << "/T" << g.tokens << "/K" << g.k
+      << "/b" << g.row_bytes;
+  return out.str();
+}
+
+// Publishes this rank's window and opens those of the ranks in other processes: opened[r] is the
+// mapping of rank r's window, or null for ranks of this process. Every rank publishes only after
+// it registered in its process's group, so once all have published, this process's ranks are all
+// in the group.
+Status ExchangeIpc(const WindowKey& key, const KvExchange& kv, int32_t rank, int device,
+                   char* own_base, int64_t timeout_ms, std::vector<char*>* opened) {
+  if (!kv) {
+    return Failure(
+        "the EP group spans processes but no key-value exchange is set (initialise "
+        "jax.distributed before the first exchange)");
+  }
+  cudaError_t s = cudaSetDevice(device);
+  IpcEntry mine{static_cast<int64_t>(getpid()), device, {}};
+  if (s == cudaSuccess) s = cudaIpcGetMemHandle(&mine.handle, own_base);
+  if (s != cudaSuccess) return CudaFailure(s, "cudaIpcGetMemHandle");
+  std::vector<std::string> all;
+  const std::string packed(reinterpret_cast<const char*>(&mine), sizeof(mine));
+  if (Status st = kv(KvPrefix(key), rank, packed, key.geometry.ranks, timeout_ms, &all); !st.ok()) {
+    return st;
+  }
+  opened->assign(key.geometry.ranks, nullptr);
+  for (int64_t r = 0; r < key.geometry.ranks; ++r) {
+    if (r >= static_cast<int64_t>(all.size()) || all[r].size() != sizeof(IpcEntry)) {
+      return Failure("malformed window handle from EP rank " + std::to_string(r));
+    }
+    IpcEntry theirs;
+    std::memcpy(&theirs, all[r].data(), sizeof(theirs));
+    if (theirs.pid == mine.pid) continue;
+    void* ptr = nullptr;
+    s = cudaIpcOpenMemHandle(&ptr, theirs.handle, cudaIpcMemLazyEnablePeerAccess);
+    if (s != cudaSuccess) {
+      std::ostringstream msg;
+      msg << "EP rank " << rank << " (GPU " << device << ") opening the window of EP rank " << r
+          << " (process " << theirs.pid << ", GPU " << theirs.device
+          << ") by CUDA IPC (the GPUs of a one-level EP group must share a node)";
+      return CudaFailure(s, msg.str());
+    }
+    (*opened)[r] = static_cast<char*>(ptr);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+void SetKvExchange(KvExchange exchange) {
+  Registry& registry = GetRegistry();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  registry.kv = std::move(exchange);
+}
 
 Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
                      std::chrono::milliseconds timeout, RankWindow** out) {
@@ -208,7 +274,35 @@ Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
   }
   std::vector<char*> bases;
   std::vector<int> devices;
-  {
+  if (key.multi_process) {  // The other processes' ranks come through the key-value exchange.
+    KvExchange kv;
+    char* own = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(registry.mu);
+      kv = registry.kv;
+      own = group->bases[rank];
+    }
+    std::vector<char*> opened;
+    if (Status s = ExchangeIpc(key, kv, rank, device, own, timeout.count(), &opened); !s.ok()) {
+      return s;
+    }
+    std::lock_guard<std::mutex> lock(registry.mu);
+    for (char* p : opened) {
+      if (p != nullptr) group->views[rank].opened.push_back(p);
+    }
+    bases = group->bases;
+    devices = group->devices;
+    for (int64_t r = 0; r < group->ranks; ++r) {
+      if (opened[r] != nullptr) {
+        bases[r] = opened[r];
+        devices[r] = -1;
+      } else if (bases[r] == nullptr) {
+        return Failure("EP rank " + std::to_string(r) +
+                       " published its window but is not "
+                       "registered in this process");
+      }
+    }
+  } else {
     std::unique_lock<std::mutex> lock(registry.mu);
     if (!group->all_joined.wait_for(lock, timeout, [&] { return group->joined == group->ranks; })) {
       std::ostringstream msg;
@@ -264,12 +358,14 @@ void ReleaseWindows() {
       if (group->bases[r] != nullptr) {
         cudaSetDevice(group->devices[r]);
         cudaDeviceSynchronize();
+        for (char* p : view.opened) cudaIpcCloseMemHandle(p);
         cudaFree(group->bases[r]);
         cudaFree(const_cast<Window*>(view.windows));
         cudaFreeHost(view.error_host);
       }
       group->bases[r] = nullptr;
       view.windows = nullptr;
+      view.opened.clear();
       view.error_host = view.error_device = nullptr;
       view.released = true;
     }

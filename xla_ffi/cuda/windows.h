@@ -3,13 +3,18 @@
 // exchange behind generation flags, freed by ReleaseWindows (Python calls it at exit).
 //
 // One process driving several GPUs reaches its peers' windows through peer access (NVLink or PCIe
-// P2P). Plain C++ against the CUDA runtime API.
+// P2P). When the group spans processes (one process per GPU, on one node), every rank publishes
+// its process id, GPU and a CUDA IPC handle of its window through a key-value exchange (the
+// jax.distributed store, set by the module) and opens the handles of the ranks in other processes.
+// Plain C++ against the CUDA runtime API.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_WINDOWS_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_WINDOWS_H_
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/rendezvous.h"
@@ -19,7 +24,17 @@ namespace jax_hybridep {
 struct WindowKey {
   int64_t group;  // EP-group id (several groups may share a process)
   WindowGeometry geometry;
+  bool multi_process = false;  // some ranks live in other processes (CUDA IPC)
 };
+
+// Publishes `mine` for `rank` under `prefix` and returns the strings of all `count` ranks, in rank
+// order, waiting up to `timeout_ms` for them.
+using KvExchange =
+    std::function<Status(const std::string& prefix, int32_t rank, const std::string& mine,
+                         int64_t count, int64_t timeout_ms, std::vector<std::string>* all)>;
+
+// Sets the exchange multi-process windows use (the module sets the jax.distributed one).
+void SetKvExchange(KvExchange exchange);
 
 // One rank's view of its window group.
 struct RankWindow {
@@ -30,11 +45,13 @@ struct RankWindow {
   TransportError* error_device = nullptr;  // the same record as the kernels address it
   uint64_t generation = 0;                 // exchanges enqueued on this window by this rank
   bool released = false;                   // ReleaseWindows freed it: exchanges on it fail
+  std::vector<char*> opened;               // peers' windows this rank opened by CUDA IPC
 };
 
 // This rank's window of group `key` on `device`; the first call of each rank allocates it and
-// waits (up to `timeout`) until every rank of the group has, then maps the peers' windows. No lock
-// is held while allocating, copying or waiting for the device. Errors: a rank outside the group,
+// waits (up to `timeout`) until every rank of the group has, then maps the peers' windows (ranks of
+// other processes through CUDA IPC when key.multi_process). No lock is held while allocating,
+// copying, exchanging handles or waiting for the device. Errors: a rank outside the group,
 // peers that cannot reach each other, allocation failures, ranks that never came. The returned
 // view lives as long as the process.
 Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
