@@ -3,9 +3,9 @@
 Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
 the custom-call targets: with backend="ffi", a one-level EP group in one process runs the CUDA
 handlers of xla_ffi/cuda/cuda_handlers.cc and nothing of the host's (whether its GPUs share a
-process or not); multi-level GPU topologies are refused with a reason under "ffi" and run on the
-xla backend under "auto" (which keeps to xla on
-GPUs until the CUDA path has been verified on hardware).
+process or not); under slower levels the transport spans the fastest level and the others go
+through XLA all-to-alls. "auto" keeps to the xla backend on GPUs until the CUDA path has been
+verified on hardware.
 """
 
 from __future__ import annotations
@@ -99,12 +99,17 @@ def test_auto_keeps_xla_on_gpus_until_verified(monkeypatch):
     assert not any(t.startswith("jax_hybridep_") and "cuda" not in t for t in targets)
 
 
-def test_multi_level_gpu_topology_falls_back_to_xla():
+def test_two_level_gpu_topology_walks_slow_level_with_xla_collectives():
+    """node x local: the node level's items travel by XLA all-to-all (NCCL), then the transport
+    spans the 4 GPUs of a node; combine and the VJPs return the same way."""
     topo = _gpu_topology({"node": 2, "local": 4}, ["node", "local"])
+    text = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi"))
+    assert {t for t in _targets(text) if t.startswith("jax_hybridep_")} == CUDA_TARGETS
+    assert "all_to_all" in text
+    assert set(re.findall(r"num_ranks = (\d+)", text)) == {"4", "8"}  # transport 4, layout 8
+    # auto keeps xla on GPUs (until verified on hardware)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert not any(t.startswith("jax_hybridep_") for t in targets)
-    with pytest.raises(ValueError, match="on GPUs the ffi backend runs one-level EP groups"):
-        _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi"), grad=False)
 
 
 @pytest.mark.parametrize("in_process", [True, False])

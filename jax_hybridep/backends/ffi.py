@@ -11,30 +11,24 @@ direction); every other topology composes the per-level steps in the same order 
 backend, so both agree bitwise. The EP rank and group ids are operands, so the handlers never
 guess them from device ordinals.
 
-On GPUs (handlers in xla_ffi/cuda/cuda_handlers.cc) a one-level EP group inside one process runs
-the direct-write transport over registered windows: the counts are all-gathered by an XLA
-collective and planned by the CUDA layout kernels, and dispatch returns the receiver's map of rows
-to (source, t, k) with the handle, which combine and the VJPs send back along.
+On GPUs every call goes to backends/ffi_gpu.py (CUDA handlers over the direct-write transport).
 """
 
 from __future__ import annotations
-
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep import compat
-from jax_hybridep.backends import xla
+from jax_hybridep.backends import ffi_gpu, xla
+from jax_hybridep.backends.ffi_call import call as _call
+from jax_hybridep.backends.ffi_call import i32 as _i32
+from jax_hybridep.backends.ffi_call import layout_attrs as _layout_attrs
+from jax_hybridep.backends.ffi_call import level_peer as _level_peer
 from jax_hybridep.config import Plan
 from jax_hybridep.handle import Handle, Layout
 
 NAME = "ffi"
-
-# Every emitted custom call gets its own call-site id; repeated executions of one call site within
-# an execution (scan, remat) are told apart by the handlers' generation counter.
-_sites = itertools.count(1)
 
 
 def unsupported_reason(plan_topology, manual_axes) -> str | None:
@@ -49,11 +43,6 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
             f"this build has no '{plan_topology.platform}' handlers for the ffi backend "
             f"(available: {platforms})"
         )
-    if plan_topology.platform == "gpu" and len(plan_topology.levels) != 1:
-        return (
-            f"on GPUs the ffi backend runs one-level EP groups (levels {plan_topology.levels}); "
-            "multi-level GPU topologies run on backend='xla' for now"
-        )
     unmanaged = [a for a in plan_topology.group_axes if a not in manual_axes]
     if unmanaged:
         return (
@@ -64,72 +53,15 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
     return None
 
 
-def _call(name, out_types, *args, like, plan: Plan, exchange=True, **attrs):
-    """One custom call; an exchange also gets its call site, group size and timeout."""
-    if exchange:
-        attrs = dict(
-            site=np.int64(next(_sites)),
-            timeout_ms=np.int64(round(plan.config.resolved_timeout_s * 1000)),
-            **{"num_ranks": np.int64(plan.num_ranks), **attrs},
-        )
-    results = jax.ffi.ffi_call(f"jax_hybridep_{name}", out_types)(*args, **attrs)
-    # FFI results come back typed as not varying over the manual axes; they vary like the
-    # inputs and across the EP group.
-    axes = set(plan.topology.ep_axes) | set(plan.topology.group_axes)
-    axes &= compat.manual_axes()
-    for a in like:
-        axes |= compat.varying_axes(a)
-    return jax.tree.map(lambda r: compat.mark_varying(r, axes), results)
-
-
-def _i32(shape):
-    return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-
-def _layout_attrs(plan: Plan):
-    config = plan.config
-    return dict(
-        num_ranks=np.int64(plan.num_ranks),
-        num_slots=np.int64(plan.num_slots),
-        capacity=np.int64(-1 if plan.capacity is None else plan.capacity),
-        rows=np.int64(plan.rows),
-        pad_multiple=np.int64(config.pad_multiple),
-        expert_rank=np.asarray(plan.expert_rank, np.int64),
-        expert_slot=np.asarray(plan.expert_slot, np.int64),
-        strict=np.bool_(config.strict),
-    )
-
-
 def _gpu(plan: Plan) -> bool:
     return plan.topology.platform == "gpu"
-
-
-def _level_in_process(topology) -> bool:
-    """Whether a one-level group's ranks share this process."""
-    if topology.level_local is None:
-        return topology.single_process
-    return topology.level_local[0]
-
-
-def _gpu_attrs(plan: Plan):
-    # Ranks in other processes (one process per GPU) are reached through CUDA IPC handles.
-    return dict(
-        num_sms=np.int64(plan.config.num_sms),
-        multi_process=np.bool_(not _level_in_process(plan.topology)),
-    )
 
 
 def layout(plan: Plan, topk_idx, rank, group) -> Layout:
     out_types = (_i32(topk_idx.shape), _i32((plan.num_slots,)), _i32((plan.num_experts,)),
                  _i32(()), _i32(()))  # fmt: skip
-    if _gpu(plan):  # counts all-gathered by an XLA collective, planned by the CUDA kernels
-        _, _, gathered = xla.gather_counts(plan, topk_idx)
-        out_types = out_types[:3] + (jax.ShapeDtypeStruct((), jnp.int64),) + out_types[4:]
-        row_pos, sizes, per_expert, dropped, invalid = _call(
-            "cuda_layout", out_types, topk_idx, gathered, rank, group, like=(topk_idx, gathered),
-            plan=plan, exchange=False, site=np.int64(next(_sites)), **_layout_attrs(plan),
-        )  # fmt: skip
-        return Layout(row_pos, sizes, per_expert, dropped.astype(jnp.int32), invalid)
+    if _gpu(plan):
+        return ffi_gpu.layout(plan, topk_idx, rank, group)
     if plan.topology.single_process:  # counts all-gathered through the rendezvous
         outs = _call("layout", out_types, topk_idx, rank, group, like=(topk_idx,), plan=plan,
                      **_layout_attrs(plan))  # fmt: skip
@@ -164,31 +96,6 @@ def _send(plan: Plan, x, weights, row_pos, dest, rank, group):
     )  # fmt: skip
 
 
-def _gpu_send(plan: Plan, x, weights, row_pos, dest, rank, group):
-    """(rows [C, H], weights [C], recv_row_pos [R * T, K]): each source writes one copy per
-    (token, destination GPU) into the destinations' windows, which expand them into rows."""
-    return _call(
-        "cuda_dispatch",
-        (
-            jax.ShapeDtypeStruct((plan.rows, x.shape[1]), x.dtype),
-            jax.ShapeDtypeStruct((plan.rows,), jnp.float32),
-            _i32((plan.num_ranks * plan.tokens, plan.k)),
-        ),
-        x, weights, row_pos, dest, rank, group,
-        like=(x, weights, row_pos),
-        plan=plan,
-        **_gpu_attrs(plan),
-    )  # fmt: skip
-
-
-def _gpu_exchange(name, out_types, handle: Handle, *args, like, **attrs):
-    """A GPU exchange along an existing dispatch: its inputs, then dest and the receive map."""
-    (recv_row_pos,) = handle.private
-    return _call(name, out_types, *args, handle.dest, recv_row_pos, handle.rank, handle.group,
-                 like=like + (handle.dest,), plan=handle.plan, **_gpu_attrs(handle.plan),
-                 **attrs)  # fmt: skip
-
-
 def _fused_combine(handle: Handle, y, weights, weighted):
     plan = handle.plan
     return _call(
@@ -217,13 +124,6 @@ def _fused_return_row_values(handle: Handle, values):
 # The same walk as the xla backend (see its module): per level, each held item goes once to every
 # peer holding one of its rows; the last level expands into rows; combine returns partials level
 # by level and each sender adds its peers' in ascending order.
-
-
-def _level_peer(plan: Plan, level: int, rank, group):
-    """This rank's coordinate in the level and an id of its level group (for the rendezvous)."""
-    size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
-    coord = (rank // stride) % size
-    return coord, group * plan.num_ranks + (rank - coord * stride)
 
 
 def _level_exchange(plan: Plan, level: int, data, rank, group):
@@ -337,8 +237,7 @@ def _levels_return_row_values(handle: Handle, values):
 
 def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     if _gpu(plan):
-        tokens, row_weights, recv_row_pos = _gpu_send(plan, x, weights, row_pos, dest, rank, group)
-        return tokens, row_weights, Handle(row_pos, dest, rank, group, (recv_row_pos,), plan)
+        return ffi_gpu.dispatch(plan, x, weights, row_pos, dest, rank, group)
     if _fused(plan):
         tokens, row_weights = _send(plan, x, weights, row_pos, dest, rank, group)
         return tokens, row_weights, Handle(row_pos, dest, rank, group, (), plan)
@@ -350,7 +249,9 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
 def level_rows(handle: Handle):
     """[levels] int32: item copies this shard sent to other ranks at each level."""
     plan = handle.plan
-    if _gpu(plan) or _fused(plan):  # one copy per (token, remote rank)
+    if _gpu(plan):
+        return ffi_gpu.level_rows(handle)
+    if _fused(plan):  # one copy per (token, remote rank)
         ranks = jnp.arange(plan.num_ranks)
         to_rank = jnp.any(handle.dest[:, :, None] == ranks, axis=1) & (ranks != handle.rank)
         return jnp.sum(to_rank, dtype=jnp.int32)[None]
@@ -366,8 +267,7 @@ def level_rows(handle: Handle):
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
     if _gpu(handle.plan):
-        out_type = jax.ShapeDtypeStruct((handle.plan.rows, g.shape[1]), g.dtype)
-        return _gpu_exchange("cuda_redispatch", out_type, handle, g, like=(g,))
+        return ffi_gpu.redispatch(handle, g)
     if not _fused(handle.plan):
         return _levels_redispatch(handle, g)
     zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)
@@ -381,8 +281,7 @@ def redispatch_scaled(handle: Handle, g, weights):
     plan = handle.plan
     out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),) * 2
     if _gpu(plan):
-        return _gpu_exchange("cuda_redispatch_scaled", out_types, handle, g, weights,
-                             like=(g, weights))  # fmt: skip
+        return ffi_gpu.redispatch_scaled(handle, g, weights)
     if _fused(plan):
         return _call("redispatch_scaled", out_types, g, weights, handle.row_pos, handle.dest,
                      handle.rank, handle.group, like=(g, handle.row_pos), plan=plan)  # fmt: skip
@@ -392,13 +291,11 @@ def redispatch_scaled(handle: Handle, g, weights):
 
 
 def combine(handle: Handle, y, weights):
+    if _gpu(handle.plan):
+        return ffi_gpu.combine(handle, y, weights)
     weighted = weights is not None
     if not weighted:
         weights = jnp.zeros((handle.plan.rows,), jnp.float32)  # ignored by the handlers
-    if _gpu(handle.plan):
-        out_type = jax.ShapeDtypeStruct((handle.plan.tokens, y.shape[1]), y.dtype)
-        return _gpu_exchange("cuda_combine", out_type, handle, y, weights, like=(y,),
-                             weighted=np.bool_(weighted))  # fmt: skip
     if _fused(handle.plan):
         return _fused_combine(handle, y, weights, weighted)
     return _levels_combine(handle, y, weights, weighted)
@@ -407,8 +304,7 @@ def combine(handle: Handle, y, weights):
 def return_row_values(handle: Handle, values):
     """[T, K] float32: values[row] sent back to the (t, k) each row came from; 0 elsewhere."""
     if _gpu(handle.plan):
-        out_type = jax.ShapeDtypeStruct((handle.plan.tokens, handle.plan.k), jnp.float32)
-        return _gpu_exchange("cuda_return_row_values", out_type, handle, values, like=(values,))
+        return ffi_gpu.return_row_values(handle, values)
     if _fused(handle.plan):
         return _fused_return_row_values(handle, values)
     return _levels_return_row_values(handle, values)

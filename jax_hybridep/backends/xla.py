@@ -176,13 +176,15 @@ def _expand_rows(held_rows, row_src):
     return _append_zero_row(held_rows)[row_src]
 
 
-def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
+def send_levels(plan: Plan, held, levels):
+    """Sends held items (x, dest, pos, weights) through `levels` (slow -> fast); returns the items
+    held after the last of them and per level its record (send_item, send_slot, held_dest)."""
     k = plan.k
-    held_x, held_dest, held_pos, held_w = x, dest, row_pos, weights
-    levels = []  # per level: (send_item, send_slot, held_dest), for combine and the VJPs
-    for level in range(len(plan.topology.levels)):
+    held_x, held_dest, held_pos, held_w = held
+    records = []
+    for level in levels:
         coord, send_item, send_slot = _route_level(plan, level, held_dest)
-        levels.append((send_item, send_slot, held_dest))
+        records.append((send_item, send_slot, held_dest))
         meta = jnp.concatenate(
             [_pack_metadata(send_item, coord, held_dest, -1),
              _pack_metadata(send_item, coord, held_pos, -1)], axis=1)  # fmt: skip
@@ -190,7 +192,41 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
         held_dest, held_pos = meta[:, :k], meta[:, k:]
         held_w = _level_all_to_all(plan, level, _pack_metadata(send_item, coord, held_w, 0.0))
         held_x = _level_all_to_all(plan, level, _pack(send_item, held_x))
+    return (held_x, held_dest, held_pos, held_w), tuple(records)
 
+
+def forward_levels(plan: Plan, records, g):
+    """g [T, H] carried along recorded levels: what each rank holds after them."""
+    held = g
+    for level, (send_item, _, _) in enumerate(records):
+        held = _level_all_to_all(plan, level, _pack(send_item, held))
+    return held
+
+
+def reduce_levels(plan: Plan, records, partials, dtype):
+    """Per-item partials after the recorded levels, added back over them (fast -> slow)."""
+    for level in reversed(range(len(records))):
+        partials = _reduce_level(plan, level, records[level][1], partials, dtype)
+    return partials
+
+
+def pick_levels(plan: Plan, records, per_item):
+    """Per-item values [M, K] after the recorded levels, returned over them to the (t, k)."""
+    for level in reversed(range(len(records))):
+        _, send_slot, held_dest = records[level]
+        size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+        back = _level_all_to_all(plan, level, per_item).reshape(size, -1, plan.k)
+        coord = jnp.where(held_dest >= 0, (held_dest // stride) % size, 0)
+        slot = jnp.maximum(jnp.take_along_axis(send_slot, coord, axis=1), 0)
+        picked = back[coord, slot, jnp.arange(plan.k)[None, :]]
+        per_item = jnp.where(held_dest >= 0, picked, 0.0)
+    return per_item
+
+
+def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
+    k = plan.k
+    held, levels = send_levels(plan, (x, dest, row_pos, weights), range(len(plan.topology.levels)))
+    held_x, _, held_pos, held_w = held
     flat_pos = held_pos.reshape(-1)
     target = jnp.where(flat_pos >= 0, flat_pos, plan.rows)
     held = held_pos.shape[0]
@@ -198,7 +234,7 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
     row_src = jnp.full(plan.rows, held, jnp.int32).at[target].set(item_ids, mode="drop")
     tokens_out = _expand_rows(held_x, row_src)
     row_weights = jnp.zeros(plan.rows, jnp.float32).at[target].set(held_w.reshape(-1), mode="drop")
-    handle = Handle(row_pos, dest, rank, group, (tuple(levels), held_pos, row_src), plan)
+    handle = Handle(row_pos, dest, rank, group, (levels, held_pos, row_src), plan)
     return tokens_out, row_weights, handle
 
 
@@ -217,10 +253,7 @@ def level_rows(handle: Handle):
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
     levels, _, row_src = handle.private
-    held = g
-    for level, (send_item, _, _) in enumerate(levels):
-        held = _level_all_to_all(handle.plan, level, _pack(send_item, held))
-    return _expand_rows(held, row_src)
+    return _expand_rows(forward_levels(handle.plan, levels, g), row_src)
 
 
 def redispatch_scaled(handle: Handle, g, weights):
@@ -258,10 +291,7 @@ def combine(handle: Handle, y, weights):
     for kk in range(plan.k):  # this rank's rows of each held item, k ascending
         pos = held_pos[:, kk]
         acc = jnp.where((pos >= 0)[:, None], acc + rows[jnp.where(pos >= 0, pos, plan.rows)], acc)
-    partials = acc.astype(y.dtype)
-    for level in reversed(range(len(levels))):
-        partials = _reduce_level(plan, level, levels[level][1], partials, y.dtype)
-    return partials
+    return reduce_levels(plan, levels, acc.astype(y.dtype), y.dtype)
 
 
 def return_row_values(handle: Handle, values):
@@ -269,12 +299,4 @@ def return_row_values(handle: Handle, values):
     plan = handle.plan
     levels, held_pos, _ = handle.private
     per_item = _append_zero_row(values)[jnp.where(held_pos >= 0, held_pos, plan.rows)]
-    for level in reversed(range(len(levels))):
-        _, send_slot, held_dest = levels[level]
-        size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
-        back = _level_all_to_all(plan, level, per_item).reshape(size, -1, plan.k)
-        coord = jnp.where(held_dest >= 0, (held_dest // stride) % size, 0)
-        slot = jnp.maximum(jnp.take_along_axis(send_slot, coord, axis=1), 0)
-        picked = back[coord, slot, jnp.arange(plan.k)[None, :]]
-        per_item = jnp.where(held_dest >= 0, picked, 0.0)
-    return per_item
+    return pick_levels(plan, levels, per_item)
