@@ -62,3 +62,10 @@ def kv_exchange(prefix: str, rank: int, mine: bytes, count: int, timeout_ms: int
         )
     client.key_value_set_bytes(f"{prefix}/{rank}", mine, allow_overwrite=True)
     return [client.blocking_key_value_get_bytes(f"{prefix}/{r}", timeout_ms) for r in range(count)]
+
+
+def device_memory_space():
+    """The memory space of device buffers (compute_on's out_memory_spaces)."""
+    from jax._src import core  # noqa: PLC0415
+
+    return core.MemorySpace.Device

@@ -48,6 +48,10 @@ class DispatchConfig:
         case, which never overflows.
       num_sms: GPUs only: thread blocks (about one SM each) of every transport kernel of the
         ffi backend's CUDA path; the rest of the GPU stays free for compute running beside it.
+      gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
+        stream; "collective": XLA's collective stream, scheduled like its own collectives so
+        compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
+        extra stream n (`compute_on("gpu_stream:n")`).
     """
 
     num_experts: int
@@ -60,6 +64,7 @@ class DispatchConfig:
     timeout_s: float = 120.0
     row_budget: int | None = None
     num_sms: int = 16
+    gpu_stream: str | int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_experts, int | np.integer) or self.num_experts < 1:
@@ -86,6 +91,13 @@ class DispatchConfig:
                 )
         if not isinstance(self.num_sms, int | np.integer) or not 1 <= self.num_sms <= MAX_SMS:
             raise ValueError(f"num_sms must be an int in [1, {MAX_SMS}], got {self.num_sms!r}")
+        stream = self.gpu_stream
+        if not (stream is None or stream == "collective" or (
+            isinstance(stream, int | np.integer) and not isinstance(stream, bool) and stream >= 1
+        )):  # fmt: skip
+            raise ValueError(
+                f"gpu_stream must be None, 'collective' or an int >= 1, got {stream!r}"
+            )
         if self.num_local_slots is not None and self.num_local_slots < 1:
             raise ValueError(f"num_local_slots must be >= 1, got {self.num_local_slots!r}")
         if self.expert_placement is not None:

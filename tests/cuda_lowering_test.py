@@ -120,3 +120,22 @@ def test_one_level_group_across_processes_uses_ipc_windows(in_process):
     assert "jax_hybridep_cuda_dispatch" in _targets(text)
     flags = set(re.findall(r"multi_process = (true|false)", text))
     assert flags == {"false" if in_process else "true"}
+
+
+@pytest.mark.parametrize("stream,annotation", [("collective", "collective"), (2, "2")])
+def test_transport_on_configured_stream(stream, annotation):
+    """gpu_stream runs every transport call through compute_on (XLA's stream annotation)."""
+    topo = _gpu_topology({"ep": 4}, ["ep"])
+    text = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi", gpu_stream=stream))
+    pattern = r"custom_call @(jax_hybridep_cuda_\w+)\(.*_xla_stream_annotation = \"(\w+)\""
+    calls = re.findall(pattern, text)
+    exchanges = {name for name, _ in calls}
+    assert exchanges == CUDA_TARGETS - {"jax_hybridep_cuda_layout"}
+    assert {a for _, a in calls} == {annotation}
+
+
+def test_gpu_stream_is_validated():
+    with pytest.raises(ValueError, match="gpu_stream must be"):
+        hep.DispatchConfig(num_experts=E, gpu_stream="fast")
+    with pytest.raises(ValueError, match="gpu_stream must be"):
+        hep.DispatchConfig(num_experts=E, gpu_stream=0)

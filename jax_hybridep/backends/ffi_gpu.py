@@ -21,7 +21,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 
+from jax_hybridep import compat
 from jax_hybridep.backends import xla
 from jax_hybridep.backends.ffi_call import call, i32, layout_attrs, level_peer, next_site
 from jax_hybridep.config import Plan
@@ -62,6 +64,18 @@ class CudaTransport:
     [ranks * M, K]: the receiver's rows per (source, item, k), from dispatch.
     """
 
+    def _call(self, plan: Plan, *args, **kwargs):
+        """`call`, on the configured stream (DispatchConfig.gpu_stream) when there is one."""
+        stream = plan.config.gpu_stream
+        if stream is None:
+            return call(*args, plan=plan, **kwargs)
+        on_stream = compute_on(
+            lambda: call(*args, plan=plan, **kwargs),
+            compute_type=f"gpu_stream:{stream}",
+            out_memory_spaces=compat.device_memory_space(),
+        )
+        return on_stream()
+
     def _attrs(self, plan: Plan, fast: FastLevel):
         local = plan.topology.level_local
         in_process = plan.topology.single_process if local is None else local[fast.level]
@@ -79,12 +93,14 @@ class CudaTransport:
             jax.ShapeDtypeStruct((plan.rows,), jnp.float32),
             i32((fast.ranks * x.shape[0], plan.k)),
         )
-        return call("cuda_dispatch", out_types, x, weights, row_pos, dest, fast.coord, fast.group,
-                    like=(x, weights, row_pos), plan=plan, **self._attrs(plan, fast))  # fmt: skip
+        return self._call(
+            plan, "cuda_dispatch", out_types, x, weights, row_pos, dest, fast.coord, fast.group,
+            like=(x, weights, row_pos), **self._attrs(plan, fast),
+        )  # fmt: skip
 
     def _along(self, name, out_types, plan, fast, *args, dest, recv_row_pos, like, **attrs):
-        return call(name, out_types, *args, dest, recv_row_pos, fast.coord, fast.group,
-                    like=like + (dest,), plan=plan, **self._attrs(plan, fast), **attrs)  # fmt: skip
+        return self._call(plan, name, out_types, *args, dest, recv_row_pos, fast.coord, fast.group,
+                          like=like + (dest,), **self._attrs(plan, fast), **attrs)  # fmt: skip
 
     def redispatch(self, plan: Plan, fast: FastLevel, g, dest, recv_row_pos, scale=None):
         """Rows [C, H] of the held g [M, H]; with `scale`, also rows * scale (one pass)."""
