@@ -45,7 +45,7 @@ def _gpu_topology(shape: dict[str, int], levels, local=None) -> hep.Topology:
     )
 
 
-def _lowered(topo: hep.Topology, config: hep.DispatchConfig, weighted=True, grad=True) -> str:
+def _lowered(topo: hep.Topology, config: hep.DispatchConfig, weighted=True, grad=True, k=K) -> str:
     mesh = AbstractMesh(topo.mesh_shape, topo.mesh_axes, axis_types=(AxisType.Explicit,) * len(
         topo.mesh_axes))  # fmt: skip
     spec = P(topo.mesh_axes)
@@ -63,8 +63,8 @@ def _lowered(topo: hep.Topology, config: hep.DispatchConfig, weighted=True, grad
     sharding = NamedSharding(mesh, spec)
     args = (
         jax.ShapeDtypeStruct((n, H), jnp.bfloat16, sharding=sharding),
-        jax.ShapeDtypeStruct((n, K), jnp.int32, sharding=sharding),
-        jax.ShapeDtypeStruct((n, K), jnp.float32, sharding=sharding),
+        jax.ShapeDtypeStruct((n, k), jnp.int32, sharding=sharding),
+        jax.ShapeDtypeStruct((n, k), jnp.float32, sharding=sharding),
     )
     fn = jax.grad(loss, argnums=(0, 2)) if grad else loss
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -139,3 +139,9 @@ def test_gpu_stream_is_validated():
         hep.DispatchConfig(num_experts=E, gpu_stream="fast")
     with pytest.raises(ValueError, match="gpu_stream must be"):
         hep.DispatchConfig(num_experts=E, gpu_stream=0)
+
+
+def test_top_k_beyond_the_kernels_is_refused_at_trace_time():
+    topo = _gpu_topology({"ep": 4}, ["ep"])
+    with pytest.raises(ValueError, match="top-k <= 64"):
+        _lowered(topo, hep.DispatchConfig(num_experts=128, backend="ffi"), grad=False, k=65)

@@ -129,11 +129,19 @@ class CudaTransport:
                            recv_row_pos=recv_row_pos, like=(values,))  # fmt: skip
 
 
+# The kernels' limit on routing slots per token (xla_ffi/cuda/transport.cu, CheckContext).
+MAX_TOP_K = 64
+
 # The transport in use: tests swap in a pure-JAX twin to check the composition on CPU devices.
 TRANSPORT = CudaTransport()
 
 
 def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
+    if plan.k > MAX_TOP_K:
+        raise ValueError(
+            f"the CUDA transport takes top-k <= {MAX_TOP_K} (topk_idx has k={plan.k}); "
+            "use backend='xla'"
+        )
     slow = range(len(plan.topology.levels) - 1)
     held, records = xla.send_levels(plan, (x, dest, row_pos, weights), slow)
     held_x, held_dest, held_pos, held_w = held

@@ -437,37 +437,57 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
     std::vector<cudaStream_t> streams(R);
     for (auto& st : streams) CheckCuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "s");
     auto launch = [&](cudaError_t status, const char* what) { CheckCuda(status, what); };
+    // Phase by phase across the ranks: with more streams than hardware queues, a rank's
+    // receive may share a queue with a peer's send, which must then be ahead of it.
+    auto each_rank = [&](auto&& enqueue) {
+      for (int64_t r = 0; r < R; ++r) {
+        if (ipc && r != ipc_rank) continue;  // the other ranks run in their own processes
+        enqueue(r, streams[r]);
+      }
+    };
     for (int64_t n = 0; n < N; ++n) {
       const uint64_t first = generation;
       generation += 4;
-      for (int64_t r = 0; r < R; ++r) {
-        if (ipc && r != ipc_rank) continue;  // the other ranks run in their own processes
-        cudaStream_t st = streams[r];
-        const ExchangeContext dispatch = context(r, first + 1), combine = context(r, first + 2);
-        const ExchangeContext redispatch = context(r, first + 3), back = context(r, first + 4);
-        int32_t* map = at(recv_row_pos, n, r, R * tk);
-        launch(LaunchSendTokens(dispatch, at(d_x, n, r, rt), at(d_dest, n, r, tk),
+      auto map = [&](int64_t r) { return at(recv_row_pos, n, r, R * tk); };
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchSendTokens(context(r, first + 1), at(d_x, n, r, rt), at(d_dest, n, r, tk),
                                 at(d_row_pos, n, r, tk), at(d_weights, n, r, tk), st),
                "send");
-        launch(
-            LaunchReceiveRows(dispatch, at(tokens, n, r, rc), at(row_weights, n, r, C), map, C, st),
-            "receive");
-        launch(LaunchSendPartials(combine, dtype, at(d_y, n, r, rc),
-                                  d_y_weights ? at(d_y_weights, n, r, C) : nullptr, map, st),
+      });
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchReceiveRows(context(r, first + 1), at(tokens, n, r, rc),
+                                 at(row_weights, n, r, C), map(r), C, st),
+               "receive");
+      });
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchSendPartials(context(r, first + 2), dtype, at(d_y, n, r, rc),
+                                  d_y_weights ? at(d_y_weights, n, r, C) : nullptr, map(r), st),
                "partials");
-        launch(
-            LaunchReducePartials(combine, dtype, at(d_dest, n, r, tk), at(combined, n, r, rt), st),
-            "reduce");
-        launch(LaunchSendTokens(redispatch, at(d_g, n, r, rt), at(d_dest, n, r, tk), nullptr,
-                                nullptr, st),
+      });
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchReducePartials(context(r, first + 2), dtype, at(d_dest, n, r, tk),
+                                    at(combined, n, r, rt), st),
+               "reduce");
+      });
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchSendTokens(context(r, first + 3), at(d_g, n, r, rt), at(d_dest, n, r, tk),
+                                nullptr, nullptr, st),
                "resend");
-        launch(LaunchReceiveRedispatch(redispatch, dtype, map, at(d_scale, n, r, C),
+      });
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchReceiveRedispatch(context(r, first + 3), dtype, map(r), at(d_scale, n, r, C),
                                        at(redispatched, n, r, rc), at(scaled, n, r, rc), st),
                "rereceive");
-        launch(LaunchSendRowValues(back, at(d_values, n, r, C), map, st), "values");
-        launch(LaunchReceiveRowValues(back, at(d_dest, n, r, tk), at(row_values, n, r, tk), st),
+      });
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchSendRowValues(context(r, first + 4), at(d_values, n, r, C), map(r), st),
+               "values");
+      });
+      each_rank([&](int64_t r, cudaStream_t st) {
+        launch(LaunchReceiveRowValues(context(r, first + 4), at(d_dest, n, r, tk),
+                                      at(row_values, n, r, tk), st),
                "values back");
-      }
+      });
     }
     for (auto& st : streams) {
       CheckCuda(cudaStreamSynchronize(st), "per-rank kernels");

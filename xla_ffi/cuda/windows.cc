@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -162,10 +163,20 @@ Status MapPeers(const WindowGeometry& geometry, const std::vector<char*>& bases,
 
 // What a rank publishes for ranks in other processes: its process, GPU and window handle.
 struct IpcEntry {
-  int64_t pid;
+  uint64_t process;  // ProcessToken(): pids repeat across containers and nodes
+  int64_t pid;       // for messages
   int32_t device;
   cudaIpcMemHandle_t handle;
 };
+
+// A random id drawn once per process.
+uint64_t ProcessToken() {
+  static const uint64_t token = [] {
+    std::random_device random;
+    return (static_cast<uint64_t>(random()) << 32) ^ random() ^ static_cast<uint64_t>(getpid());
+  }();
+  return token;
+}
 
 std::string KvPrefix(const WindowKey& key) {
   const WindowGeometry& g = key.geometry;
@@ -187,7 +198,7 @@ Status ExchangeIpc(const WindowKey& key, const KvExchange& kv, int32_t rank, int
         "jax.distributed before the first exchange)");
   }
   cudaError_t s = cudaSetDevice(device);
-  IpcEntry mine{static_cast<int64_t>(getpid()), device, {}};
+  IpcEntry mine{ProcessToken(), static_cast<int64_t>(getpid()), device, {}};
   if (s == cudaSuccess) s = cudaIpcGetMemHandle(&mine.handle, own_base);
   if (s != cudaSuccess) return CudaFailure(s, "cudaIpcGetMemHandle");
   std::vector<std::string> all;
@@ -196,13 +207,22 @@ Status ExchangeIpc(const WindowKey& key, const KvExchange& kv, int32_t rank, int
     return st;
   }
   opened->assign(key.geometry.ranks, nullptr);
+  auto fail = [&](Status status) {  // Nothing half-opened stays behind.
+    for (char* p : *opened) {
+      if (p != nullptr) cudaIpcCloseMemHandle(p);
+    }
+    opened->assign(key.geometry.ranks, nullptr);
+    return status;
+  };
+  s = cudaSetDevice(device);  // The exchange ran Python on this thread.
+  if (s != cudaSuccess) return fail(CudaFailure(s, "cudaSetDevice"));
   for (int64_t r = 0; r < key.geometry.ranks; ++r) {
     if (r >= static_cast<int64_t>(all.size()) || all[r].size() != sizeof(IpcEntry)) {
-      return Failure("malformed window handle from EP rank " + std::to_string(r));
+      return fail(Failure("malformed window handle from EP rank " + std::to_string(r)));
     }
     IpcEntry theirs;
     std::memcpy(&theirs, all[r].data(), sizeof(theirs));
-    if (theirs.pid == mine.pid) continue;
+    if (theirs.process == mine.process) continue;
     void* ptr = nullptr;
     s = cudaIpcOpenMemHandle(&ptr, theirs.handle, cudaIpcMemLazyEnablePeerAccess);
     if (s != cudaSuccess) {
@@ -210,7 +230,7 @@ Status ExchangeIpc(const WindowKey& key, const KvExchange& kv, int32_t rank, int
       msg << "EP rank " << rank << " (GPU " << device << ") opening the window of EP rank " << r
           << " (process " << theirs.pid << ", GPU " << theirs.device
           << ") by CUDA IPC (the GPUs of a one-level EP group must share a node)";
-      return CudaFailure(s, msg.str());
+      return fail(CudaFailure(s, msg.str()));
     }
     (*opened)[r] = static_cast<char*>(ptr);
   }

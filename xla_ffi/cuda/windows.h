@@ -4,9 +4,9 @@
 //
 // One process driving several GPUs reaches its peers' windows through peer access (NVLink or PCIe
 // P2P). When the group spans processes (one process per GPU, on one node), every rank publishes
-// its process id, GPU and a CUDA IPC handle of its window through a key-value exchange (the
-// jax.distributed store, set by the module) and opens the handles of the ranks in other processes.
-// Plain C++ against the CUDA runtime API.
+// a random process token, its GPU and a CUDA IPC handle of its window through a key-value exchange
+// (the jax.distributed store, set by the module) and opens the handles of the ranks in other
+// processes. Plain C++ against the CUDA runtime API.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_WINDOWS_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_WINDOWS_H_
 
