@@ -32,9 +32,9 @@ def _env() -> dict:
                 XLA_FLAGS="--xla_allow_excess_precision=false")  # fmt: skip
 
 
-def _run_worker(devices: int) -> dict:
+def _run_worker(devices: int, *flags: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(WORKER), f"--devices={devices}"],
+        [sys.executable, str(WORKER), f"--devices={devices}", *flags],
         env=_env(),
         capture_output=True,
         text=True,
@@ -56,11 +56,15 @@ def _check(result: dict, devices: int, processes: int = 1):
         assert case["out_max_diff"] <= tol, (name, case)
         assert case["grad_max_diff"] <= tol, (name, case)
     assert any(c["invalid"] > 0 for c in result["cases"].values())
+    if result["train"] is not None:  # the example LM trains alike on both backends
+        ffi, xla = result["train"]["ffi"], result["train"]["xla"]
+        assert ffi["backend"].startswith("ffi") and xla["backend"].startswith("xla")
+        assert max(abs(a - b) for a, b in zip(ffi["train"], xla["train"], strict=True)) < 1e-3
 
 
 @pytest.mark.gpu
 def test_one_gpu(gpu):
-    _check(_run_worker(1), 1)
+    _check(_run_worker(1, "--train"), 1)
 
 
 @pytest.mark.gpu
@@ -69,7 +73,19 @@ def test_all_local_gpus_one_process(gpu):
     count = _native.module().cuda_device_count()
     if count < 2:
         pytest.skip(f"{count} GPU visible; this test needs at least 2")
-    _check(_run_worker(count), count)
+    _check(_run_worker(count, "--train"), count)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_hierarchical_on_local_gpus(gpu):
+    """(node=2, local=N/2): the node level by XLA all-to-alls, the transport within each half."""
+    count = _native.module().cuda_device_count()
+    if count < 2 or count % 2:
+        pytest.skip(f"{count} GPU(s) visible; this test needs an even number >= 2")
+    result = _run_worker(count, "--levels=hier", "--train")
+    assert result["levels"] == ["node", "local"]
+    _check(result, count)
 
 
 @pytest.mark.gpu
@@ -107,3 +123,23 @@ def test_one_process_per_gpu(gpu):
     assert all(r == results[0] for r in results)  # every process gathered the same results
     assert results[0]["single_process"] is False
     _check(results[0], count, processes=count)
+
+
+def test_worker_runs_on_cpu_devices():
+    """The worker itself, on 4 fake CPU devices (node=2, local=2) with the host handlers: checked
+    here so a GPU run never finds it broken; whole programs agree bitwise with excess precision
+    off, 16-bit ones included."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+                         "--xla_allow_excess_precision=false")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "--devices=4", "--levels=hier", "--tokens=8", "--hidden=16"],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
+    for name, case in result["cases"].items():
+        assert not case["ran_cuda"], name
+        for key in ("dispatch_bitwise", "rerun_bitwise", "out_bitwise", "grads_bitwise"):
+            assert case[key], (name, key, case)

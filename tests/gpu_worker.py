@@ -6,9 +6,12 @@ GPUs as one EP group), or as one of N processes with one GPU each (`--process_id
 the CUDA transport reaches the other processes' windows by CUDA IPC). For float32 and bfloat16,
 dropless and a capacity, weighted and unweighted combine, it runs the MoE block of
 tests/harness.py on the ffi backend (CUDA handlers) and on the xla backend, values and gradients,
-and twice on ffi (the registered windows are reused). Prints one JSON line: per case, whether
-dispatch outputs are bitwise equal, the largest relative combine/gradient difference, whether
-those are bitwise, and whether the program ran the CUDA handlers.
+and twice on ffi (the registered windows are reused); `--levels=hier` splits the GPUs as
+(node=2, local=N/2), the node level going through XLA all-to-alls. `--train` also trains the
+example MoE LM (examples/train_moe.py) a few steps on both backends. Prints one JSON line: per
+case, whether dispatch outputs are bitwise equal, the largest relative combine/gradient
+difference, whether those are bitwise, and whether the program ran the CUDA handlers; and the
+training losses of both backends.
 """
 
 from __future__ import annotations
@@ -72,6 +75,27 @@ def _max_diff(a, b) -> float:
     return worst
 
 
+def _train(n, names):
+    """Training losses of the example MoE LM on both backends (a few steps, tiny sizes)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    import train_moe  # noqa: PLC0415
+    from rich.console import Console  # noqa: PLC0415
+
+    mesh = ",".join(f"{a}={s}" for a, s in zip(names, (n,) if len(names) == 1 else (2, n // 2),
+                                                strict=True))  # fmt: skip
+    losses = {}
+    for backend in ("ffi", "xla"):
+        cfg = train_moe.TrainConfig(
+            steps=8, batch=8, seq_len=32, d_model=64, d_ff=64, layers=2, heads=2, mesh=mesh,
+            eval_every=4, eval_batches=2, progress=False, backend=backend,
+            output_dir=f"/tmp/jax_hybridep_gpu_train_{backend}",
+        )  # fmt: skip
+        metrics = train_moe.train(cfg, console=Console(file=open(os.devnull, "w")))  # noqa: SIM115
+        losses[backend] = dict(backend=metrics["backend"],
+                               train=[r["loss"] for r in metrics["train"]])  # fmt: skip
+    return losses
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=1)
@@ -79,6 +103,8 @@ def main():
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--experts_per_gpu", type=int, default=4)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--levels", choices=("flat", "hier"), default="flat")
+    p.add_argument("--train", action="store_true")
     p.add_argument("--process_id", type=int, default=None)
     p.add_argument("--num_processes", type=int, default=1)
     p.add_argument("--port", type=int, default=None)
@@ -89,8 +115,9 @@ def main():
             process_id=args.process_id, local_device_ids=[args.process_id],
         )  # fmt: skip
     n = len(jax.devices()) if args.process_id is not None else args.devices
-    mesh = make_mesh((n,), ("ep",))
-    topo = hep.Topology.from_mesh(mesh, ("ep",))
+    shape, names = ((n,), ("ep",)) if args.levels == "flat" else ((2, n // 2), ("node", "local"))
+    mesh = make_mesh(shape, names)
+    topo = hep.Topology.from_mesh(mesh, names)
     rng = np.random.default_rng(0)
 
     def inputs(E, dtype):
@@ -123,9 +150,12 @@ def main():
                     dropped=int(np.sum(np.asarray(stacked[4].dropped))),
                     invalid=int(np.sum(np.asarray(stacked[4].invalid))),
                 )
+    train = _train(n, names) if args.train else None
     hep.check_errors()
-    report = dict(devices=n, processes=jax.process_count(), single_process=topo.single_process,
-                  platform=jax.devices()[0].platform, cases=cases)  # fmt: skip
+    report = dict(
+        devices=n, processes=jax.process_count(), single_process=topo.single_process,
+        platform=jax.devices()[0].platform, levels=names, cases=cases, train=train,
+    )  # fmt: skip
     print(json.dumps(report))
 
 
