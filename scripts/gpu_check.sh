@@ -6,7 +6,8 @@
 #      CUDA lowering tests,
 #   3. the transport benchmark (one rank alone through HBM, 1..24 SMs),
 #   4. compute-sanitizer memcheck and racecheck on the virtual-rank harness (R=2, tiny sizes),
-#   5. the JAX-level benchmark on the Hybrid-EP preset,
+#   5. the JAX-level benchmarks: the Hybrid-EP preset, and a whole MoE layer (dispatch -> grouped
+#      GEMM -> combine, forward + backward) against the same layer on ragged_all_to_all,
 # then prints a short table last. Steps run in that order inside one time budget (DEADLINE_S,
 # default 540 s, under the device tool's 600 s per call): a step gets what is left, and steps that
 # no longer fit are reported as skipped. Logs and JSON land in $OUT (the device tool brings that
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 # The lent H200's Python with jax is this venv's; elsewhere the python3 on PATH.
 if [ -z "${PYTHON:-}" ] && [ -x /opt/torch/.venv/bin/python ]; then PYTHON=/opt/torch/.venv/bin/python; fi
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-"build tests lowering transport memcheck racecheck bench"}
+STEPS=${STEPS:-"build tests lowering transport memcheck racecheck layer bench"}
 DEADLINE_S=${DEADLINE_S:-540}
 export PYTHONUNBUFFERED=1
 declare -A RESULT=()
@@ -72,13 +73,15 @@ SANITIZE=(-m pytest -q -p no:cacheprovider tests/cuda_transport_test.py
 run memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" "${SANITIZE[@]}"
 run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$PY" "${SANITIZE[@]}"
 
+JAX_PLATFORMS=cuda run layer 90 "$PY" -m jax_hybridep.bench.layer --tokens 4096 --hidden 2048 \
+  --ffn 1024 --experts_per_device 8 --k 8 --json "$OUT/layer_gpu.json"
 JAX_PLATFORMS=cuda run bench 150 "$PY" -m jax_hybridep.bench --preset hybridep --routings uniform \
   --capacities dropless,1.25 --directions fwd+bwd --topologies flat --repeats 10 --warmup 3 \
   --json "$OUT/bench_gpu.json" --png "$OUT/bench_gpu.png"
 
 echo
 echo "== summary ($(date -u +%FT%TZ), ${SECONDS}s)"
-for step in build tests lowering transport memcheck racecheck bench; do
+for step in build tests lowering transport memcheck racecheck layer bench; do
   printf '%-10s %s\n' "$step" "${RESULT[$step]:-not run}"
 done
 if [ -f "$OUT/transport.log" ]; then

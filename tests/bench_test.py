@@ -205,3 +205,19 @@ ENTRY %main (p: bf16[4,8]) -> f32[4] {
         "ffi_call.3": "ffi combine (ffi_call.3)",
         "ynn_fusion": "xla ynn_fusion f32[4]",
     }
+
+
+def test_whole_layer_comparison_smoke():
+    """bench.layer at a tiny size: every method ran, timed, and computed the same layer."""
+    import jax  # noqa: PLC0415
+
+    from jax_hybridep.bench import layer  # noqa: PLC0415
+
+    shape = layer.LayerShape(tokens=16, hidden=16, ffn=16, experts_per_device=2, k=2,
+                             dtype="float32")  # fmt: skip
+    result = layer.measure(shape, repeats=1, warmup=1, devices=jax.devices()[:4])
+    methods = [r["method"] for r in result["rows"]]
+    assert methods[:2] == ["hybridep-ffi", "hybridep-xla"] and methods[2].startswith("ragged")
+    for row in result["rows"]:
+        assert row["median_ms"] > 0 and row["vs_ragged"] > 0
+        assert row["loss_rel_diff"] < 1e-4, row
