@@ -106,6 +106,17 @@ JAX_HYBRIDEP_HOST_DEVICE inline int64_t DtypeBytes(Dtype dtype) {
   return dtype == Dtype::kF32 ? 4 : 2;
 }
 
+// The widest power-of-two word (up to 16 bytes) dividing both addresses and the byte count: the
+// vector width a row copy between them can use.
+JAX_HYBRIDEP_HOST_DEVICE inline int WordBytes(const void* a, const void* b, int64_t bytes) {
+  const uint64_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+                        static_cast<uint64_t>(bytes);
+  for (int w = 16; w > 1; w /= 2) {
+    if (bits % w == 0) return w;
+  }
+  return 1;
+}
+
 // Row kernels over `hidden` elements, with the dtype fixed at compile time so the loops
 // vectorise (host dispatchers by dtype and CPU: exchange.h). They do exactly the scalar operations
 // above, element by element, in the same order (no reassociation; the build disables FMA

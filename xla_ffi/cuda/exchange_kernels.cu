@@ -124,16 +124,6 @@ __global__ void WriteRowValuesKernel(ExchangeShape shape, const float* values,
   }
 }
 
-// The widest power-of-two word (up to 16 bytes) that divides the row size and both base addresses.
-int WordBytes(const void* a, const void* b, int64_t row_bytes) {
-  const uint64_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
-                        static_cast<uint64_t>(row_bytes);
-  for (int bytes = 16; bytes > 1; bytes /= 2) {
-    if (bits % bytes == 0) return bytes;
-  }
-  return 1;
-}
-
 template <typename Word>
 void LaunchExpand(const ExchangeShape& shape, const DispatchRecvBuffer& recv, char* out_tokens,
                   float* out_weights, cudaStream_t stream) {

@@ -105,16 +105,6 @@ __device__ void SignalBlockDone(const ExchangeContext& ctx, int64_t block) {
 
 __device__ int64_t RowStrideOnDevice(int64_t row_bytes) { return (row_bytes + 15) / 16 * 16; }
 
-// The widest word (<= 16 bytes) dividing both addresses and the byte count.
-__device__ int WordBytesOf(const void* a, const void* b, int64_t bytes) {
-  const uint64_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
-                        static_cast<uint64_t>(bytes);
-  for (int w = 16; w > 1; w /= 2) {
-    if (bits % w == 0) return w;
-  }
-  return 1;
-}
-
 // One source row to several destination rows: each word is read once. Rows with index < 0 are
 // skipped; row i lives at base + rows[i] * stride.
 template <typename Word>
@@ -131,7 +121,7 @@ __device__ void FanOutWords(char* base, int64_t stride, const int32_t* rows, int
 
 __device__ void FanOutRow(char* base, int64_t stride, const int32_t* rows, int64_t n,
                           const char* src, int64_t bytes) {
-  switch (WordBytesOf(base, src, bytes | stride)) {
+  switch (WordBytes(base, src, bytes | stride)) {
     case 16:
       return FanOutWords<uint4>(base, stride, rows, n, src, bytes);
     case 8:
@@ -202,7 +192,7 @@ __device__ void SendTokenWords(const ExchangeContext& ctx, int64_t t, const char
 
 __device__ void SendTokensPlain(const ExchangeContext& ctx, int64_t block, const char* x,
                                 const int32_t* dest, const int32_t* row_pos, const float* weights) {
-  const int word = WordBytesOf(x, nullptr, ctx.row_bytes);
+  const int word = WordBytes(x, nullptr, ctx.row_bytes);
   for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
     if (row_pos != nullptr) {
       SendMetadata(ctx, t, dest, row_pos, weights, threadIdx.x, blockDim.x);
