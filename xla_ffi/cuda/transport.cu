@@ -103,8 +103,6 @@ __device__ void SignalBlockDone(const ExchangeContext& ctx, int64_t block) {
 
 // ----------------------------------------------------------------------------- row copies
 
-__device__ int64_t RowStrideOnDevice(int64_t row_bytes) { return (row_bytes + 15) / 16 * 16; }
-
 // One source row to several destination rows: each word is read once. Rows with index < 0 are
 // skipped; row i lives at base + rows[i] * stride.
 template <typename Word>
@@ -171,7 +169,7 @@ __device__ void SendMetadata(const ExchangeContext& ctx, int64_t t, const int32_
 
 __device__ char* PayloadSlot(const ExchangeContext& ctx, int64_t d, int64_t src, int64_t t) {
   const int64_t parity = ctx.generation & 1;
-  return ctx.windows[d].payload[parity] + (src * ctx.tokens + t) * RowStrideOnDevice(ctx.row_bytes);
+  return ctx.windows[d].payload[parity] + (src * ctx.tokens + t) * RowStride(ctx.row_bytes);
 }
 
 // Plain path: every thread loads words of x[t] and stores each to every destination of t.
@@ -404,7 +402,7 @@ __device__ void SendPartialsPhase(const ExchangeContext& ctx, int64_t block, con
       const int32_t* rows = recv_row_pos + (src * T + t) * K;
       if (!AnyDest(rows, K)) continue;
       char* out = ctx.windows[src].payload[ctx.generation & 1] +
-                  (ctx.rank * T + t) * RowStrideOnDevice(ctx.row_bytes);
+                  (ctx.rank * T + t) * RowStride(ctx.row_bytes);
       for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
         float acc = 0.0f;  // The host starts from +0 too (turns a lone -0 into +0).
         for (int64_t j = 0; j < K; ++j) {
@@ -431,7 +429,7 @@ __device__ bool ReducePartialsPhase(const ExchangeContext& ctx, int64_t block, c
   __shared__ bool ready[kMaxWindowRanks];
   const int64_t T = ctx.tokens, K = ctx.k;
   const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
-  const int64_t stride = RowStrideOnDevice(ctx.row_bytes);
+  const int64_t stride = RowStride(ctx.row_bytes);
   const char* partials = ctx.windows[ctx.rank].payload[ctx.generation & 1];
   for (int64_t d = threadIdx.x; d < ctx.ranks; d += blockDim.x) ready[d] = false;
   for (int64_t t = block; t < T; t += ctx.send_blocks) {
@@ -638,8 +636,6 @@ cudaError_t ByDtype(Dtype dtype, Launch&& launch) {
 }
 
 }  // namespace
-
-int64_t RowStride(int64_t row_bytes) { return (row_bytes + 15) / 16 * 16; }
 
 namespace {
 struct WindowOffsets {

@@ -58,7 +58,9 @@ struct Window {
 Window CarveWindow(char* base, const WindowGeometry& geometry);
 
 // Stride of a row slot in the payload (row_bytes rounded up to 16 bytes).
-int64_t RowStride(int64_t row_bytes);
+JAX_HYBRIDEP_HOST_DEVICE inline int64_t RowStride(int64_t row_bytes) {
+  return (row_bytes + 15) / 16 * 16;
+}
 
 // Where a failed wait is recorded: in mapped host memory, written once (first failure wins).
 struct TransportError {
