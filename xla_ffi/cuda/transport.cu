@@ -390,33 +390,102 @@ __device__ bool ReceiveRedispatchPhase(const ExchangeContext& ctx, int64_t block
 
 // ----------------------------------------------------------------------------- combine
 
+// kN consecutive elements of a row as float32: one 16-byte access when kN > 1 (the element index
+// must then be a multiple of kN and the row 16-byte aligned), else one element. The arithmetic on
+// them is elementwise, so either width gives the same bits.
+template <Dtype kDtype, int kN>
+__device__ void LoadElements(const char* row, int64_t e, float (&v)[kN]) {
+  if constexpr (kN == 1) {
+    v[0] = LoadAsFloat(row, e, kDtype);
+  } else {
+    const uint4 word = *reinterpret_cast<const uint4*>(row + e * DtypeBytes(kDtype));
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = LoadAsFloat(&word, i, kDtype);
+  }
+}
+
+template <Dtype kDtype, int kN>
+__device__ void StoreElements(char* row, int64_t e, const float (&v)[kN]) {
+  if constexpr (kN == 1) {
+    StoreFromFloat(row, e, v[0], kDtype);
+  } else {
+    uint4 word;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) StoreFromFloat(&word, i, v[i], kDtype);
+    *reinterpret_cast<uint4*>(row + e * DtypeBytes(kDtype)) = word;
+  }
+}
+
+// Elements of kDtype in 16 bytes.
+template <Dtype kDtype>
+constexpr int kLanes = kDtype == Dtype::kF32 ? 4 : 8;
+
+// A destination's partial of one received item: the float32 sum over ascending k of its rows
+// (times their weights), rounded to kDtype, kN elements per thread and step.
+template <Dtype kDtype, int kN>
+__device__ void WritePartial(const char* y, int64_t row_bytes, const float* weights,
+                             const int32_t* rows, int64_t K, char* out) {
+  const int64_t hidden = row_bytes / DtypeBytes(kDtype);
+  for (int64_t e = threadIdx.x * kN; e < hidden; e += blockDim.x * kN) {
+    float acc[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) acc[i] = 0.0f;  // The host starts from +0 too.
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t row = rows[j];
+      if (row < 0) continue;
+      float v[kN];
+      LoadElements<kDtype, kN>(y + row * row_bytes, e, v);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        acc[i] = __fadd_rn(acc[i], weights != nullptr ? __fmul_rn(v[i], weights[row]) : v[i]);
+      }
+    }
+    StoreElements<kDtype, kN>(out, e, acc);
+  }
+}
+
 // Destination side: each received (src, t) gets its partial, written into src's window at
-// [this rank, t]. Block `block` handles t = block (mod send_blocks) of every source.
+// [this rank, t]. Block `block` handles t = block (mod send_blocks) of every source. Rows of a
+// multiple of 16 bytes in a 16-byte aligned y move 16 bytes per access.
 template <Dtype kDtype>
 __device__ void SendPartialsPhase(const ExchangeContext& ctx, int64_t block, const char* y,
                                   const float* weights, const int32_t* recv_row_pos) {
   const int64_t T = ctx.tokens, K = ctx.k;
-  const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
+  const bool wide = WordBytes(y, nullptr, ctx.row_bytes) == 16;
   for (int64_t src = 0; src < ctx.ranks; ++src) {
     for (int64_t t = block; t < T; t += ctx.send_blocks) {
       const int32_t* rows = recv_row_pos + (src * T + t) * K;
       if (!AnyDest(rows, K)) continue;
       char* out = ctx.windows[src].payload[ctx.generation & 1] +
                   (ctx.rank * T + t) * RowStride(ctx.row_bytes);
-      for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-        float acc = 0.0f;  // The host starts from +0 too (turns a lone -0 into +0).
-        for (int64_t j = 0; j < K; ++j) {
-          const int32_t row = rows[j];
-          if (row < 0) continue;
-          float v = LoadAsFloat(y, row * hidden + h, kDtype);
-          if (weights != nullptr) v = __fmul_rn(v, weights[row]);
-          acc = __fadd_rn(acc, v);
-        }
-        StoreFromFloat(out, h, acc, kDtype);
+      if (wide) {
+        WritePartial<kDtype, kLanes<kDtype>>(y, ctx.row_bytes, weights, rows, K, out);
+      } else {
+        WritePartial<kDtype, 1>(y, ctx.row_bytes, weights, rows, K, out);
       }
     }
   }
   SignalBlockDone(ctx, block);
+}
+
+// out_row = the float32 sum of the partials of the listed destinations, in list order, rounded
+// once to kDtype; kN elements per thread and step.
+template <Dtype kDtype, int kN>
+__device__ void SumPartials(const char* partials, int64_t stride, int64_t T, int64_t t,
+                            const int32_t* dests, int num_dests, int64_t row_bytes, char* out_row) {
+  const int64_t hidden = row_bytes / DtypeBytes(kDtype);
+  for (int64_t e = threadIdx.x * kN; e < hidden; e += blockDim.x * kN) {
+    float acc[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
+    for (int d = 0; d < num_dests; ++d) {
+      float v[kN];
+      LoadElements<kDtype, kN>(partials + (dests[d] * T + t) * stride, e, v);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
+    }
+    StoreElements<kDtype, kN>(out_row, e, acc);
+  }
 }
 
 // Source side: out[t] = sum of its partials over its distinct destinations in ascending rank.
@@ -428,9 +497,9 @@ __device__ bool ReducePartialsPhase(const ExchangeContext& ctx, int64_t block, c
   __shared__ int ok;
   __shared__ bool ready[kMaxWindowRanks];
   const int64_t T = ctx.tokens, K = ctx.k;
-  const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
   const int64_t stride = RowStride(ctx.row_bytes);
   const char* partials = ctx.windows[ctx.rank].payload[ctx.generation & 1];
+  const bool wide = WordBytes(out, nullptr, ctx.row_bytes) == 16;
   for (int64_t d = threadIdx.x; d < ctx.ranks; d += blockDim.x) ready[d] = false;
   for (int64_t t = block; t < T; t += ctx.send_blocks) {
     __syncthreads();  // The previous token's list is no longer read.
@@ -453,12 +522,11 @@ __device__ bool ReducePartialsPhase(const ExchangeContext& ctx, int64_t block, c
     __syncthreads();
     if (!ok) return false;
     char* out_row = out + t * ctx.row_bytes;
-    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-      float acc = 0.0f;
-      for (int i = 0; i < num_dests; ++i) {
-        acc = __fadd_rn(acc, LoadAsFloat(partials + (dests[i] * T + t) * stride, h, kDtype));
-      }
-      StoreFromFloat(out_row, h, acc, kDtype);
+    if (wide) {
+      SumPartials<kDtype, kLanes<kDtype>>(partials, stride, T, t, dests, num_dests, ctx.row_bytes,
+                                          out_row);
+    } else {
+      SumPartials<kDtype, 1>(partials, stride, T, t, dests, num_dests, ctx.row_bytes, out_row);
     }
   }
   // Every peer's flag must have been seen before this rank's next send may reuse the other half
