@@ -150,6 +150,48 @@ __device__ bool AnyDest(const int32_t* dest, int64_t k) {
   return false;
 }
 
+// kN consecutive elements of a row as float32: one 16-byte access when kN > 1 (the element index
+// must then be a multiple of kN and the row 16-byte aligned), else one element. The arithmetic on
+// them is elementwise, so either width gives the same bits.
+template <Dtype kDtype, int kN>
+__device__ void LoadElements(const char* row, int64_t e, float (&v)[kN]) {
+  if constexpr (kN == 1) {
+    v[0] = LoadAsFloat(row, e, kDtype);
+  } else {
+    const uint4 word = *reinterpret_cast<const uint4*>(row + e * DtypeBytes(kDtype));
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = LoadAsFloat(&word, i, kDtype);
+  }
+}
+
+template <Dtype kDtype, int kN>
+__device__ void StoreElements(char* row, int64_t e, const float (&v)[kN]) {
+  if constexpr (kN == 1) {
+    StoreFromFloat(row, e, v[0], kDtype);
+  } else {
+    uint4 word;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) StoreFromFloat(&word, i, v[i], kDtype);
+    *reinterpret_cast<uint4*>(row + e * DtypeBytes(kDtype)) = word;
+  }
+}
+
+// Elements of kDtype in 16 bytes.
+template <Dtype kDtype>
+constexpr int kLanes = kDtype == Dtype::kF32 ? 4 : 8;
+
+// out[h] = in[h] * scale in float32, rounded to kDtype; kN elements per thread and step.
+template <Dtype kDtype, int kN>
+__device__ void ScaleRow(const char* in, float scale, int64_t hidden, char* out) {
+  for (int64_t e = threadIdx.x * kN; e < hidden; e += blockDim.x * kN) {
+    float v[kN];
+    LoadElements<kDtype, kN>(in, e, v);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] = __fmul_rn(v[i], scale);
+    StoreElements<kDtype, kN>(out, e, v);
+  }
+}
+
 // ----------------------------------------------------------------------------- dispatch send
 
 // Every destination's metadata for token t of this rank: its rows of t (-1 elsewhere) and their
@@ -368,6 +410,7 @@ __device__ bool ReceiveRedispatchPhase(const ExchangeContext& ctx, int64_t block
                                        char* out_tokens, char* out_scaled) {
   const int64_t T = ctx.tokens, K = ctx.k;
   const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
+  const bool wide = WordBytes(out_scaled, nullptr, ctx.row_bytes) == 16;
   for (int64_t src = 0; src < ctx.ranks; ++src) {
     if (!BlockWaitArrived(ctx, src, block)) return false;
     for (int64_t t = block; t < T; t += ctx.send_blocks) {
@@ -379,8 +422,10 @@ __device__ bool ReceiveRedispatchPhase(const ExchangeContext& ctx, int64_t block
         const int32_t row = rows[j];
         if (row < 0) continue;
         char* out = out_scaled + row * ctx.row_bytes;
-        for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-          StoreFromFloat(out, h, __fmul_rn(LoadAsFloat(payload, h, kDtype), scale[row]), kDtype);
+        if (wide) {
+          ScaleRow<kDtype, kLanes<kDtype>>(payload, scale[row], hidden, out);
+        } else {
+          ScaleRow<kDtype, 1>(payload, scale[row], hidden, out);
         }
       }
     }
@@ -389,36 +434,6 @@ __device__ bool ReceiveRedispatchPhase(const ExchangeContext& ctx, int64_t block
 }
 
 // ----------------------------------------------------------------------------- combine
-
-// kN consecutive elements of a row as float32: one 16-byte access when kN > 1 (the element index
-// must then be a multiple of kN and the row 16-byte aligned), else one element. The arithmetic on
-// them is elementwise, so either width gives the same bits.
-template <Dtype kDtype, int kN>
-__device__ void LoadElements(const char* row, int64_t e, float (&v)[kN]) {
-  if constexpr (kN == 1) {
-    v[0] = LoadAsFloat(row, e, kDtype);
-  } else {
-    const uint4 word = *reinterpret_cast<const uint4*>(row + e * DtypeBytes(kDtype));
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = LoadAsFloat(&word, i, kDtype);
-  }
-}
-
-template <Dtype kDtype, int kN>
-__device__ void StoreElements(char* row, int64_t e, const float (&v)[kN]) {
-  if constexpr (kN == 1) {
-    StoreFromFloat(row, e, v[0], kDtype);
-  } else {
-    uint4 word;
-#pragma unroll
-    for (int i = 0; i < kN; ++i) StoreFromFloat(&word, i, v[i], kDtype);
-    *reinterpret_cast<uint4*>(row + e * DtypeBytes(kDtype)) = word;
-  }
-}
-
-// Elements of kDtype in 16 bytes.
-template <Dtype kDtype>
-constexpr int kLanes = kDtype == Dtype::kF32 ? 4 : 8;
 
 // A destination's partial of one received item: the float32 sum over ascending k of its rows
 // (times their weights), rounded to kDtype, kN elements per thread and step.
