@@ -1,10 +1,12 @@
 // XLA FFI handlers (platform CUDA): layout, and dispatch/combine over the direct-write transport
-// (transport.h) for an EP group whose GPUs share this process.
+// (transport.h) across one level of GPUs: peers in this process through peer access, peers in
+// other processes of the node through CUDA IPC (`multi_process`, windows.h). Slower levels are
+// XLA collectives around these calls (jax_hybridep/backends/ffi_gpu.py).
 //
 // Every handler only enqueues kernels on XLA's stream; nothing waits on the host on the hot path.
-// The first call of each call site on each device reads its EP rank and group (operands from
-// axis_index, one synchronous 8-byte copy) and acquires the registered window (windows.h); later
-// calls reuse both. Dispatch returns, beside the rows, the receiver's map of rows to (source, t, k)
+// The first call of each call site on each device reads its rank and group in the level
+// (operands from axis_index, one synchronous 8-byte copy) and acquires the registered window
+// (windows.h); later calls reuse both. Dispatch returns, beside the rows, the receiver's map of rows to (source, t, k)
 // (`recv_row_pos`, part of the handle) that combine and the VJPs send back along.
 #include "xla_ffi/cuda/cuda_handlers.h"
 

@@ -1,4 +1,4 @@
-// The one-level direct-write transport on GPUs (DESIGN §2.1, §3): each rank writes its tokens
+// The direct-write transport on GPUs over one level (DESIGN §2.1, §3): each rank writes its tokens
 // straight into its peers' registered windows, each destination expands what it received into
 // expert-major rows; combine runs the reverse. Framework-free: raw device pointers and a stream.
 //
