@@ -6,8 +6,9 @@
 // Every handler only enqueues kernels on XLA's stream; nothing waits on the host on the hot path.
 // The first call of each call site on each device reads its rank and group in the level
 // (operands from axis_index, one synchronous 8-byte copy) and acquires the registered window
-// (windows.h); later calls reuse both. Dispatch returns, beside the rows, the receiver's map of rows to (source, t, k)
-// (`recv_row_pos`, part of the handle) that combine and the VJPs send back along.
+// (windows.h); later calls reuse both. Dispatch returns, beside the rows, the receiver's map of
+// rows to (source, t, k) (`recv_row_pos`, part of the handle) that combine and the VJPs send back
+// along.
 #include "xla_ffi/cuda/cuda_handlers.h"
 
 #include <cuda_runtime_api.h>
