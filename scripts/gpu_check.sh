@@ -19,6 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
+rm -f "$OUT"/*.log "$OUT"/*.json "$OUT"/tests.xml  # no stale results from an earlier run
 # The lent H200's Python with jax is this venv's; elsewhere the python3 on PATH.
 if [ -z "${PYTHON:-}" ] && [ -x /opt/torch/.venv/bin/python ]; then PYTHON=/opt/torch/.venv/bin/python; fi
 PY=${PYTHON:-python3}
@@ -84,10 +85,15 @@ echo "== summary ($(date -u +%FT%TZ), ${SECONDS}s)"
 for step in build tests lowering transport memcheck racecheck layer bench; do
   printf '%-10s %s\n' "$step" "${RESULT[$step]:-not run}"
 done
-if [ -f "$OUT/transport.log" ]; then
-  echo
-  tail -n 9 "$OUT/transport.log"
-fi
+for step in tests lowering memcheck racecheck; do
+  [ -f "$OUT/$step.log" ] && printf '%-10s %s\n' "$step" "$(grep -E '(passed|failed|error)' "$OUT/$step.log" | tail -n 1)"
+done
+for step in layer transport; do
+  if [ -f "$OUT/$step.log" ]; then
+    echo
+    tail -n 9 "$OUT/$step.log"
+  fi
+done
 for step in build tests lowering transport memcheck racecheck; do
   case "${RESULT[$step]:-}" in FAILED*) exit 1 ;; esac
 done
