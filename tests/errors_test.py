@@ -239,3 +239,9 @@ def test_rendezvous_timeout_names_missing_ranks_and_process_stays_usable(ep4):
     fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=8, backend="ffi"))
     out, _ = fn(X, IDX, W, np.ones((8, 4, 4), np.float32))
     np.testing.assert_allclose(out, np.full((16, 4), 8.0))  # 2 rows of weight 1, each 4 * 1s
+
+
+def test_check_errors_is_quiet_without_gpu_exchanges():
+    """hep.check_errors() reports device-side transport failures; none happened here."""
+    assert hep.check_errors() is None
+    assert issubclass(hep.TransportError, RuntimeError)
