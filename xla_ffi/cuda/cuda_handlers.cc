@@ -70,7 +70,6 @@ struct SiteState {
   int64_t *expert_rank = nullptr, *expert_slot = nullptr;
   int32_t *all_counts = nullptr, *keep_limit = nullptr, *group_offset = nullptr;
   int32_t* all_group_sizes = nullptr;
-  int64_t* dropped = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   DeviceScratch scratch;
@@ -126,24 +125,6 @@ ffi::Error EnsureWindow(SiteState& site, int32_t device, int64_t num_ranks, int6
   return ToError(WindowError(*site.window));
 }
 
-// The next exchange on the site's window.
-ExchangeContext NextExchange(SiteState& site, int64_t tokens, int64_t k, int64_t row_bytes,
-                             int64_t send_blocks, int64_t timeout_ms) {
-  RankWindow& w = *site.window;
-  ExchangeContext ctx{};
-  ctx.windows = w.windows;
-  ctx.ranks = 0;  // set by the caller's geometry below
-  ctx.tokens = tokens;
-  ctx.k = k;
-  ctx.row_bytes = row_bytes;
-  ctx.rank = site.rank;
-  ctx.generation = ++w.generation;
-  ctx.send_blocks = static_cast<int32_t>(send_blocks);
-  ctx.timeout_ns = timeout_ms * 1000000;
-  ctx.error = w.error_device;
-  return ctx;
-}
-
 ffi::Error Launched(cudaError_t status, const char* what) {
   return status == cudaSuccess ? ffi::Error::Success() : CudaError(status, what);
 }
@@ -169,9 +150,18 @@ ffi::ErrorOr<ExchangeContext> BeginExchange(cudaStream_t stream, int32_t device,
       e.failure()) {
     return ffi::Unexpected(e);
   }
-  ExchangeContext ctx = NextExchange(*site.value(), tokens, k, row_bytes, send_blocks, timeout_ms);
-  ctx.ranks = num_ranks;
-  return ctx;
+  // The next exchange on the site's window.
+  RankWindow& w = *site.value()->window;
+  return ExchangeContext{w.windows,
+                         num_ranks,
+                         tokens,
+                         k,
+                         row_bytes,
+                         site.value()->rank,
+                         ++w.generation,
+                         static_cast<int32_t>(send_blocks),
+                         timeout_ms * 1000000,
+                         w.error_device};
 }
 
 // ----------------------------------------------------------------------------- layout
@@ -197,20 +187,21 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32>
     DeviceScratch& d = site.scratch;
     site.workspace_bytes = AssignRowsWorkspaceBytes(T, K, E);
     char* workspace = nullptr;
-    for (cudaError_t a :
-         {d.Allocate(E, &site.expert_rank), d.Allocate(E, &site.expert_slot),
-          d.Allocate(num_ranks * E, &site.all_counts), d.Allocate(E, &site.keep_limit),
-          d.Allocate(E, &site.group_offset),
-          d.Allocate(num_ranks * num_slots, &site.all_group_sizes), d.Allocate(1, &site.dropped),
-          d.Allocate(site.workspace_bytes, &workspace)}) {
+    for (cudaError_t a : {d.Allocate(E, &site.expert_rank), d.Allocate(E, &site.expert_slot),
+                          d.Allocate(num_ranks * E, &site.all_counts),
+                          d.Allocate(E, &site.keep_limit), d.Allocate(E, &site.group_offset),
+                          d.Allocate(num_ranks * num_slots, &site.all_group_sizes),
+                          d.Allocate(site.workspace_bytes, &workspace)}) {
       if (a != cudaSuccess) return CudaError(a, "cudaMalloc (layout scratch)");
     }
     site.workspace = workspace;
-    s = cudaMemcpy(site.expert_rank, expert_rank.begin(), E * sizeof(int64_t),
-                   cudaMemcpyHostToDevice);
+    // On this call's stream (the attribute spans outlive it): a synchronous copy on the legacy
+    // stream could wait for other streams' exchanges, which may wait for peers.
+    s = cudaMemcpyAsync(site.expert_rank, expert_rank.begin(), E * sizeof(int64_t),
+                        cudaMemcpyHostToDevice, stream);
     if (s == cudaSuccess) {
-      s = cudaMemcpy(site.expert_slot, expert_slot.begin(), E * sizeof(int64_t),
-                     cudaMemcpyHostToDevice);
+      s = cudaMemcpyAsync(site.expert_slot, expert_slot.begin(), E * sizeof(int64_t),
+                          cudaMemcpyHostToDevice, stream);
     }
     if (s != cudaSuccess) return CudaError(s, "copying the placement");
   }
@@ -286,7 +277,7 @@ ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, con
                       ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> recv_row_pos,
                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
                       int64_t num_ranks, int64_t timeout_ms, int64_t num_sms, bool multi_process,
-                      ffi::AnyBuffer::Dimensions rows_dims, char* rows, char* scaled) {
+                      int64_t num_rows, char* rows, char* scaled) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   const int64_t T = g.dimensions()[0], K = dest.dimensions()[1], row_bytes = RowBytes(g);
@@ -294,7 +285,7 @@ ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, con
                            multi_process, timeout_ms);
   if (ctx.has_error()) return ctx.error();
   cudaError_t s =
-      LaunchPrefillRedispatch(rows_dims[0], row_bytes, dtype.value(), scale, rows, scaled, stream);
+      LaunchPrefillRedispatch(num_rows, row_bytes, dtype.value(), scale, rows, scaled, stream);
   if (s == cudaSuccess) {
     s = LaunchSendTokens(ctx.value(), static_cast<const char*>(g.untyped_data()), dest.typed_data(),
                          nullptr, nullptr, stream);
@@ -312,7 +303,7 @@ ffi::Error RedispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
                           int64_t num_ranks, int64_t timeout_ms, int64_t num_sms,
                           bool multi_process, ffi::Result<ffi::AnyBuffer> rows) {
   return Redispatch(stream, device, g, nullptr, dest, recv_row_pos, rank, group, site, num_ranks,
-                    timeout_ms, num_sms, multi_process, rows->dimensions(),
+                    timeout_ms, num_sms, multi_process, rows->dimensions()[0],
                     static_cast<char*>(rows->untyped_data()), nullptr);
 }
 
@@ -324,7 +315,7 @@ ffi::Error RedispatchScaledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                                 ffi::Result<ffi::AnyBuffer> rows,
                                 ffi::Result<ffi::AnyBuffer> scaled) {
   return Redispatch(stream, device, g, scale.typed_data(), dest, recv_row_pos, rank, group, site,
-                    num_ranks, timeout_ms, num_sms, multi_process, rows->dimensions(),
+                    num_ranks, timeout_ms, num_sms, multi_process, rows->dimensions()[0],
                     static_cast<char*>(rows->untyped_data()),
                     static_cast<char*>(scaled->untyped_data()));
 }

@@ -237,6 +237,58 @@ Status ExchangeIpc(const WindowKey& key, const KvExchange& kv, int32_t rank, int
   return Status::Ok();
 }
 
+// Every rank's window base and GPU once all ranks of an in-process group have registered.
+Status InProcessPeers(int32_t rank, Group* group, std::chrono::milliseconds timeout,
+                      std::vector<char*>* bases, std::vector<int>* devices) {
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::mutex> lock(registry.mu);
+  if (!group->all_joined.wait_for(lock, timeout, [&] { return group->joined == group->ranks; })) {
+    std::ostringstream msg;
+    msg << "EP rank " << rank << " waited " << timeout.count() << " ms for the other ranks to "
+        << "register their exchange windows (" << group->joined << " of " << group->ranks
+        << " did); a device of the group never ran this exchange";
+    return Status{Status::Code::kDeadlineExceeded, "jax_hybridep: " + msg.str()};
+  }
+  *bases = group->bases;
+  *devices = group->devices;
+  return Status::Ok();
+}
+
+// The same when some ranks live in other processes: their windows come through the key-value
+// exchange and are opened by CUDA IPC (GPU -1: peer access comes with the mapping).
+Status IpcPeers(const WindowKey& key, int32_t rank, int device, Group* group,
+                std::chrono::milliseconds timeout, std::vector<char*>* bases,
+                std::vector<int>* devices) {
+  Registry& registry = GetRegistry();
+  KvExchange kv;
+  char* own = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(registry.mu);
+    kv = registry.kv;
+    own = group->bases[rank];
+  }
+  std::vector<char*> opened;
+  if (Status s = ExchangeIpc(key, kv, rank, device, own, timeout.count(), &opened); !s.ok()) {
+    return s;
+  }
+  std::lock_guard<std::mutex> lock(registry.mu);
+  for (char* p : opened) {
+    if (p != nullptr) group->views[rank].opened.push_back(p);
+  }
+  *bases = group->bases;
+  *devices = group->devices;
+  for (int64_t r = 0; r < group->ranks; ++r) {
+    if (opened[r] != nullptr) {
+      (*bases)[r] = opened[r];
+      (*devices)[r] = -1;
+    } else if ((*bases)[r] == nullptr) {
+      return Failure("EP rank " + std::to_string(r) +
+                     " published its window but is not registered in this process");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 void SetKvExchange(KvExchange exchange) {
@@ -281,8 +333,6 @@ Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
     if (Status s = Allocate(geometry, device, &a); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(registry.mu);
     RankWindow& view = group->views[rank];
-    view.rank = rank;
-    view.device = device;
     view.error_host = a.host;
     view.error_device = a.mapped;
     group->bases[rank] = a.base;
@@ -294,46 +344,10 @@ Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
   }
   std::vector<char*> bases;
   std::vector<int> devices;
-  if (key.multi_process) {  // The other processes' ranks come through the key-value exchange.
-    KvExchange kv;
-    char* own = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(registry.mu);
-      kv = registry.kv;
-      own = group->bases[rank];
-    }
-    std::vector<char*> opened;
-    if (Status s = ExchangeIpc(key, kv, rank, device, own, timeout.count(), &opened); !s.ok()) {
-      return s;
-    }
-    std::lock_guard<std::mutex> lock(registry.mu);
-    for (char* p : opened) {
-      if (p != nullptr) group->views[rank].opened.push_back(p);
-    }
-    bases = group->bases;
-    devices = group->devices;
-    for (int64_t r = 0; r < group->ranks; ++r) {
-      if (opened[r] != nullptr) {
-        bases[r] = opened[r];
-        devices[r] = -1;
-      } else if (bases[r] == nullptr) {
-        return Failure("EP rank " + std::to_string(r) +
-                       " published its window but is not "
-                       "registered in this process");
-      }
-    }
-  } else {
-    std::unique_lock<std::mutex> lock(registry.mu);
-    if (!group->all_joined.wait_for(lock, timeout, [&] { return group->joined == group->ranks; })) {
-      std::ostringstream msg;
-      msg << "EP rank " << rank << " waited " << timeout.count() << " ms for the other ranks to "
-          << "register their exchange windows (" << group->joined << " of " << group->ranks
-          << " did); a device of the group never ran this exchange";
-      return Status{Status::Code::kDeadlineExceeded, "jax_hybridep: " + msg.str()};
-    }
-    bases = group->bases;
-    devices = group->devices;
-  }
+  const Status peers = key.multi_process
+                           ? IpcPeers(key, rank, device, group, timeout, &bases, &devices)
+                           : InProcessPeers(rank, group, timeout, &bases, &devices);
+  if (!peers.ok()) return peers;
   const Window* windows = nullptr;
   if (Status s = MapPeers(geometry, bases, devices, rank, &windows); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(registry.mu);

@@ -38,8 +38,6 @@ void SetKvExchange(KvExchange exchange);
 
 // One rank's view of its window group.
 struct RankWindow {
-  int32_t rank = 0;
-  int device = 0;
   const Window* windows = nullptr;         // device array [R]: every rank's window from this device
   TransportError* error_host = nullptr;    // mapped host record (read by the host)
   TransportError* error_device = nullptr;  // the same record as the kernels address it
