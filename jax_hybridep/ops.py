@@ -164,7 +164,7 @@ def dispatch(
     _check_inputs(x, topk_idx, topk_weights)
     backend = backends.resolve(config, topology, manual)
     plan = make_plan(topology, config, backend, *topk_idx.shape)
-    impl = backends.get(backend)
+    impl = backends.get(plan)
     rank, group = _rank_and_group(topology, manual)
     topk_idx = topk_idx.astype(jnp.int32)
     lay = impl.layout(plan, topk_idx, rank, group)
@@ -181,7 +181,7 @@ def dispatch(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch_rows(plan: Plan, x, weights, row_pos, dest, rank, group):
-    return backends.get(plan.backend).dispatch(plan, x, weights, row_pos, dest, rank, group)
+    return backends.get(plan).dispatch(plan, x, weights, row_pos, dest, rank, group)
 
 
 def _dispatch_rows_fwd(plan, x, weights, row_pos, dest, rank, group):
@@ -191,7 +191,7 @@ def _dispatch_rows_fwd(plan, x, weights, row_pos, dest, rank, group):
 
 def _dispatch_rows_bwd(plan, handle, cotangents):
     ct_tokens, ct_weights, _ = cotangents
-    impl = backends.get(plan.backend)
+    impl = backends.get(plan)
     grad_x = impl.combine(handle, ct_tokens, None)
     grad_weights = impl.return_row_values(handle, ct_weights)
     return grad_x, grad_weights, None, None, None, None
@@ -255,7 +255,7 @@ def combine(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine_rows(weighted: bool, handle: Handle, y, weights):
-    return backends.get(handle.backend).combine(handle, y, weights if weighted else None)
+    return backends.get(handle.plan).combine(handle, y, weights if weighted else None)
 
 
 def _combine_rows_fwd(weighted, handle, y, weights):
@@ -264,7 +264,7 @@ def _combine_rows_fwd(weighted, handle, y, weights):
 
 def _combine_rows_bwd(weighted, residuals, g):
     handle, y, weights = residuals
-    impl = backends.get(handle.backend)
+    impl = backends.get(handle.plan)
     if not weighted:
         return None, impl.redispatch(handle, g), jnp.zeros_like(weights)
     # rows [C, H'] of g along the dispatch, and rows * weights rounded to y's dtype.

@@ -1,9 +1,10 @@
 """Backend selection: one module per backend, each with the same per-shard functions.
 
-Each backend module provides `layout`, `dispatch`, `redispatch`, `redispatch_scaled`, `combine` and
-`return_row_values` (see backends/xla.py, the oracle). `xla` runs everywhere; `ffi` where its
-handlers are built and the EP group lives in one process. `auto` picks `ffi` when it can run the
-call and `xla` otherwise, except on GPUs, where the CUDA handlers run only when asked for
+Each backend module provides `layout`, `dispatch`, `level_rows`, `redispatch`, `redispatch_scaled`,
+`combine` and `return_row_values` (see backends/xla.py, the oracle); the ffi backend has one
+module for the host handlers (ffi.py) and one for GPUs (ffi_gpu.py). `xla` runs everywhere;
+`ffi` where its handlers are built and every mesh axis is manual. `auto` picks `ffi` when it can
+run the call and `xla` otherwise, except on GPUs, where the CUDA handlers run only when asked for
 (`backend="ffi"`) until scripts/gpu_check.sh has passed on GPU hardware; the env var
 JAX_HYBRIDEP_BACKEND overrides the config.
 """
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-from jax_hybridep.backends import ffi, xla
-from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig
+from jax_hybridep.backends import ffi, ffi_gpu, xla
+from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig, Plan
 from jax_hybridep.topology import Topology
 
 _MODULES = {xla.NAME: xla, ffi.NAME: ffi}
@@ -41,5 +42,8 @@ def resolve(config: DispatchConfig, topology: Topology, manual_axes) -> str:
     return xla.NAME
 
 
-def get(name: str):
-    return _MODULES[name]
+def get(plan: Plan):
+    """The module running `plan`'s backend; the ffi backend's GPU handlers live in ffi_gpu."""
+    if plan.backend == ffi.NAME and plan.topology.platform == "gpu":
+        return ffi_gpu
+    return _MODULES[plan.backend]

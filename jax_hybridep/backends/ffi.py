@@ -11,7 +11,7 @@ direction); every other topology composes the per-level steps in the same order 
 backend, so both agree bitwise. The EP rank and group ids are operands, so the handlers never
 guess them from device ordinals.
 
-On GPUs every call goes to backends/ffi_gpu.py (CUDA handlers over the direct-write transport).
+On GPUs the backend is backends/ffi_gpu.py (CUDA handlers over the direct-write transport).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep.backends import ffi_gpu, xla
+from jax_hybridep.backends import xla
 from jax_hybridep.backends.ffi_call import call as _call
 from jax_hybridep.backends.ffi_call import i32 as _i32
 from jax_hybridep.backends.ffi_call import layout_attrs as _layout_attrs
@@ -53,15 +53,9 @@ def unsupported_reason(plan_topology, manual_axes) -> str | None:
     return None
 
 
-def _gpu(plan: Plan) -> bool:
-    return plan.topology.platform == "gpu"
-
-
 def layout(plan: Plan, topk_idx, rank, group) -> Layout:
     out_types = (_i32(topk_idx.shape), _i32((plan.num_slots,)), _i32((plan.num_experts,)),
                  _i32(()), _i32(()))  # fmt: skip
-    if _gpu(plan):
-        return ffi_gpu.layout(plan, topk_idx, rank, group)
     if plan.topology.single_process:  # counts all-gathered through the rendezvous
         outs = _call("layout", out_types, topk_idx, rank, group, like=(topk_idx,), plan=plan,
                      **_layout_attrs(plan))  # fmt: skip
@@ -236,8 +230,6 @@ def _levels_return_row_values(handle: Handle, values):
 
 
 def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
-    if _gpu(plan):
-        return ffi_gpu.dispatch(plan, x, weights, row_pos, dest, rank, group)
     if _fused(plan):
         tokens, row_weights = _send(plan, x, weights, row_pos, dest, rank, group)
         return tokens, row_weights, Handle(row_pos, dest, rank, group, (), plan)
@@ -249,8 +241,6 @@ def dispatch(plan: Plan, x, weights, row_pos, dest, rank, group):
 def level_rows(handle: Handle):
     """[levels] int32: item copies this shard sent to other ranks at each level."""
     plan = handle.plan
-    if _gpu(plan):
-        return ffi_gpu.level_rows(handle)
     if _fused(plan):  # one copy per (token, remote rank)
         ranks = jnp.arange(plan.num_ranks)
         to_rank = jnp.any(handle.dest[:, :, None] == ranks, axis=1) & (ranks != handle.rank)
@@ -266,8 +256,6 @@ def level_rows(handle: Handle):
 
 def redispatch(handle: Handle, g):
     """Rows [C, H] of g [T, H] along an existing dispatch (combine's VJP)."""
-    if _gpu(handle.plan):
-        return ffi_gpu.redispatch(handle, g)
     if not _fused(handle.plan):
         return _levels_redispatch(handle, g)
     zeros = jnp.zeros(handle.row_pos.shape, jnp.float32)
@@ -280,8 +268,6 @@ def redispatch_scaled(handle: Handle, g, weights):
     float32 rounded to g's dtype (weighted combine's VJP), written by the handlers in one pass."""
     plan = handle.plan
     out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),) * 2
-    if _gpu(plan):
-        return ffi_gpu.redispatch_scaled(handle, g, weights)
     if _fused(plan):
         return _call("redispatch_scaled", out_types, g, weights, handle.row_pos, handle.dest,
                      handle.rank, handle.group, like=(g, handle.row_pos), plan=plan)  # fmt: skip
@@ -291,8 +277,6 @@ def redispatch_scaled(handle: Handle, g, weights):
 
 
 def combine(handle: Handle, y, weights):
-    if _gpu(handle.plan):
-        return ffi_gpu.combine(handle, y, weights)
     weighted = weights is not None
     if not weighted:
         weights = jnp.zeros((handle.plan.rows,), jnp.float32)  # ignored by the handlers
@@ -303,8 +287,6 @@ def combine(handle: Handle, y, weights):
 
 def return_row_values(handle: Handle, values):
     """[T, K] float32: values[row] sent back to the (t, k) each row came from; 0 elsewhere."""
-    if _gpu(handle.plan):
-        return ffi_gpu.return_row_values(handle, values)
     if _fused(handle.plan):
         return _fused_return_row_values(handle, values)
     return _levels_return_row_values(handle, values)
