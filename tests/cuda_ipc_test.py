@@ -37,10 +37,11 @@ def test_two_processes_one_gpu(gpu, tmp_path):
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     procs = []
     for r, log in enumerate(logs):
-        with open(log, "w") as out:  # files, not pipes: a full pipe would stall a worker
+        # Files, not pipes: a full pipe would stall a worker. The report is stdout's last line.
+        with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), f"--rank={r}", "--ranks=2", f"--dir={tmp_path}"],
-                env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                env=env, stdout=out, stderr=err, text=True,
             ))  # fmt: skip
     try:
         for proc in procs:
@@ -49,7 +50,8 @@ def test_two_processes_one_gpu(gpu, tmp_path):
         for proc in procs:
             proc.kill()
     outputs = [log.read_text() for log in logs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    errors = [log.with_suffix(".err").read_text() for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errors)
     results = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["pid"] != results[1]["pid"]

@@ -26,16 +26,15 @@ WORKER = pathlib.Path(__file__).with_name("gpu_worker.py")
 TIMEOUT_S = 300
 
 
-def _env() -> dict:
-    # Without excess precision XLA rounds 16-bit intermediates as written (README, combine order).
-    return dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
-                XLA_FLAGS="--xla_allow_excess_precision=false")  # fmt: skip
+# Without excess precision XLA rounds 16-bit intermediates as written (README, combine order).
+GPU_ENV = dict(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+               XLA_FLAGS="--xla_allow_excess_precision=false")  # fmt: skip
 
 
-def _run_worker(devices: int, *flags: str) -> dict:
+def _run_worker(*flags: str, env=GPU_ENV) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(WORKER), f"--devices={devices}", *flags],
-        env=_env(),
+        [sys.executable, str(WORKER), *flags],
+        env=dict(os.environ, **env),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -43,6 +42,15 @@ def _run_worker(devices: int, *flags: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _local_gpus(at_least: int, even: bool = False) -> int:
+    """The visible GPU count; skips the test with fewer (or an odd count when `even`)."""
+    count = _native.module().cuda_device_count()
+    if count < at_least or (even and count % 2):
+        pytest.skip(f"{count} GPU(s) visible; this test needs {'an even number ' if even else ''}"
+                    f">= {at_least}")  # fmt: skip
+    return count
 
 
 def _check(result: dict, devices: int, processes: int = 1):
@@ -64,62 +72,51 @@ def _check(result: dict, devices: int, processes: int = 1):
 
 @pytest.mark.gpu
 def test_one_gpu(gpu):
-    _check(_run_worker(1, "--train"), 1)
+    _check(_run_worker("--devices=1", "--train"), 1)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_all_local_gpus_one_process(gpu):
-    count = _native.module().cuda_device_count()
-    if count < 2:
-        pytest.skip(f"{count} GPU visible; this test needs at least 2")
-    _check(_run_worker(count, "--train"), count)
+    count = _local_gpus(2)
+    _check(_run_worker(f"--devices={count}", "--train"), count)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_hierarchical_on_local_gpus(gpu):
     """(node=2, local=N/2): the node level by XLA all-to-alls, the transport within each half."""
-    count = _native.module().cuda_device_count()
-    if count < 2 or count % 2:
-        pytest.skip(f"{count} GPU(s) visible; this test needs an even number >= 2")
-    result = _run_worker(count, "--levels=hier", "--train")
+    count = _local_gpus(2, even=True)
+    result = _run_worker(f"--devices={count}", "--levels=hier", "--train")
     assert result["levels"] == ["node", "local"]
     _check(result, count)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_one_process_per_gpu(gpu):
-    count = _native.module().cuda_device_count()
-    if count < 2:
-        pytest.skip(f"{count} GPU visible; this test needs at least 2")
+def test_one_process_per_gpu(gpu, tmp_path):
+    count = _local_gpus(2)
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                f"--process_id={i}",
-                f"--num_processes={count}",
-                f"--port={port}",
-            ],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in range(count)
-    ]
-    results = []
+    logs = [tmp_path / f"process{i}.log" for i in range(count)]
+    procs = []
+    for i, log in enumerate(logs):
+        # Files, not pipes: a full pipe would stall a worker. The report is stdout's last line.
+        with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), f"--process_id={i}", f"--num_processes={count}",
+                 f"--port={port}"],
+                env=dict(os.environ, **GPU_ENV), stdout=out, stderr=err, text=True,
+            ))  # fmt: skip
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-            assert proc.returncode == 0, err[-4000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            proc.wait(timeout=TIMEOUT_S)
     finally:
         for proc in procs:
             proc.kill()
+    outputs = [log.read_text() for log in logs]
+    errors = [log.with_suffix(".err").read_text() for log in logs]
+    assert [p.returncode for p in procs] == [0] * count, "\n".join(e[-3000:] for e in errors)
+    results = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
     assert all(r == results[0] for r in results)  # every process gathered the same results
     assert results[0]["single_process"] is False
     _check(results[0], count, processes=count)
@@ -129,15 +126,10 @@ def test_worker_runs_on_cpu_devices():
     """The worker itself, on 4 fake CPU devices (node=2, local=2) with the host handlers: checked
     here so a GPU run never finds it broken; whole programs agree bitwise with excess precision
     off, 16-bit ones included."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+    env = dict(JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 "
                          "--xla_allow_excess_precision=false")  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "--devices=4", "--levels=hier", "--tokens=8", "--hidden=16"],
-        env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _run_worker("--devices=4", "--levels=hier", "--tokens=8", "--hidden=16", env=env)
     assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
     for name, case in result["cases"].items():
         assert not case["ran_cuda"], name
