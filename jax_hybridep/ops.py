@@ -267,9 +267,7 @@ def _combine_rows_bwd(weighted, residuals, g):
     impl = backends.get(handle.plan)
     if not weighted:
         return None, impl.redispatch(handle, g), jnp.zeros_like(weights)
-    # rows [C, H'] of g along the dispatch, and rows * weights rounded to y's dtype.
-    rows, grad_y = impl.redispatch_scaled(handle, g, weights)
-    grad_weights = jnp.sum(y.astype(jnp.float32) * rows.astype(jnp.float32), axis=1)
+    grad_y, grad_weights = impl.combine_vjp(handle, g, y, weights)
     return None, grad_y, grad_weights
 
 

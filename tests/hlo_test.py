@@ -11,7 +11,7 @@ import jax_hybridep as hep
 
 FFI_TARGETS = {"jax_hybridep_layout", "jax_hybridep_dispatch", "jax_hybridep_combine"}
 # Weighted combine's VJP writes the rows and their weighted gradient in one call.
-BACKWARD_TARGETS = {"jax_hybridep_return_row_values", "jax_hybridep_redispatch_scaled"}
+BACKWARD_TARGETS = {"jax_hybridep_return_row_values", "jax_hybridep_combine_vjp"}
 
 
 def _compiled_targets(backend, *, grad=False):

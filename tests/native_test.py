@@ -9,10 +9,11 @@ from jax_hybridep import _native
 
 def test_handlers_registered():
     targets = set(_native.module().cpu_registrations())
-    one_level = {"layout", "layout_gathered", "dispatch", "redispatch_scaled", "combine",
+    one_level = {"layout", "layout_gathered", "dispatch", "combine_vjp", "combine",
                  "return_row_values"}  # fmt: skip
-    per_level = {"level_send", "level_pack", "expand_items", "expand_items_scaled",
-                 "item_partials", "blocks_all_to_all", "level_reduce", "level_pick"}  # fmt: skip
+    per_level = {"level_send", "level_pack", "expand_items", "expand_items_vjp",
+                 "item_partials", "blocks_all_to_all", "level_reduce", "level_reduce_pull",
+                 "level_pick"}  # fmt: skip
     assert targets == {f"jax_hybridep_{name}" for name in one_level | per_level}
 
 

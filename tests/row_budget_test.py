@@ -1,6 +1,6 @@
 """The opt-in dropless row budget (`DispatchConfig(row_budget=...)`): a receive buffer smaller than
 the worst case, whose overflow is dropped in the §2.1 order and counted, never silently; and the
-fused weighted-combine VJP (`redispatch_scaled`) agreeing bitwise with the `xla` backend."""
+fused weighted-combine VJP (`combine_vjp`) agreeing bitwise with the `xla` backend."""
 
 import functools
 

@@ -157,37 +157,49 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   p.read = [=, out = static_cast<char*>(tokens->untyped_data()),
             out_weights = row_weights->typed_data()]() {
     const std::vector<SourceRows> sources = Sources(*in, true);
-    PullRows(shape, call.rank, sources.data(), dtype.value(), nullptr, out, out_weights, nullptr);
+    RowOutputs rows_out;
+    rows_out.tokens = out;
+    rows_out.weights = out_weights;
+    PullRows(shape, call.rank, sources.data(), dtype.value(), rows_out);
     return Status::Ok();
   };
   return Exchange("dispatch", call, std::move(p));
 }
 
-// Combine's VJP: the dispatch of the output cotangent g along an existing layout into rows
-// [C, H], and in the same pass scaled = rows * scale[row] (the weighted rows' gradient).
-ffi::Future RedispatchScaledImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
-                                 ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
-                                 ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                                 int64_t site, int64_t num_ranks, int64_t timeout_ms,
-                                 ffi::Result<ffi::AnyBuffer> rows,
-                                 ffi::Result<ffi::AnyBuffer> scaled) {
+// A weighted combine's VJP: along an existing layout, each row of the output cotangent g
+// (dispatched, never stored) gives scaled = row * scale[row], the rows' gradient, and
+// dot = RowDot(y[row], row), the routing weights' gradient (numeric.h's order), in one pass.
+ffi::Future CombineVjpImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
+                           ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_pos,
+                           ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
+                           ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
+                           int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> scaled,
+                           ffi::ResultBuffer<ffi::F32> dot) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return Failed(dtype.error());
+  if (y.element_type() != g.element_type()) {
+    return Failed(ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                             "combine's VJP needs y and its output cotangent in one dtype"));
+  }
   const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t T = g.dimensions()[0];
-  const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], rows->dimensions()[0],
+  const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], scaled->dimensions()[0],
                             static_cast<int64_t>(g.size_bytes()) / T};
   auto in = std::make_shared<PeerInputs>();
   Participant p;
   p.published = {g.untyped_data(), dest.typed_data(), row_pos.typed_data(), nullptr};
   p.write = RecordPeers(in);
-  p.read = [=, out = static_cast<char*>(rows->untyped_data()),
-            out_scaled = static_cast<char*>(scaled->untyped_data()), scale = scale.typed_data()]() {
+  RowOutputs out;
+  out.scale = scale.typed_data();
+  out.scaled = static_cast<char*>(scaled->untyped_data());
+  out.y = static_cast<const char*>(y.untyped_data());
+  out.dot = dot->typed_data();
+  p.read = [=]() {
     const std::vector<SourceRows> sources = Sources(*in, false);
-    PullRows(shape, call.rank, sources.data(), dtype.value(), scale, out, nullptr, out_scaled);
+    PullRows(shape, call.rank, sources.data(), dtype.value(), out);
     return Status::Ok();
   };
-  return Exchange("redispatch", call, std::move(p));
+  return Exchange("combine vjp", call, std::move(p));
 }
 
 // Combine: each source sums, per token, its rows on each destination in ascending k (one
@@ -306,11 +318,12 @@ XLA_FFI_DEFINE_HANDLER(kDispatch, DispatchImpl,
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // row_weights [C]
 
-XLA_FFI_DEFINE_HANDLER(kRedispatchScaled, RedispatchScaledImpl,
+XLA_FFI_DEFINE_HANDLER(kCombineVjp, CombineVjpImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::RunId>()
                            .Arg<ffi::AnyBuffer>()         // g [T, H]
                            .Arg<ffi::Buffer<ffi::F32>>()  // scale [C]
+                           .Arg<ffi::AnyBuffer>()         // y [C, H]
                            .Arg<ffi::Buffer<ffi::S32>>()  // row_pos [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
@@ -318,8 +331,8 @@ XLA_FFI_DEFINE_HANDLER(kRedispatchScaled, RedispatchScaledImpl,
                            .Attr<int64_t>("site")
                            .Attr<int64_t>("num_ranks")
                            .Attr<int64_t>("timeout_ms")
-                           .Ret<ffi::AnyBuffer>()    // rows [C, H]
-                           .Ret<ffi::AnyBuffer>());  // scaled [C, H]
+                           .Ret<ffi::AnyBuffer>()           // scaled [C, H]
+                           .Ret<ffi::Buffer<ffi::F32>>());  // dot [C]
 
 XLA_FFI_DEFINE_HANDLER(kCombine, CombineImpl,
                        ffi::Ffi::Bind()
@@ -352,7 +365,7 @@ XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
 std::vector<HandlerEntry> CpuHandlers() {
   std::vector<HandlerEntry> handlers = {
       {"jax_hybridep_layout", kLayout},     {"jax_hybridep_layout_gathered", kLayoutGathered},
-      {"jax_hybridep_dispatch", kDispatch}, {"jax_hybridep_redispatch_scaled", kRedispatchScaled},
+      {"jax_hybridep_dispatch", kDispatch}, {"jax_hybridep_combine_vjp", kCombineVjp},
       {"jax_hybridep_combine", kCombine},   {"jax_hybridep_return_row_values", kReturnRowValues},
   };
   for (const HandlerEntry& entry : CpuLevelHandlers()) handlers.push_back(entry);

@@ -86,26 +86,39 @@ ffi::Error LevelPackImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dest, ffi::B
 ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
                            ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> tokens,
                            ffi::ResultBuffer<ffi::F32> row_weights) {
-  const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
-  const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
-                         weights.typed_data()};
-  ExpandItems(shape, items, tokens->dimensions()[0], static_cast<char*>(tokens->untyped_data()),
-              row_weights->typed_data());
-  return ffi::Error::Success();
-}
-
-// ExpandItems for combine's VJP: rows, and scaled = rows * scale[row] in the same pass.
-ffi::Error ExpandItemsScaledImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
-                                 ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> tokens,
-                                 ffi::Result<ffi::AnyBuffer> scaled) {
-  auto dtype = ToDtype(rows.element_type(), "g");
+  auto dtype = ToDtype(rows.element_type(), "x");
   if (dtype.has_error()) return dtype.error();
   const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
   const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
+                         weights.typed_data()};
+  RowOutputs out;
+  out.tokens = static_cast<char*>(tokens->untyped_data());
+  out.weights = row_weights->typed_data();
+  ExpandItems(shape, items, tokens->dimensions()[0], dtype.value(), out);
+  return ffi::Error::Success();
+}
+
+// A weighted combine's VJP on the last level's items of g: scaled = row * scale[row] and
+// dot = RowDot(y[row], row) per row (as the one-level combine_vjp), the rows never stored.
+ffi::Error ExpandItemsVjpImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
+                              ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer y,
+                              ffi::Result<ffi::AnyBuffer> scaled,
+                              ffi::ResultBuffer<ffi::F32> dot) {
+  auto dtype = ToDtype(rows.element_type(), "g");
+  if (dtype.has_error()) return dtype.error();
+  if (y.element_type() != rows.element_type()) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "combine's VJP needs y and its output cotangent in one dtype");
+  }
+  const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
+  const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
                          nullptr};
-  ExpandItemsScaled(shape, items, tokens->dimensions()[0], dtype.value(), scale.typed_data(),
-                    static_cast<char*>(tokens->untyped_data()), nullptr,
-                    static_cast<char*>(scaled->untyped_data()));
+  RowOutputs out;
+  out.scale = scale.typed_data();
+  out.scaled = static_cast<char*>(scaled->untyped_data());
+  out.y = static_cast<const char*>(y.untyped_data());
+  out.dot = dot->typed_data();
+  ExpandItems(shape, items, scaled->dimensions()[0], dtype.value(), out);
   return ffi::Error::Success();
 }
 
@@ -143,17 +156,50 @@ ffi::Future BlocksAllToAllImpl(ffi::RunId run_id, ffi::AnyBuffer data, ffi::Buff
   return Exchange("level return", call, std::move(p));
 }
 
-// Per held item: the partials its peers returned, added in ascending peer order.
+// Per held item: the partials its peers returned (back: an all-to-all's output), added in
+// ascending peer order.
 ffi::Error LevelReduceImpl(ffi::AnyBuffer back, ffi::Buffer<ffi::S32> send_slot,
                            ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = ToDtype(back.element_type(), "partials");
   if (dtype.has_error()) return dtype.error();
   const int64_t items = send_slot.dimensions()[0], size = send_slot.dimensions()[1];
   const int64_t row_bytes = items > 0 ? static_cast<int64_t>(out->size_bytes()) / items : 0;
-  ReduceLevel(LevelShape{size, 1, items, 0, row_bytes}, dtype.value(),
-              static_cast<const char*>(back.untyped_data()), send_slot.typed_data(),
-              static_cast<char*>(out->untyped_data()));
+  std::vector<const char*> blocks(size);
+  for (int64_t p = 0; p < size; ++p) {
+    blocks[p] = static_cast<const char*>(back.untyped_data()) + p * items * row_bytes;
+  }
+  ReduceLevel(LevelShape{size, 1, items, 0, row_bytes}, dtype.value(), blocks.data(),
+              send_slot.typed_data(), static_cast<char*>(out->untyped_data()));
   return ffi::Error::Success();
+}
+
+// The same for a level whose ranks share the process: every rank publishes its partials
+// [S * M, H] and reads its block (its coordinate) of each peer's in place, with no copy first.
+ffi::Future LevelReducePullImpl(ffi::RunId run_id, ffi::AnyBuffer partials,
+                                ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> coord,
+                                ffi::Buffer<ffi::S32> level_group, int64_t site, int64_t num_ranks,
+                                int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> out) {
+  auto dtype = ToDtype(partials.element_type(), "partials");
+  if (dtype.has_error()) return Failed(dtype.error());
+  const CallSite call = MakeCallSite(run_id, coord, level_group, site, num_ranks, timeout_ms);
+  const int64_t items = send_slot.dimensions()[0];
+  const int64_t row_bytes = items > 0 ? static_cast<int64_t>(out->size_bytes()) / items : 0;
+  const LevelShape shape{num_ranks, 1, items, 0, row_bytes};
+  auto peers = std::make_shared<std::vector<const char*>>(num_ranks);
+  Participant p;
+  p.published = {partials.untyped_data()};
+  p.write = [=](const std::vector<Published>& published) {
+    // Every rank has arrived, so its partials are ready and stay alive until all have read.
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      (*peers)[r] = static_cast<const char*>(published[r][0]) + call.rank * items * row_bytes;
+    }
+  };
+  p.read = [=, dtype = dtype.value(), send_slot = send_slot.typed_data(),
+            out = static_cast<char*>(out->untyped_data())]() {
+    ReduceLevel(shape, dtype, peers->data(), send_slot, out);
+    return Status::Ok();
+  };
+  return Exchange("level reduce", call, std::move(p));
 }
 
 // Per held (item, k): the value the peer holding that row returned.
@@ -209,13 +255,14 @@ XLA_FFI_DEFINE_HANDLER(kExpandItems, ExpandItemsImpl,
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // row_weights [C]
 
-XLA_FFI_DEFINE_HANDLER(kExpandItemsScaled, ExpandItemsScaledImpl,
+XLA_FFI_DEFINE_HANDLER(kExpandItemsVjp, ExpandItemsVjpImpl,
                        ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()         // rows [M, H]
-                           .Arg<ffi::Buffer<ffi::S32>>()  // pos [M, K]
-                           .Arg<ffi::Buffer<ffi::F32>>()  // scale [C]
-                           .Ret<ffi::AnyBuffer>()         // tokens [C, H]
-                           .Ret<ffi::AnyBuffer>());       // scaled [C, H]
+                           .Arg<ffi::AnyBuffer>()           // rows [M, H] (of g)
+                           .Arg<ffi::Buffer<ffi::S32>>()    // pos [M, K]
+                           .Arg<ffi::Buffer<ffi::F32>>()    // scale [C]
+                           .Arg<ffi::AnyBuffer>()           // y [C, H]
+                           .Ret<ffi::AnyBuffer>()           // scaled [C, H]
+                           .Ret<ffi::Buffer<ffi::F32>>());  // dot [C]
 
 XLA_FFI_DEFINE_HANDLER(kItemPartials, ItemPartialsImpl,
                        ffi::Ffi::Bind()
@@ -242,6 +289,18 @@ XLA_FFI_DEFINE_HANDLER(kLevelReduce, LevelReduceImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // send_slot [M, S]
                            .Ret<ffi::AnyBuffer>());       // out [M, H]
 
+XLA_FFI_DEFINE_HANDLER(kLevelReducePull, LevelReducePullImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Arg<ffi::AnyBuffer>()         // partials [S * M, H]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // send_slot [M, S]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // coord []
+                           .Arg<ffi::Buffer<ffi::S32>>()  // level_group []
+                           .Attr<int64_t>("site")
+                           .Attr<int64_t>("num_ranks")
+                           .Attr<int64_t>("timeout_ms")
+                           .Ret<ffi::AnyBuffer>());  // out [M, H]
+
 XLA_FFI_DEFINE_HANDLER(kLevelPick, LevelPickImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::F32>>()  // back [S * M, K]
@@ -255,7 +314,8 @@ std::vector<HandlerEntry> CpuLevelHandlers() {
       {"jax_hybridep_level_send", kLevelSend},
       {"jax_hybridep_level_pack", kLevelPack},
       {"jax_hybridep_expand_items", kExpandItems},
-      {"jax_hybridep_expand_items_scaled", kExpandItemsScaled},
+      {"jax_hybridep_expand_items_vjp", kExpandItemsVjp},
+      {"jax_hybridep_level_reduce_pull", kLevelReducePull},
       {"jax_hybridep_item_partials", kItemPartials},
       {"jax_hybridep_blocks_all_to_all", kBlocksAllToAll},
       {"jax_hybridep_level_reduce", kLevelReduce},

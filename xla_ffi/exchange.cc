@@ -7,7 +7,7 @@
 // The row kernels are memory-bound loops; wider vectors cut their instruction count severalfold.
 // Multiversioned so one portable build still uses AVX2/AVX-512 where the CPU has them.
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#define JAX_HYBRIDEP_ROW_KERNEL __attribute__((target_clones("default", "avx2", "avx512f")))
+#define JAX_HYBRIDEP_ROW_KERNEL __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
 #else
 #define JAX_HYBRIDEP_ROW_KERNEL
 #endif
@@ -47,6 +47,22 @@ JAX_HYBRIDEP_ROW_KERNEL void ScaleRow(void* out, const void* in, int64_t hidden,
     case Dtype::kF16:
       return ScaleRowT<Dtype::kF16>(out, in, hidden, w);
   }
+}
+
+JAX_HYBRIDEP_ROW_KERNEL float RowDot(const void* y, const void* g, int64_t hidden, Dtype dtype,
+                                     float* lanes) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return g != nullptr ? RowDotT<Dtype::kF32, false>(y, g, hidden, lanes)
+                          : RowDotT<Dtype::kF32, true>(y, g, hidden, lanes);
+    case Dtype::kBF16:
+      return g != nullptr ? RowDotT<Dtype::kBF16, false>(y, g, hidden, lanes)
+                          : RowDotT<Dtype::kBF16, true>(y, g, hidden, lanes);
+    case Dtype::kF16:
+      return g != nullptr ? RowDotT<Dtype::kF16, false>(y, g, hidden, lanes)
+                          : RowDotT<Dtype::kF16, true>(y, g, hidden, lanes);
+  }
+  return 0.0f;
 }
 
 namespace {
@@ -91,6 +107,9 @@ void WriteTokens(const ExchangeShape& shape, int64_t rank, const char* x, const 
   }
 }
 
+namespace {
+
+// out[r] = 0 for every r < rows with filled[r] == 0 (contiguous runs zeroed at once).
 void ZeroUnfilledRows(int64_t rows, int64_t row_bytes, const uint8_t* filled, char* out) {
   int64_t r = 0;
   while (r < rows) {
@@ -105,17 +124,80 @@ void ZeroUnfilledRows(int64_t rows, int64_t row_bytes, const uint8_t* filled, ch
   }
 }
 
-void FillUnfilledScaled(int64_t rows, int64_t row_bytes, const uint8_t* filled, Dtype dtype,
-                        const float* scale, char* out_scaled) {
-  ZeroUnfilledRows(rows, row_bytes, filled, out_scaled);
-  const int64_t hidden = row_bytes / DtypeBytes(dtype);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (filled[r]) continue;
-    const float v = 0.0f * scale[r];  // what XLA computes for a zero row: -0, NaN are possible
-    if (FloatToBits(v) == 0u) continue;
-    char* row = out_scaled + r * row_bytes;
-    for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(row, h, v, dtype);
+// Writes a destination's rows one at a time (Fill), then the rows nobody filled (Finish).
+class RowWriter {
+ public:
+  RowWriter(int64_t rows, int64_t row_bytes, Dtype dtype, const RowOutputs& out)
+      : rows_(rows),
+        row_bytes_(row_bytes),
+        hidden_(row_bytes / DtypeBytes(dtype)),
+        dtype_(dtype),
+        out_(out),
+        filled_(rows, 0),
+        lanes_(out.dot != nullptr ? RowDotLanes(hidden_) : 0) {}
+
+  void Fill(const RowSource& src) {
+    const int64_t row = src.row;
+    filled_[row] = 1;
+    if (out_.tokens != nullptr) std::memcpy(out_.tokens + row * row_bytes_, src.token, row_bytes_);
+    if (out_.weights != nullptr) out_.weights[row] = src.weight;
+    if (out_.scaled != nullptr) {
+      ScaleRow(out_.scaled + row * row_bytes_, src.token, hidden_, out_.scale[row], dtype_);
+    }
+    if (out_.dot != nullptr) {
+      out_.dot[row] = RowDot(out_.y + row * row_bytes_, src.token, hidden_, dtype_, lanes_.data());
+    }
   }
+
+  // Asks for the cache lines Fill(src) touches, ahead of it.
+  void Prefetch(const RowSource& src) const {
+    const int64_t at = src.row * row_bytes_;
+    PrefetchRow(src.token, row_bytes_);
+    if (out_.y != nullptr) PrefetchRow(out_.y + at, row_bytes_);
+    if (out_.tokens != nullptr) PrefetchRowForWrite(out_.tokens + at, row_bytes_);
+    if (out_.scaled != nullptr) PrefetchRowForWrite(out_.scaled + at, row_bytes_);
+  }
+
+  void Finish() {
+    // Only the unfilled rows are written: a large, mostly empty buffer (dropless C) costs one
+    // pass over its empty part besides one copy per filled row.
+    if (out_.tokens != nullptr) ZeroUnfilledRows(rows_, row_bytes_, filled_.data(), out_.tokens);
+    if (out_.scaled != nullptr) ZeroUnfilledRows(rows_, row_bytes_, filled_.data(), out_.scaled);
+    for (int64_t r = 0; r < rows_; ++r) {
+      if (filled_[r]) continue;
+      if (out_.weights != nullptr) out_.weights[r] = 0.0f;
+      if (out_.scaled != nullptr) {
+        const float v = 0.0f * out_.scale[r];  // what XLA computes for a zero row: -0, NaN too
+        if (FloatToBits(v) != 0u) {
+          char* row = out_.scaled + r * row_bytes_;
+          for (int64_t h = 0; h < hidden_; ++h) StoreFromFloat(row, h, v, dtype_);
+        }
+      }
+      if (out_.dot != nullptr) {
+        out_.dot[r] = RowDot(out_.y + r * row_bytes_, nullptr, hidden_, dtype_, lanes_.data());
+      }
+    }
+  }
+
+ private:
+  int64_t rows_, row_bytes_, hidden_;
+  Dtype dtype_;
+  RowOutputs out_;
+  std::vector<uint8_t> filled_;
+  std::vector<float> lanes_;  // RowDot's scratch
+};
+
+}  // namespace
+
+void WriteRows(int64_t rows, int64_t row_bytes, Dtype dtype, const std::vector<RowSource>& sources,
+               const RowOutputs& out) {
+  constexpr size_t kAhead = 2;  // rows prefetched this many fills ahead
+  RowWriter writer(rows, row_bytes, dtype, out);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (i + kAhead < sources.size()) writer.Prefetch(sources[i + kAhead]);
+    writer.Fill(sources[i]);
+  }
+  writer.Finish();
 }
 
 void ExpandRows(const ExchangeShape& shape, const DispatchRecvBuffer& recv, char* out_tokens,
@@ -193,38 +275,18 @@ void WriteRowValues(const ExchangeShape& shape, const float* values, const int32
 }
 
 void PullRows(const ExchangeShape& shape, int64_t rank, const SourceRows* sources, Dtype dtype,
-              const float* scale, char* out_tokens, float* out_weights, char* out_scaled) {
+              const RowOutputs& out) {
   const int64_t T = shape.tokens, K = shape.k, rb = shape.row_bytes;
-  // Which rows get a token: only the others are zeroed, so a large, mostly empty buffer (dropless
-  // C) costs one pass over its empty part and one copy per filled row.
-  std::vector<uint8_t> filled(shape.rows, 0);
+  std::vector<RowSource> pulls;
   for (int64_t src = 0; src < shape.ranks; ++src) {
     const SourceRows& from = sources[src];
     for (int64_t i = 0; i < T * K; ++i) {
-      if (from.dest[i] == rank && from.row_pos[i] >= 0) filled[from.row_pos[i]] = 1;
+      if (from.dest[i] != rank || from.row_pos[i] < 0) continue;
+      pulls.push_back({from.row_pos[i], from.x + (i / K) * rb,
+                       from.weights != nullptr ? from.weights[i] : 0.0f});
     }
   }
-  ZeroUnfilledRows(shape.rows, rb, filled.data(), out_tokens);
-  if (out_weights != nullptr) std::fill(out_weights, out_weights + shape.rows, 0.0f);
-  if (out_scaled != nullptr)
-    FillUnfilledScaled(shape.rows, rb, filled.data(), dtype, scale, out_scaled);
-  const int64_t hidden = rb / DtypeBytes(dtype);
-  for (int64_t src = 0; src < shape.ranks; ++src) {
-    const SourceRows& from = sources[src];
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t j = 0; j < K; ++j) {
-        const int32_t row = from.row_pos[t * K + j];
-        if (from.dest[t * K + j] != rank || row < 0) continue;
-        const char* token = from.x + t * rb;
-        std::memcpy(out_tokens + row * rb, token, rb);
-        if (out_weights != nullptr) {
-          out_weights[row] = from.weights != nullptr ? from.weights[t * K + j] : 0.0f;
-        }
-        if (out_scaled != nullptr)
-          ScaleRow(out_scaled + row * rb, token, hidden, scale[row], dtype);
-      }
-    }
-  }
+  WriteRows(shape.rows, rb, dtype, pulls, out);
 }
 
 void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
@@ -236,6 +298,12 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
   std::vector<char> rounded(rb);
   std::vector<int32_t> dests(K);
   for (int64_t t = 0; t < T; ++t) {
+    if (t + 1 < T) {  // the next token's rows are scattered over the peers' y: fetch them early
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t d = dest[(t + 1) * K + j], row = row_pos[(t + 1) * K + j];
+        if (d >= 0 && row >= 0) PrefetchRow(y[d] + row * rb, rb);
+      }
+    }
     std::fill(acc.begin(), acc.end(), 0.0f);
     const int64_t num_dests = DistinctDestinations(dest + t * K, K, dests.data());
     for (int64_t i = 0; i < num_dests; ++i) {

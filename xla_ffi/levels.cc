@@ -45,36 +45,15 @@ void SendLevel(const LevelShape& shape, const LevelItems& held, const LevelItems
   }
 }
 
-void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows, char* out_rows,
-                 float* out_weights) {
-  ExpandItemsScaled(shape, items, rows, Dtype::kF32, nullptr, out_rows, out_weights, nullptr);
-}
-
-void ExpandItemsScaled(const LevelShape& shape, const LevelItems& items, int64_t rows, Dtype dtype,
-                       const float* scale, char* out_rows, float* out_weights, char* out_scaled) {
-  const int64_t K = shape.k;
-  std::vector<uint8_t> filled(rows, 0);
-  for (int64_t i = 0; i < shape.items * K; ++i) {
-    if (items.pos[i] >= 0) filled[items.pos[i]] = 1;
+void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows, Dtype dtype,
+                 const RowOutputs& out) {
+  std::vector<RowSource> sources;
+  for (int64_t i = 0; i < shape.items * shape.k; ++i) {
+    if (items.pos[i] < 0) continue;
+    sources.push_back({items.pos[i], items.rows + (i / shape.k) * shape.row_bytes,
+                       items.weights != nullptr ? items.weights[i] : 0.0f});
   }
-  ZeroUnfilledRows(rows, shape.row_bytes, filled.data(), out_rows);
-  if (out_weights != nullptr) std::fill(out_weights, out_weights + rows, 0.0f);
-  if (out_scaled != nullptr) {
-    FillUnfilledScaled(rows, shape.row_bytes, filled.data(), dtype, scale, out_scaled);
-  }
-  const int64_t hidden = shape.row_bytes / DtypeBytes(dtype);
-  for (int64_t m = 0; m < shape.items; ++m) {
-    const char* item = items.rows + m * shape.row_bytes;
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t row = items.pos[m * K + j];
-      if (row < 0) continue;
-      std::memcpy(out_rows + row * shape.row_bytes, item, shape.row_bytes);
-      if (out_weights != nullptr) out_weights[row] = items.weights[m * K + j];
-      if (out_scaled != nullptr) {
-        ScaleRow(out_scaled + row * shape.row_bytes, item, hidden, scale[row], dtype);
-      }
-    }
-  }
+  WriteRows(rows, shape.row_bytes, dtype, sources, out);
 }
 
 void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, const char* y,
@@ -82,6 +61,11 @@ void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, cons
   const int64_t hidden = row_bytes / DtypeBytes(dtype);
   std::vector<float> acc(hidden);
   for (int64_t m = 0; m < items; ++m) {
+    if (m + 1 < items) {  // the next item's rows are scattered over y: fetch them early
+      for (int64_t j = 0; j < k; ++j) {
+        if (pos[(m + 1) * k + j] >= 0) PrefetchRow(y + pos[(m + 1) * k + j] * row_bytes, row_bytes);
+      }
+    }
     if (std::all_of(pos + m * k, pos + (m + 1) * k, [](int32_t row) { return row < 0; })) {
       std::memset(partials + m * row_bytes, 0, row_bytes);  // an empty slot: +0, as stored below
       continue;
@@ -97,20 +81,25 @@ void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, cons
   }
 }
 
-void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* back, const int32_t* send_slot,
-                 char* out) {
-  const int64_t S = shape.size, M = shape.items;
-  const int64_t hidden = shape.row_bytes / DtypeBytes(dtype);
+void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* const* back,
+                 const int32_t* send_slot, char* out) {
+  const int64_t S = shape.size, M = shape.items, rb = shape.row_bytes;
+  const int64_t hidden = rb / DtypeBytes(dtype);
   std::vector<float> acc(hidden);
   for (int64_t m = 0; m < M; ++m) {
+    if (m + 1 < M) {  // the next item's partials, one per peer block
+      for (int64_t p = 0; p < S; ++p) {
+        const int32_t slot = send_slot[(m + 1) * S + p];
+        if (slot >= 0) PrefetchRow(back[p] + slot * rb, rb);
+      }
+    }
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t p = 0; p < S; ++p) {
       const int32_t slot = send_slot[m * S + p];
       if (slot < 0) continue;
-      const char* partial = back + (p * M + slot) * shape.row_bytes;
-      AccumulateRow(acc.data(), partial, hidden, dtype, false, 1.0f);
+      AccumulateRow(acc.data(), back[p] + slot * rb, hidden, dtype, false, 1.0f);
     }
-    StoreRow(out + m * shape.row_bytes, acc.data(), hidden, dtype);
+    StoreRow(out + m * rb, acc.data(), hidden, dtype);
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "xla_ffi/exchange.h"
 #include "xla_ffi/numeric.h"
 
 namespace jax_hybridep {
@@ -44,25 +45,21 @@ void ClearItems(const LevelShape& shape, int64_t count, const LevelItems& items)
 void SendLevel(const LevelShape& shape, const LevelItems& held, const LevelItems* const* out,
                const int64_t* base, int32_t* send_slot);
 
-// Expert-major rows from the last level's items: rows[pos] = item payload, weights[pos] = weight;
-// rows nobody fills are zeroed (only those). out_rows: [rows, row_bytes]; out_weights: [rows].
-void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows, char* out_rows,
-                 float* out_weights);
-
-// ExpandItems for combine's VJP (out_weights may be null), also writing out_scaled[row] =
-// out_rows[row] * scale[row] in float32 rounded to `dtype` (as PullRows, exchange.h).
-void ExpandItemsScaled(const LevelShape& shape, const LevelItems& items, int64_t rows, Dtype dtype,
-                       const float* scale, char* out_rows, float* out_weights, char* out_scaled);
+// Expert-major rows from the last level's items: row pos holds the item's payload and routing
+// weight, written into `out` (exchange.h; rows nobody fills as rows of zeros).
+void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows, Dtype dtype,
+                 const RowOutputs& out);
 
 // Per item, this rank's rows summed in ascending k in float32 (each row times weights[row] when
 // weights is non-null), rounded to `dtype`. partials: [M, row_bytes].
 void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, const char* y,
                   const float* weights, const int32_t* pos, char* partials);
 
-// Per held item m: sum over peers p ascending with send_slot[m, p] >= 0 of back[p, slot], in
-// float32, rounded once to `dtype`. back: [S, M, row_bytes] (what the peers returned).
-void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* back, const int32_t* send_slot,
-                 char* out);
+// Per held item m: sum over peers p ascending with send_slot[m, p] >= 0 of back[p][slot], in
+// float32, rounded once to `dtype`. back[p]: [M, row_bytes], the partials peer p returned (a block
+// of an all-to-all's output, or read in place from the peer's buffer).
+void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* const* back,
+                 const int32_t* send_slot, char* out);
 
 // Per held item m and k with held_dest[m, k] >= 0: back[peer of that k, send_slot[m, peer], k]
 // (the value returned for that row), else 0. back: [S, M, K]; out: [M, K].

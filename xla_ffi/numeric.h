@@ -145,6 +145,44 @@ inline void ScaleRowT(void* __restrict out, const void* __restrict in, int64_t h
   for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(out, h, LoadAsFloat(in, h, D) * w, D);
 }
 
+// The routing-weight gradient of a weighted combine is, per row, the dot product of the expert
+// output y[row] and the row of the output's cotangent. Its summation order is fixed here so the
+// host handlers and the `xla` backend on CPU (jax_hybridep/weight_grad.py) agree bit for bit:
+// products rounded to float32; L lane sums, lane l adding the products at h = l, L + l, 2L + l, ...
+// in ascending h (the hidden % L trailing products go to lanes 0..hidden % L - 1 last); then the
+// lanes halved pairwise (lane l += lane l + w/2 for a width w; an odd last lane moves down) until
+// one is left. L = min(hidden, 16 * ceil(hidden / 1024)): at most ~64 steps per lane, and a
+// multiple of 16 floats (one AVX-512 register) whenever hidden >= 16.
+JAX_HYBRIDEP_HOST_DEVICE inline int64_t RowDotLanes(int64_t hidden) {
+  const int64_t lanes = 16 * ((hidden + 1023) / 1024);
+  return hidden < lanes ? hidden : lanes;
+}
+
+// The dot product above with the cotangent row `g` (kZeroRow: a row of zeros, i.e. a padding
+// row, whose products are y * 0: +-0, or NaN for a non-finite y). `lanes`: scratch for
+// RowDotLanes(hidden) floats.
+template <Dtype D, bool kZeroRow>
+inline float RowDotT(const void* __restrict y, const void* __restrict g, int64_t hidden,
+                     float* __restrict lanes) {
+  if (hidden == 0) return 0.0f;
+  const int64_t L = RowDotLanes(hidden), steps = hidden / L, tail = hidden % L;
+  auto product = [&](int64_t h) {
+    return LoadAsFloat(y, h, D) * (kZeroRow ? 0.0f : LoadAsFloat(g, h, D));
+  };
+  for (int64_t l = 0; l < L; ++l) lanes[l] = product(l);
+  for (int64_t i = 1; i < steps; ++i) {
+    for (int64_t l = 0; l < L; ++l) lanes[l] = lanes[l] + product(i * L + l);
+  }
+  for (int64_t l = 0; l < tail; ++l) lanes[l] = lanes[l] + product(steps * L + l);
+  for (int64_t w = L; w > 1;) {
+    const int64_t half = w / 2;
+    for (int64_t l = 0; l < half; ++l) lanes[l] = lanes[l] + lanes[l + half];
+    if (w % 2 == 1) lanes[half] = lanes[w - 1];
+    w = half + w % 2;
+  }
+  return lanes[0];
+}
+
 }  // namespace jax_hybridep
 
 #endif  // JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_

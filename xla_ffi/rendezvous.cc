@@ -13,8 +13,24 @@
 #include <tuple>
 #include <utility>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 namespace jax_hybridep {
 namespace {
+
+// The calling thread's floating-point control state (x86: MXCSR, whose flush-to-zero and
+// denormals-are-zero bits XLA's CPU runtime sets while it runs a program). Workers run a task's
+// steps under its caller's state, so a step computes the same bits whichever thread runs it.
+struct FloatMode {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned int csr = _mm_getcsr();
+  void Apply() const { _mm_setcsr(csr); }
+#else
+  void Apply() const {}
+#endif
+};
 
 using Clock = std::chrono::steady_clock;
 
@@ -192,6 +208,7 @@ class WorkerPool {
     if (n <= 0) return;
     auto task = std::make_shared<Task>();
     task->fn = &fn;
+    task->mode = FloatMode();
     task->n = n;
     if (n > 1 && num_workers_ > 0) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -207,6 +224,7 @@ class WorkerPool {
   struct Task {
     const std::function<void(int64_t)>* fn;
     int64_t n = 0;
+    FloatMode mode;  // the caller's
     std::atomic<int64_t> next{0};
     std::mutex mu;
     int64_t done = 0;  // guarded by mu
@@ -245,7 +263,10 @@ class WorkerPool {
         });
         task = queue_.front();
       }
+      const FloatMode own;
+      task->mode.Apply();
       Work(*task);
+      own.Apply();
     }
   }
 

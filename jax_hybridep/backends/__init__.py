@@ -1,6 +1,6 @@
 """Backend selection: one module per backend, each with the same per-shard functions.
 
-Each backend module provides `layout`, `dispatch`, `level_rows`, `redispatch`, `redispatch_scaled`,
+Each backend module provides `layout`, `dispatch`, `level_rows`, `redispatch`, `combine_vjp`,
 `combine` and `return_row_values` (see backends/xla.py, the oracle); the ffi backend has one
 module for the host handlers (ffi.py) and one for GPUs (ffi_gpu.py). `xla` runs everywhere;
 `ffi` where its handlers are built and every mesh axis is manual. `auto` picks `ffi` when it can

@@ -201,12 +201,16 @@ def _levels_combine(handle: Handle, y, weights, weighted):
     )  # fmt: skip
     for level in reversed(range(len(levels))):
         send_slot = levels[level][0]
-        back = _level_exchange(plan, level, partials, handle.rank, handle.group)
-        partials = _call(
-            "level_reduce",
-            jax.ShapeDtypeStruct((send_slot.shape[0], y.shape[1]), y.dtype),
-            back, send_slot, like=(back, send_slot), plan=plan, exchange=False,
-        )  # fmt: skip
+        out_type = jax.ShapeDtypeStruct((send_slot.shape[0], y.shape[1]), y.dtype)
+        if plan.topology.level_local[level]:  # each rank reads its peers' partials in place
+            coord, level_group = _level_peer(plan, level, handle.rank, handle.group)
+            size = np.int64(plan.topology.level_sizes[level])
+            partials = _call("level_reduce_pull", out_type, partials, send_slot, coord,
+                             level_group, like=(partials, send_slot), plan=plan, num_ranks=size)  # fmt: skip
+            continue
+        back = jax.lax.all_to_all(partials, plan.topology.levels[level], 0, 0, tiled=True)
+        partials = _call("level_reduce", out_type, back, send_slot, like=(back, send_slot),
+                         plan=plan, exchange=False)  # fmt: skip
     return partials
 
 
@@ -263,17 +267,18 @@ def redispatch(handle: Handle, g):
     return rows
 
 
-def redispatch_scaled(handle: Handle, g, weights):
-    """(rows, scaled) [C, H] each: rows = redispatch(g) and scaled = rows * weights[:, None] in
-    float32 rounded to g's dtype (weighted combine's VJP), written by the handlers in one pass."""
+def combine_vjp(handle: Handle, g, y, weights):
+    """A weighted combine's VJP, (scaled rows, routing-weight gradient) as xla.combine_vjp, in
+    one pass of the handlers: the rows of g are never stored (weight_grad's fixed order)."""
     plan = handle.plan
-    out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),) * 2
+    out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),
+                 jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
     if _fused(plan):
-        return _call("redispatch_scaled", out_types, g, weights, handle.row_pos, handle.dest,
+        return _call("combine_vjp", out_types, g, weights, y, handle.row_pos, handle.dest,
                      handle.rank, handle.group, like=(g, handle.row_pos), plan=plan)  # fmt: skip
     held, (_, held_pos) = _forward_levels(handle, g), handle.private
-    return _call("expand_items_scaled", out_types, held, held_pos, weights, like=(held, held_pos),
-                 plan=plan, exchange=False)  # fmt: skip
+    return _call("expand_items_vjp", out_types, held, held_pos, weights, y,
+                 like=(held, held_pos), plan=plan, exchange=False)  # fmt: skip
 
 
 def combine(handle: Handle, y, weights):

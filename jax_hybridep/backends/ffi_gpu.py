@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
-from jax_hybridep import compat
+from jax_hybridep import compat, weight_grad
 from jax_hybridep.backends import xla
 from jax_hybridep.backends.ffi_call import call, i32, layout_attrs, level_peer, next_site
 from jax_hybridep.config import Plan
@@ -183,11 +183,13 @@ def redispatch(handle: Handle, g):
     return TRANSPORT.redispatch(plan, fast, xla.forward_levels(plan, records, g), dest, recv)
 
 
-def redispatch_scaled(handle: Handle, g, weights):
-    """(rows, rows * weights[:, None] rounded to g's dtype), written in one pass."""
+def combine_vjp(handle: Handle, g, y, weights):
+    """A weighted combine's VJP as xla.combine_vjp: the transport writes the rows of g and the
+    scaled rows in one pass; the weight gradient is weight_grad.row_dot, as in the xla backend."""
     plan, fast, records, dest, recv = _along(handle)
     held = xla.forward_levels(plan, records, g)
-    return TRANSPORT.redispatch(plan, fast, held, dest, recv, scale=weights)
+    rows, scaled = TRANSPORT.redispatch(plan, fast, held, dest, recv, scale=weights)
+    return scaled, weight_grad.row_dot(plan.topology.platform, y, rows)
 
 
 def combine(handle: Handle, y, weights):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep import compat
+from jax_hybridep import compat, weight_grad
 from jax_hybridep.config import Plan
 from jax_hybridep.errors import StrictModeError, strict_mode_message
 from jax_hybridep.handle import Handle, Layout
@@ -256,11 +256,12 @@ def redispatch(handle: Handle, g):
     return _expand_rows(forward_levels(handle.plan, levels, g), row_src)
 
 
-def redispatch_scaled(handle: Handle, g, weights):
-    """(rows, scaled): rows = redispatch(g), scaled = rows * weights[:, None] in float32 rounded
-    to g's dtype (a weighted combine's VJP)."""
+def combine_vjp(handle: Handle, g, y, weights):
+    """A weighted combine's VJP: (rows * weights[:, None] in float32 rounded to g's dtype,
+    the routing-weight gradient weight_grad.row_dot(y, rows)), rows = redispatch(g)."""
     rows = redispatch(handle, g)
-    return rows, (rows.astype(jnp.float32) * weights[:, None]).astype(rows.dtype)
+    scaled = (rows.astype(jnp.float32) * weights[:, None]).astype(rows.dtype)
+    return scaled, weight_grad.row_dot(handle.plan.topology.platform, y, rows)
 
 
 def _reduce_level(plan: Plan, level: int, send_slot, partials, dtype):
