@@ -102,8 +102,7 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
 // dot = RowDot(y[row], row) per row (as the one-level combine_vjp), the rows never stored.
 ffi::Error ExpandItemsVjpImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
                               ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer y,
-                              ffi::Result<ffi::AnyBuffer> scaled,
-                              ffi::ResultBuffer<ffi::F32> dot) {
+                              ffi::Result<ffi::AnyBuffer> scaled, ffi::ResultBuffer<ffi::F32> dot) {
   auto dtype = ToDtype(rows.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   if (y.element_type() != rows.element_type()) {

@@ -5,9 +5,11 @@
 #include <vector>
 
 // The row kernels are memory-bound loops; wider vectors cut their instruction count severalfold.
-// Multiversioned so one portable build still uses AVX2/AVX-512 where the CPU has them.
+// Multiversioned so one portable build still uses AVX2 (x86-64-v3) and AVX-512 (x86-64-v4, whose
+// BW extension packs 16-bit floats in 512-bit registers) where the CPU has them.
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#define JAX_HYBRIDEP_ROW_KERNEL __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#define JAX_HYBRIDEP_ROW_KERNEL \
+  __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
 #else
 #define JAX_HYBRIDEP_ROW_KERNEL
 #endif

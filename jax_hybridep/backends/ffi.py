@@ -206,7 +206,8 @@ def _levels_combine(handle: Handle, y, weights, weighted):
             coord, level_group = _level_peer(plan, level, handle.rank, handle.group)
             size = np.int64(plan.topology.level_sizes[level])
             partials = _call("level_reduce_pull", out_type, partials, send_slot, coord,
-                             level_group, like=(partials, send_slot), plan=plan, num_ranks=size)  # fmt: skip
+                             level_group, like=(partials, send_slot), plan=plan,
+                             num_ranks=size)  # fmt: skip
             continue
         back = jax.lax.all_to_all(partials, plan.topology.levels[level], 0, 0, tiled=True)
         partials = _call("level_reduce", out_type, back, send_slot, like=(back, send_slot),
