@@ -29,13 +29,17 @@ DIRECTIONS = ("fwd", "fwd+bwd")
 
 def keep_freed_memory() -> bool:
     """Tells glibc malloc to keep freed memory in the process (mmap threshold 1 GiB, trim
-    threshold 2 GiB, top pad 64 MiB) instead of returning it to the OS; returns whether it could.
+    threshold 2 GiB, top pad 64 MiB, one arena) instead of returning it to the OS; returns
+    whether it could.
 
     XLA:CPU allocates every call's output and temporary buffers anew; by default glibc serves
     buffers over 32 MiB (and, after a trim, smaller ones) with fresh pages from the OS, which the
     kernel faults in and zeroes on first touch on every call. On 2 cores that costs more than
-    the copies being measured. The setting is process-wide, so it applies to every method and
-    the floor alike (`--no-keep-freed-memory` turns it off). The library never changes it.
+    the copies being measured. The device threads would each get an arena of their own, whose
+    heaps are at most 64 MiB, so larger buffers (a dropless [C, H] at the CPU preset) were still
+    fresh mmaps: one arena keeps them too. Call it before the first `jax.devices()`. The setting
+    is process-wide, so it applies to every method and the floor alike
+    (`--no-keep-freed-memory` turns it off). The library never changes it.
     """
     import ctypes
     import ctypes.util
@@ -47,8 +51,13 @@ def keep_freed_memory() -> bool:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):  # not glibc
         return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    settings = ((m_mmap_threshold, 1 << 30), (m_trim_threshold, 1 << 31), (m_top_pad, 64 << 20))
+    m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
+    settings = (
+        (m_mmap_threshold, 1 << 30),
+        (m_trim_threshold, 1 << 31),
+        (m_top_pad, 64 << 20),
+        (m_arena_max, 1),
+    )
     return all(mallopt(option, value) == 1 for option, value in settings)
 
 
