@@ -39,8 +39,8 @@ def _halve(acc, concat):
 def fixed_order_dot(y, g):
     """[C] float32: per row, the dot product of y and g [C, H] in the order above (XLA ops)."""
     c, hidden = y.shape
-    if hidden == 0:
-        return jnp.zeros((c,), jnp.float32)
+    if hidden == 0:  # an empty sum (and the same varying mesh axes as y)
+        return jnp.sum(y.astype(jnp.float32) * g.astype(jnp.float32), axis=1)
     width = lanes(hidden)
     steps, tail = divmod(hidden, width)
     # The barrier keeps XLA from contracting the products into the adds (FMA); the host kernels

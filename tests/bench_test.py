@@ -192,7 +192,7 @@ def test_profile_labels_name_custom_calls_and_fusions():
 
 ENTRY %main (p: bf16[4,8]) -> f32[4] {
   %p = bf16[4,8]{1,0} parameter(0)
-  %ffi_call.1 = (bf16[16,8]{1,0}, bf16[16,8]{1,0}) custom-call(%p), custom_call_target="jax_hybridep_combine_vjp", api_version=API_VERSION_TYPED_FFI
+  %ffi_call.1 = (bf16[16,8]{1,0}, f32[16]{0}) custom-call(%p), custom_call_target="jax_hybridep_combine_vjp", api_version=API_VERSION_TYPED_FFI
   %ffi_call.2 = bf16[4,8]{1,0} custom-call(%p), custom_call_target="jax_hybridep_combine"
   %ffi_call.3 = bf16[4,8]{1,0} custom-call(%p), custom_call_target="jax_hybridep_combine"
   ROOT %ynn_fusion = f32[4]{0} fusion(%p), kind=kCustom, calls=%fused_computation

@@ -10,7 +10,7 @@ from harness import make_mesh, moe_fn
 import jax_hybridep as hep
 
 FFI_TARGETS = {"jax_hybridep_layout", "jax_hybridep_dispatch", "jax_hybridep_combine"}
-# Weighted combine's VJP writes the rows and their weighted gradient in one call.
+# Weighted combine's VJP writes the rows' gradient and the routing weights' in one call.
 BACKWARD_TARGETS = {"jax_hybridep_return_row_values", "jax_hybridep_combine_vjp"}
 
 

@@ -177,14 +177,14 @@ ffi::Future CombineVjpImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi:
                            ffi::ResultBuffer<ffi::F32> dot) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return Failed(dtype.error());
-  if (y.element_type() != g.element_type()) {
-    return Failed(ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                             "combine's VJP needs y and its output cotangent in one dtype"));
-  }
-  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   const int64_t T = g.dimensions()[0];
   const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], scaled->dimensions()[0],
-                            static_cast<int64_t>(g.size_bytes()) / T};
+                            T > 0 ? static_cast<int64_t>(g.size_bytes()) / T : 0};
+  if (ffi::Error error = CheckVjpY(y, g.element_type(), shape.rows, shape.row_bytes);
+      error.failure()) {
+    return Failed(std::move(error));
+  }
+  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
   auto in = std::make_shared<PeerInputs>();
   Participant p;
   p.published = {g.untyped_data(), dest.typed_data(), row_pos.typed_data(), nullptr};

@@ -1,11 +1,14 @@
 // XLA FFI handlers (platform Host) for multi-level topologies, one level at a time (levels.h).
 //
-// Levels whose ranks share a process exchange by direct write (level_send: each rank writes its
-// item copies straight into the peers' next-level buffers; blocks_all_to_all: the same for
-// combine's partials); levels that cross processes pack locally (level_pack) around an XLA
-// all-to-all. The local steps (expand_items, item_partials, level_reduce, level_pick) are shared.
+// Levels whose ranks share a process exchange in shared memory: level_send writes each rank's
+// item copies straight into the peers' next-level buffers, level_reduce_pull adds combine's
+// partials reading them in place from the peers, blocks_all_to_all moves the routing-weight
+// gradients back; levels that cross processes pack locally (level_pack) around an XLA
+// all-to-all. The local steps (expand_items, expand_items_vjp, item_partials, level_reduce,
+// level_pick) are shared.
 #include <algorithm>
 #include <memory>
+#include <sstream>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -86,7 +89,7 @@ ffi::Error LevelPackImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dest, ffi::B
 ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
                            ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> tokens,
                            ffi::ResultBuffer<ffi::F32> row_weights) {
-  auto dtype = ToDtype(rows.element_type(), "x");
+  auto dtype = ToDtype(rows.element_type(), "the rows");
   if (dtype.has_error()) return dtype.error();
   const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
   const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
@@ -105,11 +108,12 @@ ffi::Error ExpandItemsVjpImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
                               ffi::Result<ffi::AnyBuffer> scaled, ffi::ResultBuffer<ffi::F32> dot) {
   auto dtype = ToDtype(rows.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
-  if (y.element_type() != rows.element_type()) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "combine's VJP needs y and its output cotangent in one dtype");
-  }
   const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
+  const int64_t out_rows = scaled->dimensions()[0];
+  if (ffi::Error error = CheckVjpY(y, rows.element_type(), out_rows, shape.row_bytes);
+      error.failure()) {
+    return error;
+  }
   const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
                          nullptr};
   RowOutputs out;
@@ -117,7 +121,7 @@ ffi::Error ExpandItemsVjpImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
   out.scaled = static_cast<char*>(scaled->untyped_data());
   out.y = static_cast<const char*>(y.untyped_data());
   out.dot = dot->typed_data();
-  ExpandItems(shape, items, scaled->dimensions()[0], dtype.value(), out);
+  ExpandItems(shape, items, out_rows, dtype.value(), out);
   return ffi::Error::Success();
 }
 
@@ -183,6 +187,15 @@ ffi::Future LevelReducePullImpl(ffi::RunId run_id, ffi::AnyBuffer partials,
   const CallSite call = MakeCallSite(run_id, coord, level_group, site, num_ranks, timeout_ms);
   const int64_t items = send_slot.dimensions()[0];
   const int64_t row_bytes = items > 0 ? static_cast<int64_t>(out->size_bytes()) / items : 0;
+  if (send_slot.dimensions()[1] != num_ranks ||
+      static_cast<int64_t>(partials.size_bytes()) != num_ranks * items * row_bytes) {
+    std::ostringstream msg;
+    msg << "jax_hybridep: level reduce needs partials of " << num_ranks << " x " << items
+        << " rows of " << row_bytes << " bytes and send_slot [" << items << ", " << num_ranks
+        << "]; got " << partials.size_bytes() << " bytes and send_slot [" << items << ", "
+        << send_slot.dimensions()[1] << "]";
+    return Failed(ffi::Error::InvalidArgument(msg.str()));
+  }
   const LevelShape shape{num_ranks, 1, items, 0, row_bytes};
   auto peers = std::make_shared<std::vector<const char*>>(num_ranks);
   Participant p;

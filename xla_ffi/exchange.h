@@ -70,7 +70,7 @@ struct SourceRows {
   const float* weights;    // [T, K], or null (weights 0)
 };
 
-// What a destination writes for its expert-major rows (PullRows, ExpandItemsTo): any subset;
+// What a destination writes for its expert-major rows (PullRows, levels.h ExpandItems): any subset;
 // null members are not written. Rows nobody fills are written as rows of zeros would be.
 struct RowOutputs {
   char* tokens = nullptr;        // [C, row_bytes]: the rows

@@ -46,6 +46,23 @@ inline ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
   }
 }
 
+// combine's VJP reads y[row] beside each row of the output cotangent g it writes: y must be
+// [rows, H] in g's dtype (rows of row_bytes bytes).
+inline ffi::Error CheckVjpY(ffi::AnyBuffer y, ffi::DataType g_type, int64_t rows,
+                            int64_t row_bytes) {
+  const auto dims = y.dimensions();
+  if (y.element_type() == g_type && dims.size() == 2 && dims[0] == rows &&
+      static_cast<int64_t>(y.size_bytes()) == rows * row_bytes) {
+    return ffi::Error::Success();
+  }
+  std::ostringstream msg;
+  msg << "jax_hybridep: combine's VJP needs y as [" << rows << ", H] rows of " << row_bytes
+      << " bytes in its output cotangent's dtype; got " << dims.size() << "-d y of "
+      << y.size_bytes() << " bytes";
+  if (y.element_type() != g_type) msg << " in another dtype";
+  return ffi::Error::InvalidArgument(msg.str());
+}
+
 inline ffi::Future Failed(ffi::Error error) {
   ffi::Promise promise;
   ffi::Future future(promise);

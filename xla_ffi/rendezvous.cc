@@ -20,13 +20,21 @@
 namespace jax_hybridep {
 namespace {
 
-// The calling thread's floating-point control state (x86: MXCSR, whose flush-to-zero and
-// denormals-are-zero bits XLA's CPU runtime sets while it runs a program). Workers run a task's
-// steps under its caller's state, so a step computes the same bits whichever thread runs it.
+// The calling thread's floating-point control state (x86: MXCSR; AArch64: FPCR), whose
+// flush-to-zero bits XLA's CPU runtime sets while it runs a program. Workers run a task's steps
+// under its caller's state, so a step computes the same bits whichever thread runs it.
 struct FloatMode {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned int csr = _mm_getcsr();
   void Apply() const { _mm_setcsr(csr); }
+#elif defined(__aarch64__) && defined(__GNUC__)
+  uint64_t fpcr = Read();
+  static uint64_t Read() {
+    uint64_t value;
+    asm volatile("mrs %0, fpcr" : "=r"(value));
+    return value;
+  }
+  void Apply() const { asm volatile("msr fpcr, %0" : : "r"(fpcr)); }
 #else
   void Apply() const {}
 #endif
@@ -298,6 +306,12 @@ int64_t NextGeneration(Registry& registry, int64_t run_id, int64_t site, int64_t
 void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t group,
                   int64_t rank, int64_t num_ranks, std::chrono::milliseconds timeout,
                   Participant participant) {
+  // Whichever thread completes this rank resumes its device's program: under the floating-point
+  // mode the rank arrived with (a completion thread's own mode is its creator's).
+  participant.done = [done = std::move(participant.done), mode = FloatMode()](const Status& s) {
+    mode.Apply();
+    done(s);
+  };
   Registry& registry = GetRegistry();
   std::unique_lock<std::mutex> lock(registry.mu);
   const Key key{run_id, site, group, NextGeneration(registry, run_id, site, group, rank)};

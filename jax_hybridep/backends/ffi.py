@@ -4,12 +4,13 @@ Per shard, inside `jax.shard_map`. Levels whose ranks share a process exchange t
 memory: the ranks meet in a process-wide rendezvous (keyed by execution, call site, group and
 generation; DESIGN §2.1.7); the fused one-level path then reads straight from the peers' inputs
 (each destination copies its rows from the sources' x, each source sums its partials from the
-destinations' rows: one copy per row, no staging), and the level steps write straight into the
-peers' buffers. Levels that cross processes pack with a custom call and exchange with an XLA
-all-to-all. A one-level topology in one process takes the fused path (one custom call per
-direction); every other topology composes the per-level steps in the same order as the `xla`
-backend, so both agree bitwise. The EP rank and group ids are operands, so the handlers never
-guess them from device ordinals.
+destinations' rows: one copy per row, no staging); the level steps write dispatch's item copies
+straight into the peers' buffers and read combine's partials in place from the peers. Levels
+that cross processes pack with a custom call and exchange with an XLA all-to-all. A one-level
+topology in one process takes the fused path (one custom call per direction); every other
+topology composes the per-level steps in the same order as the `xla` backend, so both agree
+bitwise. The EP rank and group ids are operands, so the handlers never guess them from device
+ordinals.
 
 On GPUs the backend is backends/ffi_gpu.py (CUDA handlers over the direct-write transport).
 """
