@@ -62,8 +62,8 @@ void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, cons
   std::vector<float> acc(hidden);
   for (int64_t m = 0; m < items; ++m) {
     if (m + 1 < items) {  // the next item's rows are scattered over y: fetch them early
-      for (int64_t j = 0; j < k; ++j) {
-        if (pos[(m + 1) * k + j] >= 0) PrefetchRow(y + pos[(m + 1) * k + j] * row_bytes, row_bytes);
+      for (const int32_t* next = pos + (m + 1) * k; next < pos + (m + 2) * k; ++next) {
+        if (*next >= 0) PrefetchRow(y + *next * row_bytes, row_bytes);
       }
     }
     if (std::all_of(pos + m * k, pos + (m + 1) * k, [](int32_t row) { return row < 0; })) {
