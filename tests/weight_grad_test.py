@@ -112,3 +112,36 @@ def test_ffi_weight_gradient_is_the_xla_backends_bitwise(mesh_shape, hidden, dty
     assert np.abs(grad_w).max() > 0  # the gradient is not trivially zero
     for a, b in zip(results["xla"], results["ffi"], strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("mesh_shape", [(EP,), (2, 2)], ids=["flat", "node2_local2"])
+def test_unweighted_combine_of_signed_zeros_and_nans_is_the_xla_backends_bitwise(mesh_shape):
+    """An unweighted partial of one row is added without its rounding step on the host (0 + x
+    rounded back is x except -0 -> +0, which adds the same); -0 and NaN rows check that claim."""
+    names = ("ep",) if len(mesh_shape) == 1 else ("node", "local")
+    mesh = make_mesh(mesh_shape, names)
+    topo = hep.Topology.from_mesh(mesh, names)
+    spec = jax.sharding.PartitionSpec(names)
+    rng = np.random.default_rng(7)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(EP * T)]).astype(np.int32)
+    w = rng.random(idx.shape).astype(np.float32)
+    x = jnp.asarray(rng.normal(size=(EP * T, 8)), jnp.bfloat16)
+    c = T * EP * min(K, E // EP)
+    y = rng.normal(size=(EP * c, 8)).astype(np.float32)
+    y[::3] = -0.0
+    y[1::7, 2] = np.nan
+    y[2::5, 3] = -np.inf
+    y = jnp.asarray(y, jnp.bfloat16)
+    results = {}
+    for backend in ("xla", "ffi"):
+        cfg = hep.DispatchConfig(num_experts=E, backend=backend)
+
+        def step(x, idx, w, y, cfg=cfg):
+            d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+            return hep.combine(y, d.handle)
+
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+        results[backend] = fn(x, idx, w, y)
+    out = np.asarray(results["ffi"].astype(jnp.float32))
+    assert (out == 0).any() and not np.signbit(out[out == 0]).any()  # -0 rows sum to +0
+    np.testing.assert_array_equal(_bits(results["xla"]), _bits(results["ffi"]))

@@ -315,12 +315,21 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
     const int64_t num_dests = DistinctDestinations(dest + t * K, K, dests.data());
     for (int64_t i = 0; i < num_dests; ++i) {
       const int32_t d = dests[i];
+      const int32_t* rows = row_pos + t * K;
+      const int64_t count = std::count(dest + t * K, dest + (t + 1) * K, d);
+      if (weights == nullptr && count == 1) {
+        // A partial of one unweighted row is that row (0 + x rounded back to the row's dtype is
+        // x, except -0 -> +0, which adds to acc the same: acc starts at +0 and never becomes
+        // -0), so it is added directly.
+        const int64_t j = std::find(dest + t * K, dest + (t + 1) * K, d) - (dest + t * K);
+        AccumulateRow(acc.data(), y[d] + rows[j] * rb, hidden, dtype, false, 1.0f);
+        continue;
+      }
       std::fill(part.begin(), part.end(), 0.0f);
       for (int64_t j = 0; j < K; ++j) {
-        const int32_t row = row_pos[t * K + j];
-        if (dest[t * K + j] != d || row < 0) continue;
-        AccumulateRow(part.data(), y[d] + row * rb, hidden, dtype, weights != nullptr,
-                      weights != nullptr ? weights[d][row] : 1.0f);
+        if (dest[t * K + j] != d || rows[j] < 0) continue;
+        AccumulateRow(part.data(), y[d] + rows[j] * rb, hidden, dtype, weights != nullptr,
+                      weights != nullptr ? weights[d][rows[j]] : 1.0f);
       }
       StoreRow(rounded.data(), part.data(), hidden, dtype);  // the partial crosses as dtype
       AccumulateRow(acc.data(), rounded.data(), hidden, dtype, false, 1.0f);
