@@ -44,6 +44,18 @@ JAX_HYBRIDEP_ROW_KERNEL void StoreRow(void* out, const float* acc, int64_t hidde
   }
 }
 
+JAX_HYBRIDEP_ROW_KERNEL void AccumulateRounded(float* acc, const float* part, int64_t hidden,
+                                               Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return AccumulateRoundedT<Dtype::kF32>(acc, part, hidden);
+    case Dtype::kBF16:
+      return AccumulateRoundedT<Dtype::kBF16>(acc, part, hidden);
+    case Dtype::kF16:
+      return AccumulateRoundedT<Dtype::kF16>(acc, part, hidden);
+  }
+}
+
 JAX_HYBRIDEP_ROW_KERNEL void ScaleRow(void* out, const void* in, int64_t hidden, float w,
                                       Dtype dtype) {
   switch (dtype) {
@@ -302,7 +314,6 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
   const int64_t T = shape.tokens, K = shape.k, rb = shape.row_bytes;
   const int64_t hidden = rb / DtypeBytes(dtype);
   std::vector<float> acc(hidden), part(hidden);
-  std::vector<char> rounded(rb);
   std::vector<int32_t> dests(K);
   for (int64_t t = 0; t < T; ++t) {
     if (t + 1 < T) {  // the next token's rows are scattered over the peers' y: fetch them early
@@ -331,8 +342,7 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
         AccumulateRow(part.data(), y[d] + rows[j] * rb, hidden, dtype, weights != nullptr,
                       weights != nullptr ? weights[d][rows[j]] : 1.0f);
       }
-      StoreRow(rounded.data(), part.data(), hidden, dtype);  // the partial crosses as dtype
-      AccumulateRow(acc.data(), rounded.data(), hidden, dtype, false, 1.0f);
+      AccumulateRounded(acc.data(), part.data(), hidden, dtype);  // the partial crosses as dtype
     }
     StoreRow(out + t * rb, acc.data(), hidden, dtype);
   }

@@ -116,6 +116,7 @@ void AccumulateRow(float* acc, const void* row, int64_t hidden, Dtype dtype, boo
                    float w);
 void StoreRow(void* out, const float* acc, int64_t hidden, Dtype dtype);
 void ScaleRow(void* out, const void* in, int64_t hidden, float w, Dtype dtype);
+void AccumulateRounded(float* acc, const float* part, int64_t hidden, Dtype dtype);
 // RowDotT by dtype; a null g is a row of zeros.
 float RowDot(const void* y, const void* g, int64_t hidden, Dtype dtype, float* lanes);
 

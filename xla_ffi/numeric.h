@@ -139,6 +139,19 @@ inline void StoreRowT(void* __restrict out, const float* __restrict acc, int64_t
   for (int64_t h = 0; h < hidden; ++h) StoreFromFloat(out, h, acc[h], D);
 }
 
+// acc[h] = acc[h] + part[h] rounded to dtype (and read back as float32): a partial that crosses
+// as dtype, added without storing it first.
+template <Dtype D>
+inline void AccumulateRoundedT(float* __restrict acc, const float* __restrict part,
+                               int64_t hidden) {
+  for (int64_t h = 0; h < hidden; ++h) {
+    float rounded = part[h];
+    if (D == Dtype::kBF16) rounded = Bf16ToFloat(FloatToBf16(part[h]));
+    if (D == Dtype::kF16) rounded = F16ToFloat(FloatToF16(part[h]));
+    acc[h] = acc[h] + rounded;
+  }
+}
+
 // out[h] = in[h] * w in float32, rounded to dtype.
 template <Dtype D>
 inline void ScaleRowT(void* __restrict out, const void* __restrict in, int64_t hidden, float w) {
