@@ -34,28 +34,14 @@ struct LayoutOutputs {
 Status ComputeLayout(const LayoutAttrs& attrs, const int32_t* topk_idx, int64_t tokens, int64_t k,
                      int32_t rank, int32_t group, const int32_t* gathered,
                      const LayoutOutputs& out) {
-  const int64_t num_ranks = attrs.num_ranks, num_slots = attrs.num_slots;
-  const int64_t num_experts = static_cast<int64_t>(attrs.expert_rank.size());
-  const Placement placement{attrs.expert_rank.data(), attrs.expert_slot.data(), num_experts,
-                            num_ranks, num_slots};
-  std::vector<int32_t> all_counts(num_ranks * num_experts);
-  std::vector<int64_t> invalid_per_rank(num_ranks);
-  for (int64_t r = 0; r < num_ranks; ++r) {
-    std::copy_n(gathered + r * (num_experts + 1), num_experts,
-                all_counts.begin() + r * num_experts);
-    invalid_per_rank[r] = gathered[r * (num_experts + 1) + num_experts];
-  }
-  std::vector<int32_t> keep_limit(num_experts), group_offset(num_experts);
-  std::vector<int32_t> all_group_sizes(num_ranks * num_slots);
-  PlanGroups(all_counts.data(), placement,
-             CapacityPlan{attrs.capacity, attrs.rows, attrs.pad_multiple}, keep_limit.data(),
-             group_offset.data(), all_group_sizes.data(), out.tokens_per_expert);
-  out.dropped[0] =
-      static_cast<int32_t>(AssignRows(topk_idx, tokens, k, rank, all_counts.data(), placement,
-                                      keep_limit.data(), group_offset.data(), out.row_pos));
-  std::copy_n(all_group_sizes.begin() + rank * num_slots, num_slots, out.group_sizes);
-  out.invalid[0] = static_cast<int32_t>(invalid_per_rank[rank]);
-  return attrs.strict ? StrictCheck(attrs, gathered, group) : Status::Ok();
+  const GroupPlan plan = PlanGroup(attrs, gathered);
+  std::copy(plan.tokens_per_expert.begin(), plan.tokens_per_expert.end(), out.tokens_per_expert);
+  out.dropped[0] = static_cast<int32_t>(AssignRows(topk_idx, tokens, k, rank, plan.counts.data(),
+                                                   MakePlacement(attrs), plan.keep_limit.data(),
+                                                   plan.group_offset.data(), out.row_pos));
+  std::copy_n(plan.group_sizes.begin() + rank * attrs.num_slots, attrs.num_slots, out.group_sizes);
+  out.invalid[0] = static_cast<int32_t>(plan.invalid_per_rank[rank]);
+  return attrs.strict ? StrictCheck(attrs, plan, group) : Status::Ok();
 }
 
 // Layout: all-gather per-(source rank, expert) counts through the rendezvous, then assign rows.

@@ -3,6 +3,7 @@
 #ifndef JAX_HYBRIDEP_XLA_FFI_FFI_SUPPORT_H_
 #define JAX_HYBRIDEP_XLA_FFI_FFI_SUPPORT_H_
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <sstream>
@@ -133,40 +134,60 @@ inline std::string FormatList(const std::vector<int64_t>& values) {
   return out.str();
 }
 
-// Strict mode: any drop or invalid id anywhere in the EP group is an error, the same on every rank
-// and backend. gathered: host copy of the all-gathered counts [R, E + 1] (per expert, then the
-// invalid-id count).
-inline Status StrictCheck(const LayoutAttrs& attrs, const int32_t* gathered, int32_t group) {
+// The EP group's plan from the all-gathered counts [R, E + 1] (per expert, then the invalid-id
+// count of each source rank): every rank computes the same.
+struct GroupPlan {
+  std::vector<int32_t> counts;                                       // [R, E]
+  std::vector<int64_t> invalid_per_rank;                             // [R]
+  std::vector<int32_t> keep_limit, group_offset, tokens_per_expert;  // [E]
+  std::vector<int32_t> group_sizes;                                  // [R, slots]
+};
+
+inline Placement MakePlacement(const LayoutAttrs& attrs) {
+  return {attrs.expert_rank.data(), attrs.expert_slot.data(),
+          static_cast<int64_t>(attrs.expert_rank.size()), attrs.num_ranks, attrs.num_slots};
+}
+
+inline GroupPlan PlanGroup(const LayoutAttrs& attrs, const int32_t* gathered) {
   const int64_t num_ranks = attrs.num_ranks;
   const int64_t num_experts = static_cast<int64_t>(attrs.expert_rank.size());
-  const Placement placement{attrs.expert_rank.data(), attrs.expert_slot.data(), num_experts,
-                            num_ranks, attrs.num_slots};
-  std::vector<int32_t> all_counts(num_ranks * num_experts);
-  std::vector<int64_t> invalid_per_rank(num_ranks), dropped_per_rank(num_ranks);
+  GroupPlan plan{std::vector<int32_t>(num_ranks * num_experts),
+                 std::vector<int64_t>(num_ranks),
+                 std::vector<int32_t>(num_experts),
+                 std::vector<int32_t>(num_experts),
+                 std::vector<int32_t>(num_experts),
+                 std::vector<int32_t>(num_ranks * attrs.num_slots)};
   for (int64_t r = 0; r < num_ranks; ++r) {
-    for (int64_t e = 0; e < num_experts; ++e) {
-      all_counts[r * num_experts + e] = gathered[r * (num_experts + 1) + e];
-    }
-    invalid_per_rank[r] = gathered[r * (num_experts + 1) + num_experts];
+    std::copy_n(gathered + r * (num_experts + 1), num_experts,
+                plan.counts.begin() + r * num_experts);
+    plan.invalid_per_rank[r] = gathered[r * (num_experts + 1) + num_experts];
   }
-  std::vector<int32_t> keep_limit(num_experts), group_offset(num_experts);
-  std::vector<int32_t> group_sizes(num_ranks * attrs.num_slots), tokens_per_expert(num_experts);
-  PlanGroups(all_counts.data(), placement,
-             CapacityPlan{attrs.capacity, attrs.rows, attrs.pad_multiple}, keep_limit.data(),
-             group_offset.data(), group_sizes.data(), tokens_per_expert.data());
-  DroppedPerSource(all_counts.data(), num_ranks, num_experts, keep_limit.data(),
+  PlanGroups(plan.counts.data(), MakePlacement(attrs),
+             CapacityPlan{attrs.capacity, attrs.rows, attrs.pad_multiple}, plan.keep_limit.data(),
+             plan.group_offset.data(), plan.group_sizes.data(), plan.tokens_per_expert.data());
+  return plan;
+}
+
+// Strict mode: any drop or invalid id anywhere in the EP group is an error, the same on every rank
+// and backend.
+inline Status StrictCheck(const LayoutAttrs& attrs, const GroupPlan& plan, int32_t group) {
+  const int64_t num_ranks = attrs.num_ranks;
+  const int64_t num_experts = static_cast<int64_t>(attrs.expert_rank.size());
+  std::vector<int64_t> dropped_per_rank(num_ranks);
+  DroppedPerSource(plan.counts.data(), num_ranks, num_experts, plan.keep_limit.data(),
                    dropped_per_rank.data());
   int64_t total_dropped = 0, total_invalid = 0;
   for (int64_t r = 0; r < num_ranks; ++r) {
     total_dropped += dropped_per_rank[r];
-    total_invalid += invalid_per_rank[r];
+    total_invalid += plan.invalid_per_rank[r];
   }
   if (total_dropped + total_invalid == 0) return Status::Ok();
   // Must match jax_hybridep/errors.py:strict_mode_message word for word.
   std::ostringstream msg;
   msg << "jax_hybridep strict mode: " << total_dropped << " row(s) dropped over capacity and "
       << total_invalid << " invalid expert id(s) in EP group " << group << "; dropped per EP rank "
-      << FormatList(dropped_per_rank) << ", invalid per EP rank " << FormatList(invalid_per_rank);
+      << FormatList(dropped_per_rank) << ", invalid per EP rank "
+      << FormatList(plan.invalid_per_rank);
   return Status{Status::Code::kFailedPrecondition, msg.str()};
 }
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import shutil
 import subprocess
 
 from jax_hybridep import _native
+from jax_hybridep.bench import report
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -109,8 +109,7 @@ def main(argv=None) -> dict:
     result = measure(args.dtype, args.tokens, args.hidden, args.k, args.experts,
                      [int(s) for s in args.sms.split(",")], args.iters, args.warmup)  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        report.write_json(result, args.json)
     print(table(result))
     return result
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import platform
 
 import jax
@@ -30,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
-from jax_hybridep.bench import baselines, runner
+from jax_hybridep.bench import baselines, report, runner
 
 AXIS = "ep"
 
@@ -207,8 +206,7 @@ def main(argv=None) -> dict:
     result = measure(shape, tuple(args.backends.split(",")), args.capacity_factor, args.warmup,
                      args.repeats)  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        report.write_json(result, args.json)
     print(table(result))
     return result
 

@@ -238,7 +238,7 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32>
   if (s != cudaSuccess) return CudaError(s, "strict-mode check");
   const LayoutAttrs attrs = MakeLayoutAttrs(num_ranks, num_slots, capacity, rows, pad_multiple,
                                             expert_rank, expert_slot, strict);
-  return ToError(StrictCheck(attrs, host.data(), site.group));
+  return ToError(StrictCheck(attrs, PlanGroup(attrs, host.data()), site.group));
 }
 
 // ----------------------------------------------------------------------------- exchanges
