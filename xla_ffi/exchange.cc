@@ -22,14 +22,17 @@
 namespace jax_hybridep {
 
 JAX_HYBRIDEP_ROW_KERNEL void AccumulateRow(float* acc, const void* row, int64_t hidden, Dtype dtype,
-                                           bool weighted, float w) {
+                                           bool weighted, float w, bool first) {
   switch (dtype) {
     case Dtype::kF32:
-      return AccumulateRowT<Dtype::kF32>(acc, row, hidden, weighted, w);
+      return first ? AccumulateRowT<Dtype::kF32, true>(acc, row, hidden, weighted, w)
+                   : AccumulateRowT<Dtype::kF32, false>(acc, row, hidden, weighted, w);
     case Dtype::kBF16:
-      return AccumulateRowT<Dtype::kBF16>(acc, row, hidden, weighted, w);
+      return first ? AccumulateRowT<Dtype::kBF16, true>(acc, row, hidden, weighted, w)
+                   : AccumulateRowT<Dtype::kBF16, false>(acc, row, hidden, weighted, w);
     case Dtype::kF16:
-      return AccumulateRowT<Dtype::kF16>(acc, row, hidden, weighted, w);
+      return first ? AccumulateRowT<Dtype::kF16, true>(acc, row, hidden, weighted, w)
+                   : AccumulateRowT<Dtype::kF16, false>(acc, row, hidden, weighted, w);
   }
 }
 
@@ -45,14 +48,36 @@ JAX_HYBRIDEP_ROW_KERNEL void StoreRow(void* out, const float* acc, int64_t hidde
 }
 
 JAX_HYBRIDEP_ROW_KERNEL void AccumulateRounded(float* acc, const float* part, int64_t hidden,
-                                               Dtype dtype) {
+                                               Dtype dtype, bool first) {
   switch (dtype) {
     case Dtype::kF32:
-      return AccumulateRoundedT<Dtype::kF32>(acc, part, hidden);
+      return first ? AccumulateRoundedT<Dtype::kF32, true>(acc, part, hidden)
+                   : AccumulateRoundedT<Dtype::kF32, false>(acc, part, hidden);
     case Dtype::kBF16:
-      return AccumulateRoundedT<Dtype::kBF16>(acc, part, hidden);
+      return first ? AccumulateRoundedT<Dtype::kBF16, true>(acc, part, hidden)
+                   : AccumulateRoundedT<Dtype::kBF16, false>(acc, part, hidden);
     case Dtype::kF16:
-      return AccumulateRoundedT<Dtype::kF16>(acc, part, hidden);
+      return first ? AccumulateRoundedT<Dtype::kF16, true>(acc, part, hidden)
+                   : AccumulateRoundedT<Dtype::kF16, false>(acc, part, hidden);
+  }
+}
+
+void RowSum::Add(const void* row, bool weighted, float w) {
+  AccumulateRow(acc_.data(), row, hidden(), dtype_, weighted, w, empty_);
+  empty_ = false;
+}
+
+void RowSum::AddRounded(const RowSum& part) {
+  if (part.empty_) return;  // + (+0): the sum is never -0, so adding +0 changes nothing
+  AccumulateRounded(acc_.data(), part.acc_.data(), hidden(), dtype_, empty_);
+  empty_ = false;
+}
+
+void RowSum::Store(void* out) const {
+  if (empty_) {
+    std::memset(out, 0, hidden() * DtypeBytes(dtype_));  // +0 in every dtype
+  } else {
+    StoreRow(out, acc_.data(), hidden(), dtype_);
   }
 }
 
@@ -240,22 +265,20 @@ void WritePartials(const ExchangeShape& shape, int64_t rank, Dtype dtype, const 
                    const float* weights, const int32_t* token_ids, const int32_t* recv_row_pos,
                    char* const* peer_partials) {
   const int64_t T = shape.tokens, K = shape.k;
-  const int64_t hidden = shape.row_bytes / DtypeBytes(dtype);
-  std::vector<float> acc(hidden);
+  RowSum acc(shape.row_bytes / DtypeBytes(dtype), dtype);
   for (int64_t src = 0; src < shape.ranks; ++src) {
     for (int64_t j = 0; j < T; ++j) {
       const int64_t slot = src * T + j;
       const int32_t t = token_ids[slot];
       if (t < 0) continue;
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      acc.Clear();
       for (int64_t kk = 0; kk < K; ++kk) {
         const int32_t row = recv_row_pos[slot * K + kk];
         if (row < 0) continue;
-        AccumulateRow(acc.data(), y + row * shape.row_bytes, hidden, dtype, weights != nullptr,
-                      weights != nullptr ? weights[row] : 1.0f);
+        acc.Add(y + row * shape.row_bytes, weights != nullptr,
+                weights != nullptr ? weights[row] : 1.0f);
       }
-      char* out = peer_partials[src] + (rank * T + t) * shape.row_bytes;
-      StoreRow(out, acc.data(), hidden, dtype);
+      acc.Store(peer_partials[src] + (rank * T + t) * shape.row_bytes);
     }
   }
 }
@@ -263,17 +286,15 @@ void WritePartials(const ExchangeShape& shape, int64_t rank, Dtype dtype, const 
 void ReducePartials(const ExchangeShape& shape, Dtype dtype, const char* partials,
                     const int32_t* dest, char* out) {
   const int64_t T = shape.tokens, K = shape.k;
-  const int64_t hidden = shape.row_bytes / DtypeBytes(dtype);
-  std::vector<float> acc(hidden);
+  RowSum acc(shape.row_bytes / DtypeBytes(dtype), dtype);
   std::vector<int32_t> dests(K);
   for (int64_t t = 0; t < T; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    acc.Clear();
     const int64_t num_dests = DistinctDestinations(dest + t * K, K, dests.data());
     for (int64_t i = 0; i < num_dests; ++i) {
-      const char* partial = partials + (dests[i] * T + t) * shape.row_bytes;
-      AccumulateRow(acc.data(), partial, hidden, dtype, false, 1.0f);
+      acc.Add(partials + (dests[i] * T + t) * shape.row_bytes);
     }
-    StoreRow(out + t * shape.row_bytes, acc.data(), hidden, dtype);
+    acc.Store(out + t * shape.row_bytes);
   }
 }
 
@@ -296,14 +317,20 @@ void WriteRowValues(const ExchangeShape& shape, const float* values, const int32
 void PullRows(const ExchangeShape& shape, int64_t rank, const SourceRows* sources, Dtype dtype,
               const RowOutputs& out) {
   const int64_t T = shape.tokens, K = shape.k, rb = shape.row_bytes;
-  std::vector<RowSource> pulls;
+  // In row order: the rows written (and y, read by a VJP) are then streamed, and only the
+  // sources' token rows are scattered.
+  std::vector<RowSource> by_row(shape.rows, RowSource{-1, nullptr, 0.0f});
   for (int64_t src = 0; src < shape.ranks; ++src) {
     const SourceRows& from = sources[src];
     for (int64_t i = 0; i < T * K; ++i) {
-      if (from.dest[i] != rank || from.row_pos[i] < 0) continue;
-      pulls.push_back({from.row_pos[i], from.x + (i / K) * rb,
-                       from.weights != nullptr ? from.weights[i] : 0.0f});
+      const int32_t row = from.row_pos[i];
+      if (from.dest[i] != rank || row < 0) continue;
+      by_row[row] = {row, from.x + (i / K) * rb, from.weights != nullptr ? from.weights[i] : 0.0f};
     }
+  }
+  std::vector<RowSource> pulls;
+  for (const RowSource& pull : by_row) {
+    if (pull.row >= 0) pulls.push_back(pull);
   }
   WriteRows(shape.rows, rb, dtype, pulls, out);
 }
@@ -313,7 +340,7 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
                  char* out) {
   const int64_t T = shape.tokens, K = shape.k, rb = shape.row_bytes;
   const int64_t hidden = rb / DtypeBytes(dtype);
-  std::vector<float> acc(hidden), part(hidden);
+  RowSum acc(hidden, dtype), part(hidden, dtype);
   std::vector<int32_t> dests(K);
   for (int64_t t = 0; t < T; ++t) {
     if (t + 1 < T) {  // the next token's rows are scattered over the peers' y: fetch them early
@@ -322,7 +349,7 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
         if (d >= 0 && row >= 0) PrefetchRow(y[d] + row * rb, rb);
       }
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    acc.Clear();
     const int64_t num_dests = DistinctDestinations(dest + t * K, K, dests.data());
     for (int64_t i = 0; i < num_dests; ++i) {
       const int32_t d = dests[i];
@@ -333,18 +360,18 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
         // x, except -0 -> +0, which adds to acc the same: acc starts at +0 and never becomes
         // -0), so it is added directly.
         const int64_t j = std::find(dest + t * K, dest + (t + 1) * K, d) - (dest + t * K);
-        AccumulateRow(acc.data(), y[d] + rows[j] * rb, hidden, dtype, false, 1.0f);
+        if (rows[j] >= 0) acc.Add(y[d] + rows[j] * rb);
         continue;
       }
-      std::fill(part.begin(), part.end(), 0.0f);
+      part.Clear();
       for (int64_t j = 0; j < K; ++j) {
         if (dest[t * K + j] != d || rows[j] < 0) continue;
-        AccumulateRow(part.data(), y[d] + rows[j] * rb, hidden, dtype, weights != nullptr,
-                      weights != nullptr ? weights[d][rows[j]] : 1.0f);
+        part.Add(y[d] + rows[j] * rb, weights != nullptr,
+                 weights != nullptr ? weights[d][rows[j]] : 1.0f);
       }
-      AccumulateRounded(acc.data(), part.data(), hidden, dtype);  // the partial crosses as dtype
+      acc.AddRounded(part);  // the partial crosses as dtype
     }
-    StoreRow(out + t * rb, acc.data(), hidden, dtype);
+    acc.Store(out + t * rb);
   }
 }
 

@@ -111,14 +111,37 @@ void PullRowValues(const ExchangeShape& shape, const float* const* values, const
                    const int32_t* row_pos, float* out);
 
 // Row kernels shared with the level steps (numeric.h's *RowT by dtype, compiled for several x86
-// vector extensions and picked at load time; results are the same bits on each).
-void AccumulateRow(float* acc, const void* row, int64_t hidden, Dtype dtype, bool weighted,
-                   float w);
+// vector extensions and picked at load time; results are the same bits on each). `first`: acc
+// is +0 and is not read.
+void AccumulateRow(float* acc, const void* row, int64_t hidden, Dtype dtype, bool weighted, float w,
+                   bool first);
 void StoreRow(void* out, const float* acc, int64_t hidden, Dtype dtype);
 void ScaleRow(void* out, const void* in, int64_t hidden, float w, Dtype dtype);
-void AccumulateRounded(float* acc, const float* part, int64_t hidden, Dtype dtype);
+void AccumulateRounded(float* acc, const float* part, int64_t hidden, Dtype dtype, bool first);
 // RowDotT by dtype; a null g is a row of zeros.
 float RowDot(const void* y, const void* g, int64_t hidden, Dtype dtype, float* lanes);
+
+// A float32 sum of rows that starts at +0, as a buffer filled with zeros would, but neither
+// fills nor reads it before the first add. Reused across sums (Clear); not thread-safe.
+class RowSum {
+ public:
+  RowSum(int64_t hidden, Dtype dtype) : acc_(hidden), dtype_(dtype) {}
+
+  void Clear() { empty_ = true; }
+  // sum += row (times w when weighted).
+  void Add(const void* row, bool weighted = false, float w = 1.0f);
+  // sum += part rounded to the dtype: a partial that crosses as the row dtype.
+  void AddRounded(const RowSum& part);
+  // out = sum rounded to the dtype.
+  void Store(void* out) const;
+
+ private:
+  int64_t hidden() const { return static_cast<int64_t>(acc_.size()); }
+
+  std::vector<float> acc_;
+  Dtype dtype_;
+  bool empty_ = true;
+};
 
 // Asks for a row's cache lines ahead of its use: rows are read in routing order, scattered over
 // memory, where the hardware prefetcher cannot see them coming (on the CPU benchmark preset this

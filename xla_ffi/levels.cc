@@ -58,34 +58,27 @@ void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows,
 
 void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, const char* y,
                   const float* weights, const int32_t* pos, char* partials) {
-  const int64_t hidden = row_bytes / DtypeBytes(dtype);
-  std::vector<float> acc(hidden);
+  RowSum acc(row_bytes / DtypeBytes(dtype), dtype);
   for (int64_t m = 0; m < items; ++m) {
     if (m + 1 < items) {  // the next item's rows are scattered over y: fetch them early
       for (const int32_t* next = pos + (m + 1) * k; next < pos + (m + 2) * k; ++next) {
         if (*next >= 0) PrefetchRow(y + *next * row_bytes, row_bytes);
       }
     }
-    if (std::all_of(pos + m * k, pos + (m + 1) * k, [](int32_t row) { return row < 0; })) {
-      std::memset(partials + m * row_bytes, 0, row_bytes);  // an empty slot: +0, as stored below
-      continue;
-    }
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    acc.Clear();  // an empty slot stores +0
     for (int64_t j = 0; j < k; ++j) {
       const int32_t row = pos[m * k + j];
       if (row < 0) continue;
-      AccumulateRow(acc.data(), y + row * row_bytes, hidden, dtype, weights != nullptr,
-                    weights != nullptr ? weights[row] : 1.0f);
+      acc.Add(y + row * row_bytes, weights != nullptr, weights != nullptr ? weights[row] : 1.0f);
     }
-    StoreRow(partials + m * row_bytes, acc.data(), hidden, dtype);
+    acc.Store(partials + m * row_bytes);
   }
 }
 
 void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* const* back,
                  const int32_t* send_slot, char* out) {
   const int64_t S = shape.size, M = shape.items, rb = shape.row_bytes;
-  const int64_t hidden = rb / DtypeBytes(dtype);
-  std::vector<float> acc(hidden);
+  RowSum acc(rb / DtypeBytes(dtype), dtype);
   for (int64_t m = 0; m < M; ++m) {
     if (m + 1 < M) {  // the next item's partials, one per peer block
       for (int64_t p = 0; p < S; ++p) {
@@ -93,13 +86,12 @@ void ReduceLevel(const LevelShape& shape, Dtype dtype, const char* const* back,
         if (slot >= 0) PrefetchRow(back[p] + slot * rb, rb);
       }
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    acc.Clear();
     for (int64_t p = 0; p < S; ++p) {
       const int32_t slot = send_slot[m * S + p];
-      if (slot < 0) continue;
-      AccumulateRow(acc.data(), back[p] + slot * rb, hidden, dtype, false, 1.0f);
+      if (slot >= 0) acc.Add(back[p] + slot * rb);
     }
-    StoreRow(out + m * rb, acc.data(), hidden, dtype);
+    acc.Store(out + m * rb);
   }
 }
 

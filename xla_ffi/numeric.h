@@ -122,14 +122,17 @@ JAX_HYBRIDEP_HOST_DEVICE inline int WordBytes(const void* a, const void* b, int6
 // above, element by element, in the same order (no reassociation; the build disables FMA
 // contraction), so results are bitwise those of a scalar loop and of XLA, at any vector width.
 
-// acc[h] = acc[h] + row[h] (times w when weighted), in float32.
-template <Dtype D>
+// acc[h] = acc[h] + row[h] (times w when weighted), in float32. kFirst: acc is +0 and not read
+// (0 + x, the same bits as after filling it with zeros: -0 becomes +0).
+template <Dtype D, bool kFirst>
 inline void AccumulateRowT(float* __restrict acc, const void* __restrict row, int64_t hidden,
                            bool weighted, float w) {
   if (weighted) {
-    for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + LoadAsFloat(row, h, D) * w;
+    for (int64_t h = 0; h < hidden; ++h) {
+      acc[h] = (kFirst ? 0.0f : acc[h]) + LoadAsFloat(row, h, D) * w;
+    }
   } else {
-    for (int64_t h = 0; h < hidden; ++h) acc[h] = acc[h] + LoadAsFloat(row, h, D);
+    for (int64_t h = 0; h < hidden; ++h) acc[h] = (kFirst ? 0.0f : acc[h]) + LoadAsFloat(row, h, D);
   }
 }
 
@@ -140,15 +143,15 @@ inline void StoreRowT(void* __restrict out, const float* __restrict acc, int64_t
 }
 
 // acc[h] = acc[h] + part[h] rounded to dtype (and read back as float32): a partial that crosses
-// as dtype, added without storing it first.
-template <Dtype D>
+// as dtype, added without storing it first. kFirst as in AccumulateRowT.
+template <Dtype D, bool kFirst>
 inline void AccumulateRoundedT(float* __restrict acc, const float* __restrict part,
                                int64_t hidden) {
   for (int64_t h = 0; h < hidden; ++h) {
     float rounded = part[h];
     if (D == Dtype::kBF16) rounded = Bf16ToFloat(FloatToBf16(part[h]));
     if (D == Dtype::kF16) rounded = F16ToFloat(FloatToF16(part[h]));
-    acc[h] = acc[h] + rounded;
+    acc[h] = (kFirst ? 0.0f : acc[h]) + rounded;
   }
 }
 
@@ -182,9 +185,22 @@ inline float RowDotT(const void* __restrict y, const void* __restrict g, int64_t
   auto product = [&](int64_t h) {
     return LoadAsFloat(y, h, D) * (kZeroRow ? 0.0f : LoadAsFloat(g, h, D));
   };
-  for (int64_t l = 0; l < L; ++l) lanes[l] = product(l);
-  for (int64_t i = 1; i < steps; ++i) {
-    for (int64_t l = 0; l < L; ++l) lanes[l] = lanes[l] + product(i * L + l);
+  // Lanes never mix until the halving, so they are summed 16 at a time in a block the compiler
+  // keeps in registers (the same adds per lane, in the same order); through `lanes` in memory
+  // every step waited on the previous step's store (8x slower at hidden = 1024).
+  constexpr int64_t kBlock = 16;
+  int64_t first = 0;
+  for (; first + kBlock <= L; first += kBlock) {
+    float block[kBlock];
+    for (int64_t l = 0; l < kBlock; ++l) block[l] = product(first + l);
+    for (int64_t i = 1; i < steps; ++i) {
+      for (int64_t l = 0; l < kBlock; ++l) block[l] = block[l] + product(i * L + first + l);
+    }
+    for (int64_t l = 0; l < kBlock; ++l) lanes[first + l] = block[l];
+  }
+  for (int64_t l = first; l < L; ++l) {  // only when hidden < 16 (then L = hidden, one step)
+    lanes[l] = product(l);
+    for (int64_t i = 1; i < steps; ++i) lanes[l] = lanes[l] + product(i * L + l);
   }
   for (int64_t l = 0; l < tail; ++l) lanes[l] = lanes[l] + product(steps * L + l);
   for (int64_t w = L; w > 1;) {
