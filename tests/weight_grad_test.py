@@ -1,7 +1,8 @@
 """The routing-weight gradient's fixed summation order (jax_hybridep/weight_grad.py): the XLA
 expression equals its numpy statement bit for bit, it is a true dot product, and the host
 handlers' fused combine VJP (xla_ffi/numeric.h, RowDotT) gives the same bits as the `xla`
-backend for hidden sizes that exercise every branch (fewer than 16 lanes, whole steps, a tail)."""
+backend for hidden sizes that exercise every branch (fewer than 16 lanes, one or several blocks
+of 16 lanes, whole steps, a tail)."""
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +71,7 @@ EP, E, T, K = 4, 8, 6, 3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("hidden", [5, 16, 40, 1040])
+@pytest.mark.parametrize("hidden", [5, 16, 40, 1040, 2100])
 @pytest.mark.parametrize("mesh_shape", [(EP,), (2, 2)], ids=["flat", "node2_local2"])
 def test_ffi_weight_gradient_is_the_xla_backends_bitwise(mesh_shape, hidden, dtype):
     """Gradients of y and of the combine weights (padding rows included: their dot is with a
