@@ -20,7 +20,10 @@
 #endif
 
 namespace jax_hybridep {
+namespace {
 
+// The row kernels (numeric.h's *RowT) by dtype, each compiled for several x86 vector extensions
+// and picked at load time; results are the same bits on each. `first`: acc is +0 and is not read.
 JAX_HYBRIDEP_ROW_KERNEL void AccumulateRow(float* acc, const void* row, int64_t hidden, Dtype dtype,
                                            bool weighted, float w, bool first) {
   switch (dtype) {
@@ -62,6 +65,37 @@ JAX_HYBRIDEP_ROW_KERNEL void AccumulateRounded(float* acc, const float* part, in
   }
 }
 
+JAX_HYBRIDEP_ROW_KERNEL void ScaleRow(void* out, const void* in, int64_t hidden, float w,
+                                      Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return ScaleRowT<Dtype::kF32>(out, in, hidden, w);
+    case Dtype::kBF16:
+      return ScaleRowT<Dtype::kBF16>(out, in, hidden, w);
+    case Dtype::kF16:
+      return ScaleRowT<Dtype::kF16>(out, in, hidden, w);
+  }
+}
+
+// A null g is a row of zeros (a padding row).
+JAX_HYBRIDEP_ROW_KERNEL float RowDot(const void* y, const void* g, int64_t hidden, Dtype dtype,
+                                     float* lanes) {
+  switch (dtype) {
+    case Dtype::kF32:
+      return g != nullptr ? RowDotT<Dtype::kF32, false>(y, g, hidden, lanes)
+                          : RowDotT<Dtype::kF32, true>(y, g, hidden, lanes);
+    case Dtype::kBF16:
+      return g != nullptr ? RowDotT<Dtype::kBF16, false>(y, g, hidden, lanes)
+                          : RowDotT<Dtype::kBF16, true>(y, g, hidden, lanes);
+    case Dtype::kF16:
+      return g != nullptr ? RowDotT<Dtype::kF16, false>(y, g, hidden, lanes)
+                          : RowDotT<Dtype::kF16, true>(y, g, hidden, lanes);
+  }
+  return 0.0f;
+}
+
+}  // namespace
+
 void RowSum::Add(const void* row, bool weighted, float w) {
   AccumulateRow(acc_.data(), row, hidden(), dtype_, weighted, w, empty_);
   empty_ = false;
@@ -79,34 +113,6 @@ void RowSum::Store(void* out) const {
   } else {
     StoreRow(out, acc_.data(), hidden(), dtype_);
   }
-}
-
-JAX_HYBRIDEP_ROW_KERNEL void ScaleRow(void* out, const void* in, int64_t hidden, float w,
-                                      Dtype dtype) {
-  switch (dtype) {
-    case Dtype::kF32:
-      return ScaleRowT<Dtype::kF32>(out, in, hidden, w);
-    case Dtype::kBF16:
-      return ScaleRowT<Dtype::kBF16>(out, in, hidden, w);
-    case Dtype::kF16:
-      return ScaleRowT<Dtype::kF16>(out, in, hidden, w);
-  }
-}
-
-JAX_HYBRIDEP_ROW_KERNEL float RowDot(const void* y, const void* g, int64_t hidden, Dtype dtype,
-                                     float* lanes) {
-  switch (dtype) {
-    case Dtype::kF32:
-      return g != nullptr ? RowDotT<Dtype::kF32, false>(y, g, hidden, lanes)
-                          : RowDotT<Dtype::kF32, true>(y, g, hidden, lanes);
-    case Dtype::kBF16:
-      return g != nullptr ? RowDotT<Dtype::kBF16, false>(y, g, hidden, lanes)
-                          : RowDotT<Dtype::kBF16, true>(y, g, hidden, lanes);
-    case Dtype::kF16:
-      return g != nullptr ? RowDotT<Dtype::kF16, false>(y, g, hidden, lanes)
-                          : RowDotT<Dtype::kF16, true>(y, g, hidden, lanes);
-  }
-  return 0.0f;
 }
 
 namespace {
@@ -319,19 +325,18 @@ void PullRows(const ExchangeShape& shape, int64_t rank, const SourceRows* source
   const int64_t T = shape.tokens, K = shape.k, rb = shape.row_bytes;
   // In row order: the rows written (and y, read by a VJP) are then streamed, and only the
   // sources' token rows are scattered.
-  std::vector<RowSource> by_row(shape.rows, RowSource{-1, nullptr, 0.0f});
+  std::vector<RowSource> pulls(shape.rows, RowSource{-1, nullptr, 0.0f});
   for (int64_t src = 0; src < shape.ranks; ++src) {
     const SourceRows& from = sources[src];
     for (int64_t i = 0; i < T * K; ++i) {
       const int32_t row = from.row_pos[i];
       if (from.dest[i] != rank || row < 0) continue;
-      by_row[row] = {row, from.x + (i / K) * rb, from.weights != nullptr ? from.weights[i] : 0.0f};
+      pulls[row] = {row, from.x + (i / K) * rb, from.weights != nullptr ? from.weights[i] : 0.0f};
     }
   }
-  std::vector<RowSource> pulls;
-  for (const RowSource& pull : by_row) {
-    if (pull.row >= 0) pulls.push_back(pull);
-  }
+  pulls.erase(std::remove_if(pulls.begin(), pulls.end(),
+                             [](const RowSource& pull) { return pull.row < 0; }),
+              pulls.end());
   WriteRows(shape.rows, rb, dtype, pulls, out);
 }
 

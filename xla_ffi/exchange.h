@@ -110,19 +110,9 @@ void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,
 void PullRowValues(const ExchangeShape& shape, const float* const* values, const int32_t* dest,
                    const int32_t* row_pos, float* out);
 
-// Row kernels shared with the level steps (numeric.h's *RowT by dtype, compiled for several x86
-// vector extensions and picked at load time; results are the same bits on each). `first`: acc
-// is +0 and is not read.
-void AccumulateRow(float* acc, const void* row, int64_t hidden, Dtype dtype, bool weighted, float w,
-                   bool first);
-void StoreRow(void* out, const float* acc, int64_t hidden, Dtype dtype);
-void ScaleRow(void* out, const void* in, int64_t hidden, float w, Dtype dtype);
-void AccumulateRounded(float* acc, const float* part, int64_t hidden, Dtype dtype, bool first);
-// RowDotT by dtype; a null g is a row of zeros.
-float RowDot(const void* y, const void* g, int64_t hidden, Dtype dtype, float* lanes);
-
 // A float32 sum of rows that starts at +0, as a buffer filled with zeros would, but neither
-// fills nor reads it before the first add. Reused across sums (Clear); not thread-safe.
+// fills nor reads it before the first add (numeric.h's row kernels, vectorised for the CPU it
+// runs on; the same bits on each). Reused across sums (Clear); not thread-safe.
 class RowSum {
  public:
   RowSum(int64_t hidden, Dtype dtype) : acc_(hidden), dtype_(dtype) {}
