@@ -18,8 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-from cuda_kernels_test import _bits  # noqa: E402
-from cuda_transport_test import Round  # noqa: E402
+from cuda_transport_test import Round, got_bits  # noqa: E402
 
 from jax_hybridep import _native  # noqa: E402
 
@@ -66,7 +65,7 @@ def main():
         want = case.expected(weighted=True)
         for key, value in want.items():
             got = out[key][n][args.rank]
-            if not np.array_equal(_bits(got), _bits(value[args.rank]).reshape(got.shape)):
+            if not np.array_equal(*got_bits(got, value[args.rank])):
                 mismatches.append(f"round {n}: {key}")
     print(json.dumps(dict(rank=args.rank, pid=os.getpid(), mismatches=mismatches)))
 

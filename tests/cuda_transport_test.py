@@ -125,11 +125,15 @@ def run_rounds(rounds: list[Round], weighted: bool, send_blocks: int, per_rank_s
             for n in range(len(rounds))]  # fmt: skip
 
 
+def got_bits(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both arrays' bytes, shaped as the hook's output (which may be raw bytes or typed)."""
+    got_bytes = _bits(got)
+    return got_bytes, _bits(want).reshape(got_bytes.shape)
+
+
 def _assert_round(got: dict, want: dict, what: str):
     for key, value in want.items():
-        np.testing.assert_array_equal(
-            _bits(got[key]), _bits(value).reshape(got[key].shape), err_msg=f"{what}: {key}"
-        )
+        np.testing.assert_array_equal(*got_bits(got[key], value), err_msg=f"{what}: {key}")
 
 
 ROUTINGS = ("random", "all_minus_one", "one_expert", "duplicates", "invalid", "empty_rank")

@@ -67,7 +67,11 @@ def _check(result: dict, devices: int, processes: int = 1):
     if result["train"] is not None:  # the example LM trains alike on both backends
         ffi, xla = result["train"]["ffi"], result["train"]["xla"]
         assert ffi["backend"].startswith("ffi") and xla["backend"].startswith("xla")
-        assert max(abs(a - b) for a, b in zip(ffi["train"], xla["train"], strict=True)) < 1e-3
+        # Relative: XLA:GPU compiles, fuses and autotunes the two programs separately, so the
+        # rounding differences of each step compound over 8 Adam steps (an H200 run saw losses
+        # 1.6e-3 apart); the per-case checks above bound the exchange itself.
+        for a, b in zip(ffi["train"], xla["train"], strict=True):
+            assert abs(a - b) <= 1e-3 * abs(b), (ffi["train"], xla["train"])
 
 
 @pytest.mark.gpu

@@ -101,53 +101,166 @@ __device__ void SignalBlockDone(const ExchangeContext& ctx, int64_t block) {
   }
 }
 
+// ----------------------------------------------------------------------------- warp lists
+
+// The row kernels work a warp per token (or item): the lanes read the token's K routing entries
+// once into registers and pass row addresses by shuffles, and the copy loops keep several 16-byte
+// loads per lane in flight before their stores. (Block-wide loops that re-read the row list from
+// memory for every word ran at 4 GB/s of dispatch payload per SM on an H200; docs/benchmarks.md.)
+constexpr unsigned kAllLanes = 0xffffffffu;
+constexpr int kWarps = kThreads / 32;
+// 16-byte words (or element groups) a lane loads before it stores or adds them.
+constexpr int kWordsInFlight = 8;
+
+__device__ int Lane() { return static_cast<int>(threadIdx.x % 32); }
+
+// Up to 64 entries (K <= 64) held by a warp: entry i lives in lane i % 32 of half i / 32; `n` is
+// the same in every lane.
+struct WarpList {
+  char* ptr[2];
+  float factor[2];
+  int n;
+};
+
+template <typename T>
+__device__ T ShuffleEntry(const T (&v)[2], int i) {
+  return i < 32 ? __shfl_sync(kAllLanes, v[0], i) : __shfl_sync(kAllLanes, v[1], i - 32);
+}
+
+__device__ char* EntryPtr(const WarpList& list, int i) {
+  const unsigned long long halves[2] = {reinterpret_cast<uintptr_t>(list.ptr[0]),
+                                        reinterpret_cast<uintptr_t>(list.ptr[1])};
+  return reinterpret_cast<char*>(static_cast<uintptr_t>(ShuffleEntry(halves, i)));
+}
+
+__device__ float EntryFactor(const WarpList& list, int i) { return ShuffleEntry(list.factor, i); }
+
+// Position of the (n + 1)-th set bit of m (n < popcount(m)).
+__device__ int NthSetBit(unsigned m, int n) {
+  int pos = 0;
+#pragma unroll
+  for (int width = 16; width > 0; width /= 2) {
+    const int low = __popc(m & ((1u << width) - 1u));
+    if (n >= low) {
+      n -= low;
+      m >>= width;
+      pos += width;
+    }
+  }
+  return pos;
+}
+
+// The entries j = lane + 32 h with keep[h], in ascending j, moved to the front of the list.
+__device__ WarpList Compact(char* const (&ptr)[2], const float (&factor)[2],
+                            const bool (&keep)[2]) {
+  const unsigned kept[2] = {__ballot_sync(kAllLanes, keep[0]), __ballot_sync(kAllLanes, keep[1])};
+  const int first_half = __popc(kept[0]);
+  WarpList list;
+  list.n = first_half + __popc(kept[1]);
+  const unsigned long long p[2] = {reinterpret_cast<uintptr_t>(ptr[0]),
+                                   reinterpret_cast<uintptr_t>(ptr[1])};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = Lane() + 32 * h;
+    const bool in_first = i < first_half;
+    const int src =
+        in_first ? NthSetBit(kept[0], i) : (i < list.n ? NthSetBit(kept[1], i - first_half) : 0);
+    const unsigned long long a = __shfl_sync(kAllLanes, p[0], src);
+    const unsigned long long b = __shfl_sync(kAllLanes, p[1], src);
+    const float fa = __shfl_sync(kAllLanes, factor[0], src);
+    const float fb = __shfl_sync(kAllLanes, factor[1], src);
+    list.ptr[h] = reinterpret_cast<char*>(static_cast<uintptr_t>(in_first ? a : b));
+    list.factor[h] = in_first ? fa : fb;
+  }
+  return list;
+}
+
+// A token's K entries (-1 past K) in the lanes: entry j = lane + 32 h in e[h].
+__device__ void LoadEntries(const int32_t* entries, int64_t K, int32_t (&e)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t j = Lane() + 32 * h;
+    e[h] = j < K ? entries[j] : -1;
+  }
+}
+
+// Rows of `base` (stride bytes apart) for the entries >= 0, in ascending j, with factor[row]
+// (1 when factor is null).
+__device__ WarpList RowList(const int32_t (&rows)[2], char* base, int64_t stride,
+                            const float* factor) {
+  char* ptr[2];
+  float f[2];
+  bool keep[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    keep[h] = rows[h] >= 0;
+    ptr[h] = keep[h] ? base + rows[h] * stride : nullptr;
+    f[h] = keep[h] && factor != nullptr ? factor[rows[h]] : 1.0f;
+  }
+  return Compact(ptr, f, keep);
+}
+
+__device__ char* PayloadSlot(const ExchangeContext& ctx, int64_t d, int64_t src, int64_t t) {
+  const int64_t parity = ctx.generation & 1;
+  return ctx.windows[d].payload[parity] + (src * ctx.tokens + t) * RowStride(ctx.row_bytes);
+}
+
+// Token t's slots in the windows of its distinct destinations (first occurrences of dest_t).
+__device__ WarpList DestinationSlots(const ExchangeContext& ctx, const int32_t* dest_t, int64_t t) {
+  int32_t d[2];
+  LoadEntries(dest_t, ctx.k, d);
+  bool first[2] = {d[0] >= 0, d[1] >= 0};
+  for (int i = 0; i < ctx.k; ++i) {
+    const int32_t di = ShuffleEntry(d, i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) first[h] = first[h] && !(i < Lane() + 32 * h && di == d[h]);
+  }
+  char* slot[2];
+  const float unused[2] = {1.0f, 1.0f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) slot[h] = first[h] ? PayloadSlot(ctx, d[h], ctx.rank, t) : nullptr;
+  return Compact(slot, unused, first);
+}
+
 // ----------------------------------------------------------------------------- row copies
 
-// One source row to several destination rows: each word is read once. Rows with index < 0 are
-// skipped; row i lives at base + rows[i] * stride.
+// One source row to every row of the list, `Word` bytes at a time by the lanes of a warp: each
+// word is read once.
 template <typename Word>
-__device__ void FanOutWords(char* base, int64_t stride, const int32_t* rows, int64_t n,
-                            const char* src, int64_t bytes) {
+__device__ void WarpFanOutWords(const char* src, int64_t bytes, const WarpList& rows) {
+  const int64_t words = bytes / static_cast<int64_t>(sizeof(Word));
   const Word* s = reinterpret_cast<const Word*>(src);
-  for (int64_t w = threadIdx.x; w < bytes / static_cast<int64_t>(sizeof(Word)); w += blockDim.x) {
-    const Word value = s[w];
-    for (int64_t j = 0; j < n; ++j) {
-      if (rows[j] >= 0) reinterpret_cast<Word*>(base + rows[j] * stride)[w] = value;
+  // The trip count is the warp's, not the lane's: every lane must reach the shuffles.
+  for (int64_t base = 0; base < words; base += 32 * kWordsInFlight) {
+    const int64_t w0 = base + Lane();
+    Word v[kWordsInFlight];
+#pragma unroll
+    for (int b = 0; b < kWordsInFlight; ++b) {
+      if (w0 + 32 * b < words) v[b] = s[w0 + 32 * b];
+    }
+    for (int i = 0; i < rows.n; ++i) {
+      Word* out = reinterpret_cast<Word*>(EntryPtr(rows, i));
+#pragma unroll
+      for (int b = 0; b < kWordsInFlight; ++b) {
+        if (w0 + 32 * b < words) out[w0 + 32 * b] = v[b];
+      }
     }
   }
 }
 
-__device__ void FanOutRow(char* base, int64_t stride, const int32_t* rows, int64_t n,
-                          const char* src, int64_t bytes) {
-  switch (WordBytes(base, src, bytes | stride)) {
+__device__ void WarpFanOut(int word_bytes, const char* src, int64_t bytes, const WarpList& rows) {
+  switch (word_bytes) {
     case 16:
-      return FanOutWords<uint4>(base, stride, rows, n, src, bytes);
+      return WarpFanOutWords<uint4>(src, bytes, rows);
     case 8:
-      return FanOutWords<uint2>(base, stride, rows, n, src, bytes);
+      return WarpFanOutWords<uint2>(src, bytes, rows);
     case 4:
-      return FanOutWords<uint32_t>(base, stride, rows, n, src, bytes);
+      return WarpFanOutWords<uint32_t>(src, bytes, rows);
     case 2:
-      return FanOutWords<uint16_t>(base, stride, rows, n, src, bytes);
+      return WarpFanOutWords<uint16_t>(src, bytes, rows);
     default:
-      return FanOutWords<uint8_t>(base, stride, rows, n, src, bytes);
+      return WarpFanOutWords<uint8_t>(src, bytes, rows);
   }
-}
-
-// Whether destination d = dest[j] appears first at j among dest[0..K) (and is a rank).
-__device__ bool FirstOccurrence(const int32_t* dest, int64_t j) {
-  const int32_t d = dest[j];
-  if (d < 0) return false;
-  for (int64_t i = 0; i < j; ++i) {
-    if (dest[i] == d) return false;
-  }
-  return true;
-}
-
-__device__ bool AnyDest(const int32_t* dest, int64_t k) {
-  for (int64_t j = 0; j < k; ++j) {
-    if (dest[j] >= 0) return true;
-  }
-  return false;
 }
 
 // kN consecutive elements of a row as float32: one 16-byte access when kN > 1 (the element index
@@ -180,15 +293,70 @@ __device__ void StoreElements(char* row, int64_t e, const float (&v)[kN]) {
 template <Dtype kDtype>
 constexpr int kLanes = kDtype == Dtype::kF32 ? 4 : 8;
 
-// out[h] = in[h] * scale in float32, rounded to kDtype; kN elements per thread and step.
+// out[h] = in[h] * scale in float32, rounded to kDtype, by the lanes of a warp (fewer groups in
+// flight than the copies: the floats take registers).
+constexpr int kScaleInFlight = 4;
+
 template <Dtype kDtype, int kN>
-__device__ void ScaleRow(const char* in, float scale, int64_t hidden, char* out) {
-  for (int64_t e = threadIdx.x * kN; e < hidden; e += blockDim.x * kN) {
-    float v[kN];
-    LoadElements<kDtype, kN>(in, e, v);
+__device__ void WarpScaleRow(const char* in, float scale, int64_t hidden, char* out) {
+  for (int64_t base = 0; base < hidden; base += 32 * kN * kScaleInFlight) {
+    const int64_t e0 = base + Lane() * kN;
+    float v[kScaleInFlight][kN];
 #pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = __fmul_rn(v[i], scale);
-    StoreElements<kDtype, kN>(out, e, v);
+    for (int b = 0; b < kScaleInFlight; ++b) {
+      if (e0 + 32 * kN * b < hidden) LoadElements<kDtype, kN>(in, e0 + 32 * kN * b, v[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < kScaleInFlight; ++b) {
+      if (e0 + 32 * kN * b >= hidden) continue;
+#pragma unroll
+      for (int i = 0; i < kN; ++i) v[b][i] = __fmul_rn(v[b][i], scale);
+      StoreElements<kDtype, kN>(out, e0 + 32 * kN * b, v[b]);
+    }
+  }
+}
+
+// out = the float32 sum of the listed rows in list order (each times its factor when `scaled`),
+// from +0 as the host starts, rounded once to kDtype; by the lanes of a warp, each lane loading
+// kWordsInFlight element groups of a row before it adds them.
+template <Dtype kDtype, int kN>
+__device__ void WarpSumRows(const WarpList& rows, bool scaled, int64_t hidden, char* out) {
+  constexpr int kGroups = kWordsInFlight;
+  // The trip count is the warp's, not the lane's: every lane must reach the shuffles.
+  for (int64_t base = 0; base < hidden; base += 32 * kN * kGroups) {
+    const int64_t e0 = base + Lane() * kN;
+    float acc[kGroups][kN] = {};
+    for (int i = 0; i < rows.n; ++i) {
+      const char* row = EntryPtr(rows, i);
+      const float factor = EntryFactor(rows, i);
+      float v[kGroups][kN] = {};
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        if (e0 + 32 * kN * g < hidden) LoadElements<kDtype, kN>(row, e0 + 32 * kN * g, v[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+          acc[g][j] = __fadd_rn(acc[g][j], scaled ? __fmul_rn(v[g][j], factor) : v[g][j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      if (e0 + 32 * kN * g < hidden) StoreElements<kDtype, kN>(out, e0 + 32 * kN * g, acc[g]);
+    }
+  }
+}
+
+// WarpSumRows with 16-byte accesses when every row and `out` allow them.
+template <Dtype kDtype>
+__device__ void WarpSumRowsAnyWidth(const WarpList& rows, bool scaled, bool wide, int64_t hidden,
+                                    char* out) {
+  if (wide) {
+    WarpSumRows<kDtype, kLanes<kDtype>>(rows, scaled, hidden, out);
+  } else {
+    WarpSumRows<kDtype, 1>(rows, scaled, hidden, out);
   }
 }
 
@@ -209,52 +377,20 @@ __device__ void SendMetadata(const ExchangeContext& ctx, int64_t t, const int32_
   }
 }
 
-__device__ char* PayloadSlot(const ExchangeContext& ctx, int64_t d, int64_t src, int64_t t) {
-  const int64_t parity = ctx.generation & 1;
-  return ctx.windows[d].payload[parity] + (src * ctx.tokens + t) * RowStride(ctx.row_bytes);
-}
+// This block's tokens t = block (mod send_blocks), every warp its share: t = block +
+// send_blocks * (warp + kWarps * n).
+#define FOR_WARP_TOKENS(t, ctx, block)                                                   \
+  for (int64_t t = (block) + (ctx).send_blocks * static_cast<int64_t>(threadIdx.x / 32); \
+       t < (ctx).tokens; t += (ctx).send_blocks * kWarps)
 
-// Plain path: every thread loads words of x[t] and stores each to every destination of t.
-template <typename Word>
-__device__ void SendTokenWords(const ExchangeContext& ctx, int64_t t, const char* x,
-                               const int32_t* dest_t) {
-  const Word* src = reinterpret_cast<const Word*>(x + t * ctx.row_bytes);
-  for (int64_t w = threadIdx.x; w < ctx.row_bytes / static_cast<int64_t>(sizeof(Word));
-       w += blockDim.x) {
-    const Word value = src[w];
-    for (int64_t j = 0; j < ctx.k; ++j) {
-      if (FirstOccurrence(dest_t, j)) {
-        reinterpret_cast<Word*>(PayloadSlot(ctx, dest_t[j], ctx.rank, t))[w] = value;
-      }
-    }
-  }
-}
-
+// Plain path: a warp per token loads words of x[t] and stores each to every destination of t.
 __device__ void SendTokensPlain(const ExchangeContext& ctx, int64_t block, const char* x,
                                 const int32_t* dest, const int32_t* row_pos, const float* weights) {
   const int word = WordBytes(x, nullptr, ctx.row_bytes);
-  for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
-    if (row_pos != nullptr) {
-      SendMetadata(ctx, t, dest, row_pos, weights, threadIdx.x, blockDim.x);
-    }
-    const int32_t* dest_t = dest + t * ctx.k;
-    switch (word) {
-      case 16:
-        SendTokenWords<uint4>(ctx, t, x, dest_t);
-        break;
-      case 8:
-        SendTokenWords<uint2>(ctx, t, x, dest_t);
-        break;
-      case 4:
-        SendTokenWords<uint32_t>(ctx, t, x, dest_t);
-        break;
-      case 2:
-        SendTokenWords<uint16_t>(ctx, t, x, dest_t);
-        break;
-      default:
-        SendTokenWords<uint8_t>(ctx, t, x, dest_t);
-        break;
-    }
+  FOR_WARP_TOKENS(t, ctx, block) {
+    if (row_pos != nullptr) SendMetadata(ctx, t, dest, row_pos, weights, Lane(), 32);
+    const WarpList slots = DestinationSlots(ctx, dest + t * ctx.k, t);
+    WarpFanOut(word, x + t * ctx.row_bytes, ctx.row_bytes, slots);
   }
 }
 
@@ -304,15 +440,19 @@ __device__ void BulkLoad(void* smem, const void* global, uint32_t bytes, uint64_
       : "memory");
 }
 
-// Warp 0 (one lane) streams the block's token rows chunk by chunk into a ring of kStages slots;
-// writer warps store each chunk to every destination of its token and hand the slot back. A token
-// is read from HBM once whatever its number of destinations. Needs row_bytes % 16 == 0 and a
-// 16-byte aligned x.
+// 16-byte words of a chunk each writer thread stores.
+constexpr int kChunkWordsPerThread = kChunkBytes / 16 / (32 * kWriterWarps);
+static_assert(kChunkWordsPerThread * 16 * 32 * kWriterWarps == kChunkBytes);
+
+// Warp 0 (one lane issuing) streams the block's token rows chunk by chunk into a ring of kStages
+// slots; writer warps store each chunk to every destination of its token and hand the slot back.
+// A token is read from HBM once whatever its number of destinations. Each writer warp reads the
+// token's destinations once into registers. Needs row_bytes % 16 == 0 and a 16-byte aligned x.
 __device__ void SendTokensBulk(const ExchangeContext& ctx, int64_t block, const char* x,
                                const int32_t* dest, const int32_t* row_pos, const float* weights) {
   extern __shared__ __align__(128) char ring[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = Lane();
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       BarrierInit(&full[s], 1);
@@ -324,42 +464,51 @@ __device__ void SendTokensBulk(const ExchangeContext& ctx, int64_t block, const 
   const int64_t chunks = (ctx.row_bytes + kChunkBytes - 1) / kChunkBytes;
   int64_t item = 0;  // (token, chunk) pairs in this block's order: the same walk in every warp
   if (warp == 0) {
-    if (lane == 0) {
-      for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
-        if (!AnyDest(dest + t * ctx.k, ctx.k)) continue;
-        for (int64_t c = 0; c < chunks; ++c, ++item) {
-          const int s = item % kStages;
-          const uint32_t phase = (item / kStages) & 1;
-          const int64_t offset = c * kChunkBytes;
-          const uint32_t bytes = static_cast<uint32_t>(
-              ctx.row_bytes - offset < kChunkBytes ? ctx.row_bytes - offset : kChunkBytes);
-          BarrierWait(&empty[s], phase ^ 1);
-          BarrierExpectBytes(&full[s], bytes);
-          BulkLoad(ring + s * kChunkBytes, x + t * ctx.row_bytes + offset, bytes, &full[s]);
-        }
+    for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
+      int32_t d[2];
+      LoadEntries(dest + t * ctx.k, ctx.k, d);
+      if (!__any_sync(kAllLanes, d[0] >= 0 || d[1] >= 0)) continue;
+      for (int64_t c = 0; c < chunks; ++c, ++item) {
+        if (lane != 0) continue;
+        const int s = item % kStages;
+        const uint32_t phase = (item / kStages) & 1;
+        const int64_t offset = c * kChunkBytes;
+        const uint32_t bytes = static_cast<uint32_t>(
+            ctx.row_bytes - offset < kChunkBytes ? ctx.row_bytes - offset : kChunkBytes);
+        BarrierWait(&empty[s], phase ^ 1);
+        BarrierExpectBytes(&full[s], bytes);
+        BulkLoad(ring + s * kChunkBytes, x + t * ctx.row_bytes + offset, bytes, &full[s]);
       }
+      __syncwarp();  // lane 0 rejoins before the next token's vote
     }
   } else {
     const int tid = threadIdx.x - 32, threads = 32 * kWriterWarps;
     for (int64_t t = block; t < ctx.tokens; t += ctx.send_blocks) {
       if (row_pos != nullptr) SendMetadata(ctx, t, dest, row_pos, weights, tid, threads);
-      const int32_t* dest_t = dest + t * ctx.k;
-      if (!AnyDest(dest_t, ctx.k)) continue;
+      const WarpList slots = DestinationSlots(ctx, dest + t * ctx.k, t);
+      if (slots.n == 0) continue;
       for (int64_t c = 0; c < chunks; ++c, ++item) {
         const int s = item % kStages;
         const uint32_t phase = (item / kStages) & 1;
         const int64_t offset = c * kChunkBytes;
-        const int64_t bytes =
-            ctx.row_bytes - offset < kChunkBytes ? ctx.row_bytes - offset : kChunkBytes;
+        const int64_t words =
+            (ctx.row_bytes - offset < kChunkBytes ? ctx.row_bytes - offset : kChunkBytes) / 16;
         BarrierWait(&full[s], phase);
         const uint4* chunk = reinterpret_cast<const uint4*>(ring + s * kChunkBytes);
-        for (int64_t j = 0; j < ctx.k; ++j) {
-          if (!FirstOccurrence(dest_t, j)) continue;
-          uint4* out = reinterpret_cast<uint4*>(PayloadSlot(ctx, dest_t[j], ctx.rank, t) + offset);
-          for (int64_t w = tid; w < bytes / 16; w += threads) out[w] = chunk[w];
+        uint4 v[kChunkWordsPerThread];
+#pragma unroll
+        for (int b = 0; b < kChunkWordsPerThread; ++b) {
+          if (tid + b * threads < words) v[b] = chunk[tid + b * threads];
         }
         __syncwarp();
-        if (lane == 0) BarrierArrive(&empty[s]);
+        if (lane == 0) BarrierArrive(&empty[s]);  // the slot is in registers now
+        for (int i = 0; i < slots.n; ++i) {
+          uint4* out = reinterpret_cast<uint4*>(EntryPtr(slots, i) + offset);
+#pragma unroll
+          for (int b = 0; b < kChunkWordsPerThread; ++b) {
+            if (tid + b * threads < words) out[tid + b * threads] = v[b];
+          }
+        }
       }
     }
   }
@@ -382,22 +531,27 @@ __device__ void SendTokensPhase(const ExchangeContext& ctx, int64_t block, const
 // ----------------------------------------------------------------------------- dispatch receive
 
 // Receiving block `block` expands the slots (src, t) with t = block (mod send_blocks), source by
-// source, each after its sender block's flag. Returns false when a wait failed.
+// source, each after its sender block's flag; a warp per slot. Returns false when a wait failed.
 __device__ bool ReceiveRowsPhase(const ExchangeContext& ctx, int64_t block, char* out_tokens,
                                  float* out_weights, int32_t* recv_row_pos) {
   const int64_t T = ctx.tokens, K = ctx.k, parity = ctx.generation & 1;
   const Window& self = ctx.windows[ctx.rank];
+  const int word = WordBytes(out_tokens, nullptr, ctx.row_bytes);  // payload slots: 16-aligned
   for (int64_t src = 0; src < ctx.ranks; ++src) {
     if (!BlockWaitArrived(ctx, src, block)) return false;
-    for (int64_t t = block; t < T; t += ctx.send_blocks) {
+    FOR_WARP_TOKENS(t, ctx, block) {
       const int64_t slot = src * T + t;
-      const int32_t* rows = self.row_pos[parity] + slot * K;
-      for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
-        recv_row_pos[slot * K + j] = rows[j];
-        if (rows[j] >= 0) out_weights[rows[j]] = self.values[parity][slot * K + j];
+      int32_t rows[2];
+      LoadEntries(self.row_pos[parity] + slot * K, K, rows);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t j = Lane() + 32 * h;
+        if (j >= K) continue;
+        recv_row_pos[slot * K + j] = rows[h];
+        if (rows[h] >= 0) out_weights[rows[h]] = self.values[parity][slot * K + j];
       }
-      FanOutRow(out_tokens, ctx.row_bytes, rows, K, PayloadSlot(ctx, ctx.rank, src, t),
-                ctx.row_bytes);
+      const WarpList out = RowList(rows, out_tokens, ctx.row_bytes, nullptr);
+      WarpFanOut(word, PayloadSlot(ctx, ctx.rank, src, t), ctx.row_bytes, out);
     }
   }
   return true;
@@ -410,22 +564,24 @@ __device__ bool ReceiveRedispatchPhase(const ExchangeContext& ctx, int64_t block
                                        char* out_tokens, char* out_scaled) {
   const int64_t T = ctx.tokens, K = ctx.k;
   const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
+  const int word = WordBytes(out_tokens, nullptr, ctx.row_bytes);
   const bool wide = WordBytes(out_scaled, nullptr, ctx.row_bytes) == 16;
   for (int64_t src = 0; src < ctx.ranks; ++src) {
     if (!BlockWaitArrived(ctx, src, block)) return false;
-    for (int64_t t = block; t < T; t += ctx.send_blocks) {
-      const int32_t* rows = recv_row_pos + (src * T + t) * K;
+    FOR_WARP_TOKENS(t, ctx, block) {
+      int32_t rows[2];
+      LoadEntries(recv_row_pos + (src * T + t) * K, K, rows);
       const char* payload = PayloadSlot(ctx, ctx.rank, src, t);
-      FanOutRow(out_tokens, ctx.row_bytes, rows, K, payload, ctx.row_bytes);
+      WarpFanOut(word, payload, ctx.row_bytes, RowList(rows, out_tokens, ctx.row_bytes, nullptr));
       if (scale == nullptr) continue;
-      for (int64_t j = 0; j < K; ++j) {
-        const int32_t row = rows[j];
-        if (row < 0) continue;
-        char* out = out_scaled + row * ctx.row_bytes;
+      const WarpList scaled = RowList(rows, out_scaled, ctx.row_bytes, scale);
+      for (int i = 0; i < scaled.n; ++i) {
+        char* out = EntryPtr(scaled, i);
+        const float factor = EntryFactor(scaled, i);
         if (wide) {
-          ScaleRow<kDtype, kLanes<kDtype>>(payload, scale[row], hidden, out);
+          WarpScaleRow<kDtype, kLanes<kDtype>>(payload, factor, hidden, out);
         } else {
-          ScaleRow<kDtype, 1>(payload, scale[row], hidden, out);
+          WarpScaleRow<kDtype, 1>(payload, factor, hidden, out);
         }
       }
     }
@@ -435,126 +591,94 @@ __device__ bool ReceiveRedispatchPhase(const ExchangeContext& ctx, int64_t block
 
 // ----------------------------------------------------------------------------- combine
 
-// A destination's partial of one received item: the float32 sum over ascending k of its rows
-// (times their weights), rounded to kDtype, kN elements per thread and step.
-template <Dtype kDtype, int kN>
-__device__ void WritePartial(const char* y, int64_t row_bytes, const float* weights,
-                             const int32_t* rows, int64_t K, char* out) {
-  const int64_t hidden = row_bytes / DtypeBytes(kDtype);
-  for (int64_t e = threadIdx.x * kN; e < hidden; e += blockDim.x * kN) {
-    float acc[kN];
-#pragma unroll
-    for (int i = 0; i < kN; ++i) acc[i] = 0.0f;  // The host starts from +0 too.
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t row = rows[j];
-      if (row < 0) continue;
-      float v[kN];
-      LoadElements<kDtype, kN>(y + row * row_bytes, e, v);
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        acc[i] = __fadd_rn(acc[i], weights != nullptr ? __fmul_rn(v[i], weights[row]) : v[i]);
-      }
-    }
-    StoreElements<kDtype, kN>(out, e, acc);
-  }
-}
-
-// Destination side: each received (src, t) gets its partial, written into src's window at
-// [this rank, t]. Block `block` handles t = block (mod send_blocks) of every source. Rows of a
-// multiple of 16 bytes in a 16-byte aligned y move 16 bytes per access.
+// Destination side: each received (src, t) gets its partial (the float32 sum over ascending k of
+// its rows of y, times their weights, rounded to kDtype), written into src's window at [this
+// rank, t]. Block `block` handles t = block (mod send_blocks) of every source, a warp per item.
+// Rows of a multiple of 16 bytes in a 16-byte aligned y move 16 bytes per access.
 template <Dtype kDtype>
 __device__ void SendPartialsPhase(const ExchangeContext& ctx, int64_t block, const char* y,
                                   const float* weights, const int32_t* recv_row_pos) {
   const int64_t T = ctx.tokens, K = ctx.k;
+  const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
   const bool wide = WordBytes(y, nullptr, ctx.row_bytes) == 16;
-  for (int64_t src = 0; src < ctx.ranks; ++src) {
-    for (int64_t t = block; t < T; t += ctx.send_blocks) {
-      const int32_t* rows = recv_row_pos + (src * T + t) * K;
-      if (!AnyDest(rows, K)) continue;
-      char* out = ctx.windows[src].payload[ctx.generation & 1] +
-                  (ctx.rank * T + t) * RowStride(ctx.row_bytes);
-      if (wide) {
-        WritePartial<kDtype, kLanes<kDtype>>(y, ctx.row_bytes, weights, rows, K, out);
-      } else {
-        WritePartial<kDtype, 1>(y, ctx.row_bytes, weights, rows, K, out);
-      }
-    }
+  const int64_t per_source = (T - block + ctx.send_blocks - 1) / ctx.send_blocks;
+  for (int64_t item = threadIdx.x / 32; item < ctx.ranks * per_source; item += kWarps) {
+    const int64_t src = item / per_source, t = block + (item % per_source) * ctx.send_blocks;
+    int32_t rows[2];
+    LoadEntries(recv_row_pos + (src * T + t) * K, K, rows);
+    const WarpList list = RowList(rows, const_cast<char*>(y), ctx.row_bytes, weights);
+    if (list.n == 0) continue;
+    char* out = ctx.windows[src].payload[ctx.generation & 1] +
+                (ctx.rank * T + t) * RowStride(ctx.row_bytes);
+    WarpSumRowsAnyWidth<kDtype>(list, weights != nullptr, wide, hidden, out);
   }
   SignalBlockDone(ctx, block);
 }
 
-// out_row = the float32 sum of the partials of the listed destinations, in list order, rounded
-// once to kDtype; kN elements per thread and step.
-template <Dtype kDtype, int kN>
-__device__ void SumPartials(const char* partials, int64_t stride, int64_t T, int64_t t,
-                            const int32_t* dests, int num_dests, int64_t row_bytes, char* out_row) {
-  const int64_t hidden = row_bytes / DtypeBytes(kDtype);
-  for (int64_t e = threadIdx.x * kN; e < hidden; e += blockDim.x * kN) {
-    float acc[kN];
+// OR of v over the lanes of a warp.
+__device__ unsigned WarpOr(unsigned v) {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
-    for (int d = 0; d < num_dests; ++d) {
-      float v[kN];
-      LoadElements<kDtype, kN>(partials + (dests[d] * T + t) * stride, e, v);
-#pragma unroll
-      for (int i = 0; i < kN; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
-    }
-    StoreElements<kDtype, kN>(out_row, e, acc);
-  }
+  for (int offset = 16; offset > 0; offset /= 2) v |= __shfl_xor_sync(kAllLanes, v, offset);
+  return v;
 }
 
-// Source side: out[t] = sum of its partials over its distinct destinations in ascending rank.
+// Token t's partials in this rank's window, one per distinct destination in ascending rank.
+__device__ WarpList PartialsOf(const ExchangeContext& ctx, const int32_t* dest_t, int64_t t) {
+  constexpr int kRankWords = kMaxWindowRanks / 32;
+  int32_t d[2];
+  LoadEntries(dest_t, ctx.k, d);
+  unsigned ranks[kRankWords];  // the set of destinations, as bits
+#pragma unroll
+  for (int w = 0; w < kRankWords; ++w) {
+    unsigned bits = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) bits |= d[h] >= 0 && d[h] / 32 == w ? 1u << (d[h] % 32) : 0u;
+    ranks[w] = WarpOr(bits);
+  }
+  const char* partials = ctx.windows[ctx.rank].payload[ctx.generation & 1];
+  WarpList list;
+  list.n = 0;
+#pragma unroll
+  for (int w = 0; w < kRankWords; ++w) list.n += __popc(ranks[w]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = Lane() + 32 * h;
+    int before = 0, rank = -1;
+#pragma unroll
+    for (int w = 0; w < kRankWords; ++w) {
+      const int count = __popc(ranks[w]);
+      if (rank < 0 && i < before + count) rank = 32 * w + NthSetBit(ranks[w], i - before);
+      before += count;
+    }
+    list.ptr[h] =
+        rank < 0 ? nullptr
+                 : const_cast<char*>(partials) + (rank * ctx.tokens + t) * RowStride(ctx.row_bytes);
+    list.factor[h] = 1.0f;
+  }
+  return list;
+}
+
+// Source side: out[t] = sum of its partials over its distinct destinations in ascending rank. The
+// block first waits for every peer's flag: the sums need them, and the next send may reuse the
+// other half of the peers' windows only after they were all seen (transport.h).
 template <Dtype kDtype>
 __device__ bool ReducePartialsPhase(const ExchangeContext& ctx, int64_t block, const int32_t* dest,
                                     char* out) {
-  __shared__ int32_t dests[64];
-  __shared__ int num_dests;
   __shared__ int ok;
-  __shared__ bool ready[kMaxWindowRanks];
-  const int64_t T = ctx.tokens, K = ctx.k;
-  const int64_t stride = RowStride(ctx.row_bytes);
-  const char* partials = ctx.windows[ctx.rank].payload[ctx.generation & 1];
-  const bool wide = WordBytes(out, nullptr, ctx.row_bytes) == 16;
-  for (int64_t d = threadIdx.x; d < ctx.ranks; d += blockDim.x) ready[d] = false;
-  for (int64_t t = block; t < T; t += ctx.send_blocks) {
-    __syncthreads();  // The previous token's list is no longer read.
-    if (threadIdx.x == 0) {
-      int n = 0;
-      ok = 1;
-      for (int64_t i = 0; i < K; ++i) {
-        if (!FirstOccurrence(dest + t * K, i)) continue;
-        const int32_t d = dest[t * K + i];
-        int j = n++;  // Insertion sort keeps the list ascending.
-        for (; j > 0 && dests[j - 1] > d; --j) dests[j] = dests[j - 1];
-        dests[j] = d;
-        if (!ready[d]) {
-          ready[d] = WaitArrived(ctx, d, block);
-          if (!ready[d]) ok = 0;
-        }
-      }
-      num_dests = n;
-    }
-    __syncthreads();
-    if (!ok) return false;
-    char* out_row = out + t * ctx.row_bytes;
-    if (wide) {
-      SumPartials<kDtype, kLanes<kDtype>>(partials, stride, T, t, dests, num_dests, ctx.row_bytes,
-                                          out_row);
-    } else {
-      SumPartials<kDtype, 1>(partials, stride, T, t, dests, num_dests, ctx.row_bytes, out_row);
-    }
-  }
-  // Every peer's flag must have been seen before this rank's next send may reuse the other half
-  // of their windows (transport.h), also from peers none of this block's tokens went to.
-  __syncthreads();
+  __syncthreads();  // `ok` may still be read from the previous call.
   if (threadIdx.x == 0) {
     ok = 1;
-    for (int64_t d = 0; d < ctx.ranks && ok; ++d) {
-      if (!ready[d]) ok = WaitArrived(ctx, d, block);
-    }
+    for (int64_t d = 0; d < ctx.ranks && ok; ++d) ok = WaitArrived(ctx, d, block);
   }
   __syncthreads();
-  return ok != 0;
+  if (!ok) return false;
+  const int64_t hidden = ctx.row_bytes / DtypeBytes(kDtype);
+  const bool wide = WordBytes(out, nullptr, ctx.row_bytes) == 16;
+  FOR_WARP_TOKENS(t, ctx, block) {
+    const WarpList partials = PartialsOf(ctx, dest + t * ctx.k, t);
+    WarpSumRowsAnyWidth<kDtype>(partials, false, wide, hidden, out + t * ctx.row_bytes);
+  }
+  return true;
 }
 
 // ----------------------------------------------------------------------------- row values
