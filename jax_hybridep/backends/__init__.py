@@ -5,7 +5,7 @@ Each backend module provides `layout`, `dispatch`, `level_rows`, `redispatch`, `
 module for the host handlers (ffi.py) and one for GPUs (ffi_gpu.py). `xla` runs everywhere;
 `ffi` where its handlers are built and every mesh axis is manual. `auto` picks `ffi` when it can
 run the call and `xla` otherwise, except on GPUs, where the CUDA handlers run only when asked for
-(`backend="ffi"`) until scripts/gpu_check.sh has passed on GPU hardware; the env var
+(`backend="ffi"`) until they beat the `xla` backend (docs/benchmarks.md); the env var
 JAX_HYBRIDEP_BACKEND overrides the config.
 """
 
@@ -18,8 +18,8 @@ from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig, Plan
 from jax_hybridep.topology import Topology
 
 _MODULES = {xla.NAME: xla, ffi.NAME: ffi}
-# Whether `auto` picks the CUDA handlers on GPUs. Off until they have run on GPU hardware (no GPU
-# was available when they were written): backend="ffi" opts in.
+# Whether `auto` picks the CUDA handlers on GPUs. Off: on one H200 they are exact but take 4x the
+# `xla` backend's time (docs/benchmarks.md, 2026-11-29); backend="ffi" opts in.
 GPU_AUTO = False
 
 
