@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from jax_hybridep.bench import main as bench_main
@@ -208,7 +209,8 @@ ENTRY %main (p: bf16[4,8]) -> f32[4] {
 
 
 def test_whole_layer_comparison_smoke():
-    """bench.layer at a tiny size: every method ran, timed, and computed the same layer."""
+    """bench.layer at a tiny size: every method ran, timed, and computed the layer of the float32
+    numpy model."""
     import jax  # noqa: PLC0415
 
     from jax_hybridep.bench import layer  # noqa: PLC0415
@@ -218,6 +220,24 @@ def test_whole_layer_comparison_smoke():
     result = layer.measure(shape, repeats=1, warmup=1, devices=jax.devices()[:4])
     methods = [r["method"] for r in result["rows"]]
     assert methods[:2] == ["hybridep-ffi", "hybridep-xla"] and methods[2].startswith("ragged")
+    assert result["reference_loss"] != 0
     for row in result["rows"]:
         assert row["median_ms"] > 0 and row["vs_ragged"] > 0
-        assert row["loss_rel_diff"] < 1e-4, row
+        assert row["loss_rel_err"] < 1e-4, row
+
+
+def test_layer_reference_model_is_the_layer():
+    """The numpy model against a direct per-(t, k) evaluation."""
+    from jax_hybridep.bench import layer  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    x, idx, w, experts, proj = layer._inputs(
+        layer.LayerShape(tokens=6, hidden=5, ffn=4, experts_per_device=3, k=2), 2
+    )
+    ct = rng.standard_normal((x.shape[0], proj.shape[1])).astype(np.float32)
+    direct = sum(
+        w[t, k] * float(layer._gelu(x[t] @ experts[idx[t, k]]) @ proj @ ct[t])
+        for t in range(x.shape[0])
+        for k in range(idx.shape[1])
+    )
+    assert layer.reference_loss(x, idx, w, experts, proj, ct) == pytest.approx(direct, rel=1e-5)
