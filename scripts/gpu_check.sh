@@ -4,11 +4,12 @@
 #              tree; or, when .gpu/ holds a module built elsewhere for this Python and jaxlib
 #              (scripts/gpu_check.sh --prebuild does that), that one if it imports with CUDA
 #   kernels    the CUDA kernel and virtual-rank transport tests (R = 2, 4, 8) against numpy
-#   transport  the transport benchmark (one rank alone through HBM, 1..24 SMs; top-8 over the
-#   transport_k1  rank's 8 experts, then one row per token)
+#   transport, transport_k1
+#              the transport benchmark (one rank alone through HBM, 1..24 SMs): top-8 over the
+#              rank's 8 experts, then one row per token
 #   jaxgpu     JAX-level tests on the GPUs present and CUDA IPC between two processes
-#   memcheck   compute-sanitizer memcheck and racecheck on the virtual-rank harness (R = 2, tiny)
-#   racecheck
+#   memcheck, racecheck
+#              compute-sanitizer on the virtual-rank harness (R = 2, tiny sizes)
 #   layer      a whole MoE layer (dispatch -> grouped GEMM -> combine, fwd + bwd) against the same
 #              layer on ragged_all_to_all
 #   bench      the Hybrid-EP preset, both backends and the baselines
@@ -28,19 +29,26 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
+# build_module DIR DEST: builds the wheel with CUDA (sm_90a) offline in DIR and puts its native
+# module into DEST.
+build_module() {
+  rm -rf "$1" && mkdir -p "$2"
+  JAX_HYBRIDEP_CUDA=ON JAX_HYBRIDEP_CUDA_ARCHITECTURES=90a-real CMAKE_BUILD_PARALLEL_LEVEL=16 \
+    "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-index -C build-dir="$1" -w "$1" . ||
+    return 1
+  "$PY" -c "import glob, sys, zipfile
+z = zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0])
+for n in z.namelist():
+    if n.startswith('jax_hybridep/_hybridep') and n.endswith('.so'):
+        open(sys.argv[2] + '/' + n.split('/')[-1], 'wb').write(z.read(n))" "$1" "$2"
+}
+
 if [ "${1:-}" = "--prebuild" ]; then
   # The GPU machine's Python (3.12) and jaxlib (0.11.2) must match the interpreter given here.
   PY=${PYTHON:-python3}
-  rm -rf .gpu build/gpu_prebuild && mkdir -p .gpu
-  JAX_HYBRIDEP_CUDA=ON JAX_HYBRIDEP_CUDA_ARCHITECTURES=90a-real "$PY" -m pip wheel -q \
-    --no-build-isolation --no-deps --no-index -C build-dir=build/gpu_prebuild -w build/gpu_prebuild .
-  "$PY" -c "import glob, zipfile
-z = zipfile.ZipFile(glob.glob('build/gpu_prebuild/*.whl')[0])
-for n in z.namelist():
-    if n.startswith('jax_hybridep/_hybridep') and n.endswith('.so'):
-        open('.gpu/' + n.split('/')[-1], 'wb').write(z.read(n))"
-  ls -l .gpu
-  exit 0
+  rm -rf .gpu
+  build_module build/gpu_prebuild .gpu && ls -l .gpu
+  exit
 fi
 
 LOGS=out/gpu
@@ -101,18 +109,11 @@ build() {
     echo "prebuilt module unusable here; building"
     rm -f jax_hybridep/_hybridep*.so
   done
-  JAX_HYBRIDEP_CUDA=ON JAX_HYBRIDEP_CUDA_ARCHITECTURES=90a-real CMAKE_BUILD_PARALLEL_LEVEL=16 \
-    "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-index -C build-dir=build/gpu_check \
-    -w build/gpu_check/wheel . || return 1
-  "$PY" -c "import glob, zipfile
-z = zipfile.ZipFile(sorted(glob.glob('build/gpu_check/wheel/*.whl'))[-1])
-for n in z.namelist():
-    if n.startswith('jax_hybridep/_hybridep') and n.endswith('.so'):
-        open('jax_hybridep/' + n.split('/')[-1], 'wb').write(z.read(n))"
+  build_module build/gpu_check jax_hybridep || return 1
   "$PY" -c "from jax_hybridep import _hybridep as m; assert m.with_cuda; print('built', m.__file__)"
 }
 export PY
-export -f build  # `timeout` runs programs, so the function goes through bash
+export -f build build_module  # `timeout` runs programs, so the functions go through bash
 run build 200 bash -c build
 
 # One hung test fails alone, not the whole step, where pytest-timeout is installed.
