@@ -98,6 +98,11 @@ trap pack EXIT
 } >"$LOGS/env.log" 2>&1
 cat "$LOGS/env.log"
 
+# imports_with_cuda LABEL: whether the module in the source tree imports, built with CUDA.
+imports_with_cuda() {
+  "$PY" -c "from jax_hybridep import _hybridep as m; assert m.with_cuda; print('$1', m.__file__)"
+}
+
 # The module: the prebuilt one if it imports with CUDA here, else built here.
 build() {
   local so
@@ -105,17 +110,14 @@ build() {
   for so in .gpu/_hybridep*.so; do
     [ -f "$so" ] || continue
     cp "$so" jax_hybridep/
-    if "$PY" -c "from jax_hybridep import _hybridep as m; assert m.with_cuda; print('prebuilt', m.__file__)"; then
-      return 0
-    fi
+    imports_with_cuda prebuilt && return 0
     echo "prebuilt module unusable here; building"
     rm -f jax_hybridep/_hybridep*.so
   done
-  build_module build/gpu_check jax_hybridep || return 1
-  "$PY" -c "from jax_hybridep import _hybridep as m; assert m.with_cuda; print('built', m.__file__)"
+  build_module build/gpu_check jax_hybridep && imports_with_cuda built
 }
 export PY
-export -f build build_module  # `timeout` runs programs, so the functions go through bash
+export -f build build_module imports_with_cuda  # `timeout` runs programs: functions go via bash
 run build 200 bash -c build
 
 # One hung test fails alone, not the whole step, where pytest-timeout is installed.
