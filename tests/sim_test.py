@@ -97,11 +97,19 @@ def test_congestion_scales_capacity_by_overload():
 # --- one MoE step --------------------------------------------------------------------------------
 
 
+EXCHANGES = ("hierarchical", "flat")
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("num_dcs", [2, 4])
-def test_ep_matches_analytic_time(num_dcs):
-    # Uplink-bound all-to-all: a DC sends g * D * (N-1)/N bytes out through 1 GB/s (8 Gbps).
-    c = Cluster(num_dcs=num_dcs, gpus_per_dc=2, dc_gbps=8.0, **BARE)
+def test_ep_matches_analytic_time(num_dcs, exchange):
+    # Uplink-bound all-to-all: a DC sends g * D * (N-1)/N bytes out through 1 GB/s (8 Gbps). The
+    # hierarchical exchange then forwards inside the DC: each GPU sends (g-1) * D/g through its
+    # 16 GB/s (128 Gbps) link.
+    c = Cluster(num_dcs=num_dcs, gpus_per_dc=2, dc_gbps=8.0, exchange=exchange, **BARE)
     a2a = 2 * NO_COMPUTE.data_bytes * (num_dcs - 1) / num_dcs / 1e9
+    if exchange == "hierarchical":
+        a2a += NO_COMPUTE.data_bytes / 2 / 16e9
     ep = sim.step_time(c, NO_COMPUTE, 1)
     assert ep.dispatch_s == pytest.approx(a2a, rel=1e-12)
     assert ep.total_s == pytest.approx(4 * a2a, rel=1e-12)
@@ -109,20 +117,23 @@ def test_ep_matches_analytic_time(num_dcs):
     assert fwd.total_s == pytest.approx(2 * a2a, rel=1e-12)
 
 
-def test_domain_one_is_plain_ep():
-    c = Cluster(num_dcs=4, gpus_per_dc=2)
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_domain_one_is_plain_ep(exchange):
+    c = Cluster(num_dcs=4, gpus_per_dc=2, exchange=exchange)
     ep = sim.step_time(c, Workload(), 1)
     assert ep.allgather_s == 0 and ep.reduce_scatter_s == 0
-    assert ep.peers_per_gpu == c.num_ranks - 1
+    # Flat: every other rank; hierarchical: one rank per other DC, then the DC's other GPUs.
+    assert ep.peers_per_gpu == (c.num_ranks - 1 if exchange == "flat" else 3 + 1)
     assert ep.wan_bytes_per_gpu == pytest.approx(4 * Workload().data_bytes * 3 / 4)
     # Without the reduce-scatter the backward's last all-to-all is the forward's combine.
     assert ep.combine_rs_s == ep.combine_s == ep.dispatch_s
 
 
-def test_domain_of_all_dcs_sends_no_tokens_across_dcs():
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_domain_of_all_dcs_sends_no_tokens_across_dcs(exchange):
     times = []
     for bw in (0.01, 100.0):
-        c = Cluster(num_dcs=4, gpus_per_dc=2, dc_gbps=bw)
+        c = Cluster(num_dcs=4, gpus_per_dc=2, dc_gbps=bw, exchange=exchange)
         hy = sim.step_time(c, Workload(), 4)
         assert hy.peers_per_gpu == c.gpus_per_dc - 1
         assert hy.wan_bytes_per_gpu == pytest.approx(2 * 3 * Workload().expert_bytes)
@@ -130,12 +141,13 @@ def test_domain_of_all_dcs_sends_no_tokens_across_dcs():
     assert times[0] == times[1]  # tokens never touch the WAN links
 
 
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("shape", [(4, 2), (2, 3)])
 @pytest.mark.parametrize("skew", [0.0, 0.8])
-def test_aggregated_equals_every_gpu_flow(shape, skew):
+def test_aggregated_equals_every_gpu_flow(shape, skew, exchange):
     # Low bandwidth and a long RTT make the congestion term bind; it must agree too.
-    c = Cluster(num_dcs=shape[0], gpus_per_dc=shape[1], dc_gbps=1e-3, wan_latency_s=0.05,
-                congestion_exponent=0.3)  # fmt: skip
+    c = Cluster(num_dcs=shape[0], gpus_per_dc=shape[1], dc_gbps=2e-4, wan_latency_s=0.05,
+                congestion_exponent=0.3, exchange=exchange)  # fmt: skip
     w = Workload(data_bytes=1e6, expert_bytes=1e5, skew=skew)
     assert sim.step_time(c, w, 1).total_s != sim.step_time(
         dataclasses.replace(c, congestion_exponent=0.0), w, 1).total_s  # fmt: skip
@@ -153,11 +165,13 @@ def test_skewed_routing_slows_ep_when_gpu_links_bind():
     assert hot.dispatch_s > 1.2 * uniform.dispatch_s
 
 
-def test_large_cluster_runs_aggregated():
-    c = Cluster(num_dcs=1000, dc_gbps=10.0)
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_large_cluster_runs_aggregated(exchange):
+    c = Cluster(num_dcs=1000, dc_gbps=10.0, exchange=exchange)
     for s in (1, 8):
         t = sim.step_time(c, Workload(), s)
-        assert t.peers_per_gpu == c.num_ranks // s - 1
+        assert t.peers_per_gpu == sum(c.token_messages(s))
+        assert t.peers_per_gpu == (c.num_ranks // s - 1 if exchange == "flat" else 1000 // s + 6)
         assert sim.lower_bound(c, Workload(), s) <= t.total_s
 
 
@@ -175,18 +189,21 @@ def test_domain_policies():
         sim.fixed_fraction(8, 1.5)
     with pytest.raises(ValueError, match="must divide"):
         sim.step_time(Cluster(num_dcs=6), Workload(), 4)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        Cluster(num_dcs=2, exchange="ring")
 
 
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("bw", [1.0, 100.0])
-def test_best_domain_is_the_minimum_over_divisors(bw):
-    c = Cluster(num_dcs=12, dc_gbps=bw)
+def test_best_domain_is_the_minimum_over_divisors(bw, exchange):
+    c = Cluster(num_dcs=12, dc_gbps=bw, exchange=exchange)
     times = {s: sim.step_time(c, Workload(), s).total_s for s in sim.divisors(12)}
     for s, t in times.items():
         assert sim.lower_bound(c, Workload(), s) <= t
     assert sim.best_domain(c, Workload()).total_s == min(times.values())
 
 
-# --- trends (the paper's, at defaults, N = 128; docs/crossdc_simulator.md has N = 1000) -----------
+# --- trends (the paper's: N = 128 at defaults, N = 1000; docs/crossdc_simulator.md) -------------
 
 
 def test_trends_lower_bandwidth_larger_gain_and_fixed_p_above_fixed_domain():
@@ -198,6 +215,25 @@ def test_trends_lower_bandwidth_larger_gain_and_fixed_p_above_fixed_domain():
         assert all(a > b for a, b in zip(series, series[1:], strict=False)), (policy, series)
     for bw in BANDWIDTHS_GBPS:
         assert gain[("fixed_p", bw)] >= gain[("fixed_domain", bw)]
+
+
+def test_trends_at_1000_dcs():
+    # The paper's 1000-DC trends: with small per-GPU experts (36 KB; the regime its fixed-p gains
+    # imply) every policy gains more at lower bandwidth and fixed p >= fixed domain; with the
+    # Table V experts (0.36 MB) the planned domain (best S) still never gains more as bandwidth
+    # rises. Flat exchanges break the first at 100 Gbps (docs/crossdc_simulator.md, §3).
+    rows = sim.run_sweep(Cluster(num_dcs=1), Workload(expert_bytes=36e3), dc_counts=(1000,),
+                         domains=(2, 8), fractions=(0.5, 0.9))  # fmt: skip
+    gain = {(r["policy"], r["param"], r["dc_gbps"]): r["speedup"] for r in rows}
+    for policy, param in {(r["policy"], r["param"]) for r in rows}:
+        series = [gain[(policy, param, bw)] for bw in BANDWIDTHS_GBPS]
+        assert all(a > b for a, b in zip(series, series[1:], strict=False)), (policy, series)
+    for bw in BANDWIDTHS_GBPS:
+        assert min(gain[("fixed_p", p, bw)] for p in (0.5, 0.9)) >= gain[("fixed_domain", 8, bw)]
+    rows = sim.run_sweep(Cluster(num_dcs=1), Workload(), dc_counts=(1000,), domains=(),
+                         fractions=())  # fmt: skip
+    series = [r["speedup"] for r in rows]
+    assert series[0] > 1.2 and all(a >= b for a, b in zip(series, series[1:], strict=False))
 
 
 def test_byte_counting_gives_no_fixed_domain_gain_at_scale():

@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from jax_hybridep.sim.moe_step import Cluster, Workload
+from jax_hybridep.sim.moe_step import EXCHANGES, Cluster, Workload
 from jax_hybridep.sim.sweep import (
     BANDWIDTHS_GBPS,
     DC_COUNTS,
@@ -76,6 +76,13 @@ def parser() -> argparse.ArgumentParser:
         default=c.congestion_exponent,
         help="goodput exponent on links whose flows' floor rates exceed capacity (0: ideal)",
     )
+    a(
+        "--exchange",
+        choices=EXCHANGES,
+        default=c.exchange,
+        help="token exchange: hierarchical (one cross-DC message per DC, then forwarded inside "
+        "it; this package's runtime) or flat (every rank to every rank, as Tutel)",
+    )
     a("--data-mb", type=float, default=w.data_bytes / 1e6, help="D, MB per rank per all-to-all")
     a("--expert-mb", type=float, default=w.expert_bytes / 1e6, help="P_E, expert MB per rank")
     a(
@@ -118,6 +125,7 @@ def main(argv=None) -> list[dict]:
         wan_latency_s=args.wan_latency_ms * 1e-3, intra_latency_s=args.intra_latency_us * 1e-6,
         msg_overhead_s=args.msg_overhead_us * 1e-6, header_bytes=args.header_bytes,
         min_window_bytes=args.min_window_bytes, congestion_exponent=args.congestion,
+        exchange=args.exchange,
     )  # fmt: skip
     workload = Workload(
         data_bytes=args.data_mb * 1e6, expert_bytes=args.expert_mb * 1e6,
@@ -148,7 +156,7 @@ def main(argv=None) -> list[dict]:
             rows,
             args.png,
             title=f"D={args.data_mb:g} MB, P_E={args.expert_mb:g} MB, "
-            f"{args.gpus_per_dc} GPUs/DC, congestion {args.congestion:g}",
+            f"{args.gpus_per_dc} GPUs/DC, congestion {args.congestion:g}, {args.exchange}",
         )
         print(f"wrote {args.png}")
     return rows

@@ -12,6 +12,12 @@ is posted (one-way WAN or intra-DC latency) and carry `header_bytes` on top of t
 Rates are max-min fair; DC links whose flows' floor rates (min window / RTT) exceed their capacity
 lose goodput (`network.Congestion`, exponent `congestion_exponent`).
 
+Token exchanges (`Cluster.exchange`): "hierarchical" (default; this package's runtime, and
+DeepEP / Hybrid-EP internode dispatch) sends one cross-DC message per destination DC, to the
+rank with the sender's GPU index, carrying the tokens of all that DC's GPUs; a second stage
+forwards them inside the DC (dispatch: WAN then local; combine: local then WAN). "flat" (Tutel's
+all-to-all) sends every rank's tokens to every peer rank directly.
+
 HybridEP with domain size S (at the DC level, S | num_dcs): DC d = o*S + s belongs to domain o
 at offset s. Forward: each rank all-gathers the experts of the ranks with the same GPU index in
 the other S-1 DCs of its domain ((S-1) * expert_bytes in), starting at step begin, hidden under
@@ -42,6 +48,7 @@ from jax_hybridep.sim.network import (
 )
 
 TOKENS, GRADS = 0, 1  # Flows.tag values
+EXCHANGES = ("hierarchical", "flat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,8 @@ class Cluster:
       header_bytes: bytes added to every message.
       min_window_bytes: a flow's minimum window; min window / RTT is its floor rate.
       congestion_exponent: `Congestion.exponent` on the DC links (0: ideal max-min sharing).
+      exchange: "hierarchical" (cross-DC to the same GPU index, then forwarded inside the DC) or
+        "flat" (every rank to every peer rank directly).
     """
 
     num_dcs: int
@@ -71,6 +80,7 @@ class Cluster:
     header_bytes: float = 0.0
     min_window_bytes: float = 1500.0
     congestion_exponent: float = 0.1
+    exchange: str = "hierarchical"
 
     def __post_init__(self):
         if self.num_dcs < 1 or self.gpus_per_dc < 1:
@@ -87,6 +97,8 @@ class Cluster:
         )
         if min(costs) < 0:
             raise ValueError(f"latencies, overheads, window and exponent must be >= 0: {self}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
 
     @property
     def num_ranks(self) -> int:
@@ -100,6 +112,21 @@ class Cluster:
     @property
     def congestion(self) -> Congestion:
         return Congestion(self.congestion_exponent)
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.exchange == "hierarchical"
+
+    def token_messages(self, domain: int) -> tuple[int, int]:
+        """(cross-DC, intra-DC) messages a rank sends in one token exchange with domain S."""
+        m, g = self.num_dcs // domain, self.gpus_per_dc
+        return (m - 1, g - 1) if self.hierarchical else ((m - 1) * g, g - 1)
+
+    def scatter_slot(self, domain: int) -> int:
+        """Posting slot of a rank's first reduce-scatter message: after its token messages of
+        the phase the reduce-scatter joins (hierarchical: the WAN stage; flat: all of them)."""
+        cross, local = self.token_messages(domain)
+        return cross if self.hierarchical else cross + local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +168,7 @@ class StepTime:
     reduce_scatter_s: float  # end of the gradient reduce-scatter in that backward phase
     compute_s: float  # compute in the step (pre-expert and the rest, backward 2x)
     wan_bytes_per_gpu: float  # cross-DC bytes a GPU sends in the step, headers included
-    peers_per_gpu: int  # token all-to-all peers of a rank
+    peers_per_gpu: int  # messages a rank sends in one token exchange (both stages)
 
 
 def _weights(g: int, skew: float) -> np.ndarray:
@@ -221,6 +248,43 @@ def _token_part(c: Cluster, w: Workload, domain: int, transpose: bool, per_index
     )
 
 
+def _wan_part(c: Cluster, w: Workload, domain: int, per_index: bool) -> dict:
+    """Hierarchical stage 1: groups (m, i) -> rank (d, i) sends to (d + m*S, i), m > 0, the tokens
+    of all g GPUs of that DC (the weights average 1, so skew leaves this stage uniform)."""
+    n, g = c.num_dcs, c.gpus_per_dc
+    m, i = np.meshgrid(np.arange(1, n // domain), np.arange(g if per_index else 1), indexing="ij")
+    m, i = m.ravel(), i.ravel()
+    return dict(
+        src=i,
+        dst=i,
+        cross=np.ones(m.shape, bool),
+        size=np.full(m.shape, w.data_bytes * domain / n),
+        slot=(m - 1).astype(np.float64),
+        count=np.full(m.shape, n if per_index else n * g),
+        tag=np.full(m.shape, TOKENS),
+    )
+
+
+def _local_part(c: Cluster, w: Workload, domain: int, transpose: bool, per_index: bool) -> dict:
+    """Hierarchical stage 2 (dispatch) or 1 (combine): groups (i, e) -> rank (d, i) sends to
+    (d, i + e), e > 0, the tokens of all n/S DCs of its token group for that GPU (dispatch follows
+    the destination's weight, combine the sender's)."""
+    n, g = c.num_dcs, c.gpus_per_dc
+    i, e = np.meshgrid(np.arange(g if per_index else 1), np.arange(1, g), indexing="ij")
+    i, e = i.ravel(), e.ravel()
+    j = (i + e) % g
+    per_peer = w.data_bytes * domain / c.num_ranks * (n // domain)
+    return dict(
+        src=i,
+        dst=j,
+        cross=np.zeros(e.shape, bool),
+        size=per_peer * _weights(g, w.skew)[i if transpose else j],
+        slot=(e - 1).astype(np.float64),
+        count=np.full(e.shape, n if per_index else n * g),
+        tag=np.full(e.shape, TOKENS),
+    )
+
+
 def _gather_part(
     c: Cluster, w: Workload, domain: int, per_index: bool, first_slot: int, tag: int
 ) -> dict:
@@ -240,7 +304,7 @@ def _gather_part(
     )
 
 
-def _explicit(c: Cluster, w: Workload, domain: int, kind: str) -> tuple[Network, Flows]:
+def _explicit(c: Cluster, w: Workload, domain: int, kind: str) -> tuple[Network, Flows | None]:
     """The same messages, one flow per GPU pair and one class per physical link (small clusters).
 
     Peers are found from the definitions (same domain offset / same domain and GPU index) rather
@@ -249,10 +313,12 @@ def _explicit(c: Cluster, w: Workload, domain: int, kind: str) -> tuple[Network,
     n, g = c.num_dcs, c.gpus_per_dc
     ranks = n * g
     wts = _weights(g, w.skew)
-    first_slot = (n // domain) * g - 1 if kind == "scatter" else 0
+    first_slot = c.scatter_slot(domain) if kind == "scatter" else 0
+    per_peer = w.data_bytes * domain / ranks
     rows, meta = [], []
     for r in range(ranks):
         d, i = divmod(r, g)
+        group = [q for q in range(ranks) if (q // g) % domain == d % domain and q != r]
         if kind in ("gather", "scatter"):
             peers = [
                 q
@@ -260,20 +326,26 @@ def _explicit(c: Cluster, w: Workload, domain: int, kind: str) -> tuple[Network,
                 if q // g // domain == d // domain and q % g == i and q // g != d
             ]
             peers.sort(key=lambda q: (q // g - d) % domain)
+        elif kind == "wan":  # one message per DC of the token group, to the same GPU index
+            peers = sorted((q for q in group if q % g == i), key=lambda q: (q // g - d) % n)
+        elif kind.startswith("local"):
+            peers = sorted((q for q in group if q // g == d), key=lambda q: (q % g - i) % g)
         else:
-            peers = [q for q in range(ranks) if (q // g) % domain == d % domain and q != r]
-            peers.sort(key=lambda q: ((q // g - d) % n, (q % g - i) % g))
+            peers = sorted(group, key=lambda q: ((q // g - d) % n, (q % g - i) % g))
         for slot, q in enumerate(peers):
             e = q // g
             path = np.zeros(2 * ranks + 2 * n, dtype=bool)
             path[[r, ranks + q]] = True
             if e != d:
                 path[[2 * ranks + d, 2 * ranks + n + e]] = True
+            tag = GRADS if kind == "scatter" else TOKENS
             if kind in ("gather", "scatter"):
-                size, tag = w.expert_bytes, GRADS if kind == "scatter" else TOKENS
+                size = w.expert_bytes
+            elif kind == "wan":
+                size = per_peer * wts.sum()
             else:
-                size = w.data_bytes * domain / ranks * wts[i if kind == "combine" else q % g]
-                tag = TOKENS
+                size = per_peer * wts[i if kind.endswith("combine") else q % g]
+                size *= n // domain if kind.startswith("local") else 1
             latency = c.wan_latency_s if e != d else c.intra_latency_s
             rows.append(path)
             meta.append(
@@ -286,6 +358,8 @@ def _explicit(c: Cluster, w: Workload, domain: int, kind: str) -> tuple[Network,
         names=tuple(f"link{x}" for x in range(2 * ranks + 2 * n)),
         congestible=np.array([False] * 2 * ranks + [True] * 2 * n),
     )
+    if not rows:
+        return net, None
     size, start, tag = (np.array(x) for x in zip(*meta, strict=True))
     paths = np.array(rows)
     flows = Flows(
@@ -304,17 +378,20 @@ def _phase(
     c: Cluster, w: Workload, domain: int, kinds: tuple[str, ...], aggregate: bool
 ) -> dict[int, float]:
     """Simulate token / gather traffic started together; end time per tag."""
-    token_msgs = (c.num_dcs // domain) * c.gpus_per_dc - 1
     per_index = w.skew != 0
     if aggregate:
         parts = []
         for kind in kinds:
             if kind in ("dispatch", "combine"):
                 parts.append(_token_part(c, w, domain, kind == "combine", per_index))
+            elif kind == "wan":
+                parts.append(_wan_part(c, w, domain, per_index))
+            elif kind in ("local_dispatch", "local_combine"):
+                parts.append(_local_part(c, w, domain, kind == "local_combine", per_index))
             elif kind == "gather":
                 parts.append(_gather_part(c, w, domain, per_index, 0, TOKENS))
             else:  # reduce-scatter, posted after the rank's token messages
-                parts.append(_gather_part(c, w, domain, per_index, token_msgs, GRADS))
+                parts.append(_gather_part(c, w, domain, per_index, c.scatter_slot(domain), GRADS))
         parts = [p for p in parts if p["slot"].size]
         if not parts:
             return {}
@@ -322,12 +399,31 @@ def _phase(
         finish = simulate(_network(c, per_index), flows, c.congestion)
     else:
         nets = [_explicit(c, w, domain, k) for k in kinds]
-        nets = [(net, f) for net, f in nets if f.path.size]
+        nets = [(net, f) for net, f in nets if f is not None]
         if not nets:
             return {}
         flows = Flows.concat([f for _, f in nets])
         finish = simulate_reference(nets[0][0], flows, c.congestion)
     return {int(t): phase_end(flows, finish, int(t)) for t in np.unique(flows.tag)}
+
+
+def _exchange(
+    c: Cluster, w: Workload, domain: int, combine: bool, aggregate: bool, scatter: bool = False
+) -> tuple[float, float]:
+    """One token exchange, dispatch or combine pattern: (tokens end, reduce-scatter end).
+
+    `scatter` runs the reduce-scatter concurrently, from the start of the exchange's cross-DC
+    messages (flat: the whole exchange; hierarchical: its WAN stage, after the local one)."""
+    extra = ("scatter",) if scatter and domain > 1 else ()
+    if not c.hierarchical:
+        ends = _phase(c, w, domain, ("combine" if combine else "dispatch", *extra), aggregate)
+        return ends.get(TOKENS, 0.0), ends.get(GRADS, 0.0)
+    # The stages run one after the other; the WAN stage is the same traffic in both directions.
+    local = _phase(c, w, domain, ("local_combine" if combine else "local_dispatch",), aggregate)
+    local_s = local.get(TOKENS, 0.0)
+    ends = _phase(c, w, domain, ("wan", *extra), aggregate)
+    scatter_end = local_s + ends[GRADS] if GRADS in ends else 0.0
+    return local_s + ends.get(TOKENS, 0.0), scatter_end
 
 
 def step_time(c: Cluster, w: Workload, domain: int = 1, *, aggregate: bool = True) -> StepTime:
@@ -342,23 +438,19 @@ def step_time(c: Cluster, w: Workload, domain: int = 1, *, aggregate: bool = Tru
     if domain < 1 or c.num_dcs % domain:
         raise ValueError(f"domain size {domain} must divide the DC count {c.num_dcs}")
     fwd_ag = _phase(c, w, domain, ("gather",), aggregate).get(TOKENS, 0.0) if domain > 1 else 0.0
-    dispatch = _phase(c, w, domain, ("dispatch",), aggregate).get(TOKENS, 0.0)
-    # Uniform routing makes combine the same traffic as dispatch.
-    combine = (
-        dispatch if w.skew == 0 else _phase(c, w, domain, ("combine",), aggregate).get(TOKENS, 0.0)
-    )
+    dispatch = _exchange(c, w, domain, False, aggregate)[0]
+    # Uniform routing makes combine the same traffic as dispatch (hierarchical: in reverse).
+    combine = dispatch if w.skew == 0 else _exchange(c, w, domain, True, aggregate)[0]
     fwd = max(w.pre_expert_s, fwd_ag) + dispatch + combine + w.compute_s
-    m, g = c.num_dcs // domain, c.gpus_per_dc
-    cross_msgs, ag_msgs = (m - 1) * g, domain - 1
+    m = c.num_dcs // domain
+    cross_msgs, local_msgs = c.token_messages(domain)
     wan = w.data_bytes * (m - 1) / m + cross_msgs * c.header_bytes
-    ag_wan = ag_msgs * (w.expert_bytes + c.header_bytes)
-    peers = m * g - 1
+    ag_wan = (domain - 1) * (w.expert_bytes + c.header_bytes)
+    peers = cross_msgs + local_msgs
     if w.forward_only:
         return StepTime(domain, fwd, fwd_ag, dispatch, combine, 0.0, 0.0,
                         w.pre_expert_s + w.compute_s, 2 * wan + ag_wan, peers)  # fmt: skip
-    kinds = ("combine", "scatter") if domain > 1 else ("combine",)
-    ends = _phase(c, w, domain, kinds, aggregate)
-    comb_rs, rs = ends.get(TOKENS, 0.0), ends.get(GRADS, 0.0)
+    comb_rs, rs = _exchange(c, w, domain, True, aggregate, scatter=True)
     # Backward: combine^T (dispatch pattern), expert backward, dispatch^T (combine pattern) with
     # the reduce-scatter, then pre-expert backward (2x forward) that the reduce-scatter can hide
     # under.

@@ -7,14 +7,19 @@ from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
 
 def lower_bound(c: Cluster, w: Workload, domain: int) -> float:
     """A bound below `step_time(c, w, domain).total_s`: each phase needs at least its DC
-    uplink bytes at full rate, and at least the posting time plus latency of its last message."""
+    uplink bytes at full rate, and at least the posting time plus latency of its last message
+    (a hierarchical exchange: of each of its two stages)."""
     m, g, up = c.num_dcs // domain, c.gpus_per_dc, c.dc_gbps * 1e9 / 8
-    peers = m * g - 1
-    lat = c.wan_latency_s if m > 1 else c.intra_latency_s
-    a2a = max(
-        g * (w.data_bytes * (m - 1) / m + (m - 1) * g * c.header_bytes) / up,
-        (peers - 1) * c.msg_overhead_s + lat if peers else 0.0,
-    )
+    cross, local = c.token_messages(domain)
+    uplink = g * (w.data_bytes * (m - 1) / m + cross * c.header_bytes) / up
+    if c.hierarchical:
+        wan = (cross - 1) * c.msg_overhead_s + c.wan_latency_s if cross else 0.0
+        intra = (local - 1) * c.msg_overhead_s + c.intra_latency_s if local else 0.0
+        a2a = max(uplink, wan) + intra
+    else:
+        peers = cross + local
+        lat = c.wan_latency_s if m > 1 else c.intra_latency_s
+        a2a = max(uplink, (peers - 1) * c.msg_overhead_s + lat if peers else 0.0)
     ag = 0.0
     if domain > 1:
         ag = max(
