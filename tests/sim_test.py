@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jax_hybridep import sim
+from jax_hybridep import sim, xdc
 from jax_hybridep.sim import Cluster, Congestion, Flows, Network, Workload
 from jax_hybridep.sim.__main__ import main, parser
 from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS
@@ -173,6 +173,31 @@ def test_large_cluster_runs_aggregated(exchange):
         assert t.peers_per_gpu == sum(c.token_messages(s))
         assert t.peers_per_gpu == (c.num_ranks // s - 1 if exchange == "flat" else 1000 // s + 6)
         assert sim.lower_bound(c, Workload(), s) <= t.total_s
+
+
+@pytest.mark.parametrize(
+    "num_dcs,gpus,domain,dc_gbps",
+    [(4, 2, 1, 1.0), (4, 2, 2, 1.0), (6, 4, 3, 40.0), (8, 3, 1, 500.0)],
+)
+def test_hierarchical_exchange_equals_the_cost_model(num_dcs, gpus, domain, dc_gbps):
+    # Two independent models of this runtime, one by flows (sim) and one closed form (xdc), agree
+    # where both apply: no latency, per-message cost or congestion; uniform top-1 routing (no
+    # copies to deduplicate). A token exchange is the DC level, then the GPU level; the gather is
+    # one WAN transfer. Both are bound by the GPU's PCIe link or the DC's shared uplink.
+    c = Cluster(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
+    tokens, hidden = 3000, 1024
+    w = Workload(data_bytes=tokens * hidden * 2, expert_bytes=3e5, compute_s=0.0, pre_expert_s=0.0)
+    t = sim.step_time(c, w, domain)
+    gpu, dc = c.gpu_gbps * 1e9 / 8, c.dc_gbps * 1e9 / 8
+    model = xdc.cost.Cluster(
+        (num_dcs, gpus), (xdc.cost.Link(gpu, uplink=dc), xdc.cost.Link(gpu)), ("dc", "local")
+    )
+    load = xdc.Workload(tokens=tokens, top_k=1, num_experts=num_dcs * gpus, hidden=hidden,
+                        act_bytes=2, expert_bytes=int(w.expert_bytes))  # fmt: skip
+    levels = load.cost(model, load.volumes((num_dcs, gpus), (domain, 1))).levels
+    assert t.dispatch_s == pytest.approx(sum(level.tokens for level in levels), rel=1e-12)
+    assert t.allgather_s == pytest.approx(levels[0].gather, rel=1e-12)
+    assert levels[1].gather == 0
 
 
 # --- policies ------------------------------------------------------------------------------------
