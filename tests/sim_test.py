@@ -228,6 +228,24 @@ def test_best_domain_is_the_minimum_over_divisors(bw, exchange):
     assert sim.best_domain(c, Workload()).total_s == min(times.values())
 
 
+@pytest.mark.parametrize("num_dcs,gpus,dc_gbps,expert_mb,pre_ms",
+                         [(12, 2, 1.0, 0.3, 0.0), (12, 2, 1.0, 3.0, 0.0), (12, 4, 10.0, 1.0, 2.0),
+                          (12, 2, 1.0, 2.0, 30.0), (16, 8, 1.0, 0.4, 50.0)])  # fmt: skip
+def test_planned_domain_is_the_cost_models_choice(num_dcs, gpus, dc_gbps, expert_mb, pre_ms):
+    # Forward only, without latency, per-message cost, congestion or compute, the simulator and
+    # the cost model time every candidate alike (the model hides the gather under the pre-expert
+    # compute and counts the rest), so the plan is the simulator's best domain: S = N, 1 and 2
+    # among these cases.
+    c = Cluster(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
+    w = Workload(data_bytes=2048 * 3000, expert_bytes=expert_mb * 1e6, compute_s=0.0,
+                 pre_expert_s=pre_ms * 1e-3, forward_only=True)  # fmt: skip
+    plan = sim.policies.plan(c, w)
+    for candidate in plan.candidates:
+        simulated = sim.step_time(c, w, candidate.domains[0]).total_s - w.pre_expert_s
+        assert candidate.comm_time == pytest.approx(simulated, rel=1e-12), candidate.domains
+    assert sim.planned_domain(c, w) == sim.best_domain(c, w).domain
+
+
 # --- trends (the paper's: N = 128 at defaults, N = 1000; docs/crossdc_simulator.md) -------------
 
 
@@ -256,7 +274,7 @@ def test_trends_at_1000_dcs():
     for bw in BANDWIDTHS_GBPS:
         assert min(gain[("fixed_p", p, bw)] for p in (0.5, 0.9)) >= gain[("fixed_domain", 8, bw)]
     rows = sim.run_sweep(Cluster(num_dcs=1), Workload(), dc_counts=(1000,), domains=(),
-                         fractions=())  # fmt: skip
+                         fractions=(), planned=False)  # fmt: skip
     series = [r["speedup"] for r in rows]
     assert series[0] > 1.2 and all(a >= b for a, b in zip(series, series[1:], strict=False))
 
@@ -276,7 +294,7 @@ def test_cli_writes_csv_and_png(tmp_path, capsys):
     csv, png = tmp_path / "s.csv", tmp_path / "s.png"
     rows = main(["--dcs", "2", "4", "--bandwidths", "10", "--csv", str(csv), "--png", str(png),
                  "--quiet"])  # fmt: skip
-    assert len(rows) == 2 * (3 + 2 + 1)
+    assert len(rows) == 2 * (3 + 2 + 1 + 1)
     back = sim.read_csv(str(csv))
     assert [r["speedup"] for r in back] == pytest.approx([r["speedup"] for r in rows], rel=1e-5)
     assert png.stat().st_size > 10_000

@@ -31,6 +31,7 @@ from jax_hybridep.sim.policies import (
     fixed_domain,
     fixed_fraction,
     lower_bound,
+    planned_domain,
 )
 from jax_hybridep.sim.sweep import plot, read_csv, run_sweep, write_csv
 
@@ -47,6 +48,7 @@ __all__ = [
     "fixed_fraction",
     "lower_bound",
     "max_min_rates",
+    "planned_domain",
     "plot",
     "read_csv",
     "simulate",

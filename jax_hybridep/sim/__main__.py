@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
         help="fixed-p fractions of cross-DC token traffic kept (S = N(1-p))",
     )
     a("--no-best", action="store_true", help="skip the best-S search")
+    a("--no-planned", action="store_true", help="skip the cost model's plan (xdc.plan)")
     a("--gpus-per-dc", type=int, default=c.gpus_per_dc)
     a("--gpu-gbps", type=float, default=c.gpu_gbps, help="per-GPU link to the DC, Gbit/s")
     a(
@@ -142,6 +143,7 @@ def main(argv=None) -> list[dict]:
         args.domains,
         args.fractions,
         best=not args.no_best,
+        planned=not args.no_planned,
         progress=progress,
     )
     elapsed = time.perf_counter() - t0

@@ -1,8 +1,10 @@
-"""Domain-size policies (fixed domain, fixed p, best S) and a lower bound that prunes best S."""
+"""Domain-size policies (fixed domain, fixed p, best S, the cost model's plan) and a lower bound
+that prunes best S."""
 
 from __future__ import annotations
 
 from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
+from jax_hybridep.xdc import cost, planner
 
 
 def lower_bound(c: Cluster, w: Workload, domain: int) -> float:
@@ -70,3 +72,40 @@ def best_domain(c: Cluster, w: Workload, step=step_time) -> StepTime:
         if best is None or t.total_s < best.total_s:
             best = t
     return best
+
+
+# How the cost model sees a simulated workload: top-1 tokens of H x 2 bytes (for uniform top-1
+# routing the volumes depend on D only, not on how it splits into tokens), one expert per rank.
+_HIDDEN, _ACT_BYTES = 1024, 2
+
+
+def planned_domain(c: Cluster, w: Workload) -> int:
+    """Policy "planned": the DC-level domain that `xdc.plan` (the closed-form cost model this
+    package's planner uses) picks for the same cluster, intra-DC domain 1 as in the simulator."""
+    return plan(c, w).domains[0]
+
+
+def plan(c: Cluster, w: Workload) -> planner.Plan:
+    """`xdc.plan` over the domains (S, 1), S | num_dcs, for a simulated cluster and workload.
+
+    The model sees each GPU's link (rate `gpu_gbps`) at both levels, the DC link as the uplink the
+    DC's GPUs share, and `msg_overhead_s` per message, added up; it has no one-way latency and
+    no congestion, and it hides only the forward gather (under `pre_expert_s`).
+    """
+    gpu, dc = c.gpu_gbps * 1e9 / 8, c.dc_gbps * 1e9 / 8
+    model = cost.Cluster(
+        (c.num_dcs, c.gpus_per_dc),
+        (cost.Link(gpu, c.msg_overhead_s, uplink=dc), cost.Link(gpu, c.msg_overhead_s)),
+        ("dc", "local"),
+    )
+    load = planner.Workload(
+        tokens=max(1, round(w.data_bytes / (_HIDDEN * _ACT_BYTES))),
+        top_k=1,
+        num_experts=c.num_ranks,
+        hidden=_HIDDEN,
+        act_bytes=_ACT_BYTES,
+        expert_bytes=round(w.expert_bytes),
+        training=not w.forward_only,
+        lat_pe=w.pre_expert_s,
+    )
+    return planner.plan(model, load, candidates=[(s, 1) for s in divisors(c.num_dcs)])

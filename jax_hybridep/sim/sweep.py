@@ -4,7 +4,8 @@ Policies for the DC-level domain size S at each DC count N:
 * `fixed_domain` (param S0): S = the largest divisor of N not above S0;
 * `fixed_p` (param p): S = the divisor of N nearest N * (1 - p), a fraction p of the cross-DC
   token traffic remains, so the domain grows with N;
-* `best`: the fastest S over all divisors of N.
+* `best`: the fastest S over all divisors of N;
+* `planned`: the S that `xdc.plan`, the closed-form cost model, picks for the same cluster.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
-from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction
+from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction, planned_domain
 
 BANDWIDTHS_GBPS = (0.1, 1.0, 10.0, 100.0)
 DC_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 1024)
@@ -35,6 +36,7 @@ def run_sweep(
     domains: Iterable[int] = DOMAINS,
     fractions: Iterable[float] = FRACTIONS,
     best: bool = True,
+    planned: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """One row per (bandwidth, DC count, policy): EP time, hybrid time, speedup.
@@ -47,6 +49,7 @@ def run_sweep(
       domains: S0 values of the fixed-domain policy.
       fractions: p values of the fixed-p policy.
       best: also report the best S over all divisors.
+      planned: also report the cost model's choice of S (`planned_domain`).
       progress: called with a short line after each (bandwidth, DC count).
 
     Returns:
@@ -70,6 +73,8 @@ def run_sweep(
             choices += [("fixed_p", p, timed(c, workload, fixed_fraction(n, p))) for p in fractions]
             if best:
                 choices.append(("best", "", best_domain(c, workload, step=timed)))
+            if planned:
+                choices.append(("planned", "", timed(c, workload, planned_domain(c, workload))))
             for policy, param, hy in choices:
                 rows.append(dict(
                     dc_gbps=bw, num_dcs=n, gpus=c.num_ranks, policy=policy, param=param,
@@ -133,7 +138,12 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     fig, axes = plt.subplots(
         nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False, sharex=True
     )
-    labels = {"fixed_domain": "fixed domain S={}", "fixed_p": "fixed p={}", "best": "best S{}"}
+    labels = {
+        "fixed_domain": "fixed domain S={}",
+        "fixed_p": "fixed p={}",
+        "best": "best S{}",
+        "planned": "planned S (cost model){}",
+    }
     for ax, (policy, param) in zip(axes.ravel(), series, strict=False):
         sel = [r for r in rows if r["policy"] == policy and str(r["param"]) == param]
         for bw in sorted({r["dc_gbps"] for r in sel}):
