@@ -14,6 +14,8 @@ import csv
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
 from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction, planned_domain
 
@@ -163,6 +165,9 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
         ax.grid(True, which="both", alpha=0.3)
     for ax in axes.ravel()[len(series) :]:
         ax.set_visible(False)
+    for row, col in np.ndindex(axes.shape):  # tick labels under each column's lowest panel
+        below = row + 1 < nrows and axes[row + 1, col].get_visible()
+        axes[row, col].xaxis.set_tick_params(labelbottom=not below)
     axes[0, 0].legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)
