@@ -90,7 +90,8 @@ def plan(c: Cluster, w: Workload) -> planner.Plan:
 
     The model sees each GPU's link (rate `gpu_gbps`) at both levels, the DC link as the uplink the
     DC's GPUs share, and `msg_overhead_s` per message, added up; it has no one-way latency and
-    no congestion, and it hides only the forward gather (under `pre_expert_s`).
+    no congestion, and it hides only the forward gather (under `pre_expert_s`). It models this
+    package's runtime, so its exchange is hierarchical whichever `c.exchange` is simulated.
     """
     gpu, dc = c.gpu_gbps * 1e9 / 8, c.dc_gbps * 1e9 / 8
     model = cost.Cluster(
