@@ -263,7 +263,7 @@ def test_trends_lower_bandwidth_larger_gain_and_fixed_p_above_fixed_domain():
 def test_trends_at_1000_dcs():
     # The paper's 1000-DC trends: with small per-GPU experts (36 KB; the regime its fixed-p gains
     # imply) every policy gains more at lower bandwidth and fixed p >= fixed domain; with the
-    # Table V experts (0.36 MB) the planned domain (best S) still never gains more as bandwidth
+    # Table V experts (0.36 MB) the best domain (best S) still never gains more as bandwidth
     # rises. Flat exchanges break the first at 100 Gbps (docs/crossdc_simulator.md, §3).
     rows = sim.run_sweep(Cluster(num_dcs=1), Workload(expert_bytes=36e3), dc_counts=(1000,),
                          domains=(2, 8), fractions=(0.5, 0.9))  # fmt: skip
