@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jax_hybridep import sim, xdc
+from jax_hybridep import sim
 from jax_hybridep.sim import Cluster, Congestion, Flows, Network, Workload
 from jax_hybridep.sim.__main__ import main, parser
 from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS
@@ -185,16 +185,11 @@ def test_hierarchical_exchange_equals_the_cost_model(num_dcs, gpus, domain, dc_g
     # copies to deduplicate). A token exchange is the DC level, then the GPU level; the gather is
     # one WAN transfer. Both are bound by the GPU's PCIe link or the DC's shared uplink.
     c = Cluster(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
-    tokens, hidden = 3000, 1024
-    w = Workload(data_bytes=tokens * hidden * 2, expert_bytes=3e5, compute_s=0.0, pre_expert_s=0.0)
+    w = Workload(data_bytes=3000 * 1024 * 2, expert_bytes=3e5, compute_s=0.0, pre_expert_s=0.0)
     t = sim.step_time(c, w, domain)
-    gpu, dc = c.gpu_gbps * 1e9 / 8, c.dc_gbps * 1e9 / 8
-    model = xdc.cost.Cluster(
-        (num_dcs, gpus), (xdc.cost.Link(gpu, uplink=dc), xdc.cost.Link(gpu)), ("dc", "local")
-    )
-    load = xdc.Workload(tokens=tokens, top_k=1, num_experts=num_dcs * gpus, hidden=hidden,
-                        act_bytes=2, expert_bytes=int(w.expert_bytes))  # fmt: skip
-    levels = load.cost(model, load.volumes((num_dcs, gpus), (domain, 1))).levels
+    # The cost model as the planned policy builds it for this cluster (levels dc, local).
+    plan = sim.policies.plan(c, w)
+    levels = next(x for x in plan.candidates if x.domains == (domain, 1)).cost.levels
     assert t.dispatch_s == pytest.approx(sum(level.tokens for level in levels), rel=1e-12)
     assert t.allgather_s == pytest.approx(levels[0].gather, rel=1e-12)
     assert levels[1].gather == 0

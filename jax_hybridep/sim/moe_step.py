@@ -223,6 +223,21 @@ def _flows(c: Cluster, per_index: bool, parts: list[dict]) -> Flows:
     )
 
 
+def _groups(c: Cluster, per_index: bool, src, dst, cross, size, slot, tag: int) -> dict:
+    """Message groups as arrays (a group: one message from every rank, or from every rank with
+    GPU index `src` when routing is skewed by GPU index); scalars are broadcast."""
+    shape = np.shape(src)
+    return dict(
+        src=src,
+        dst=dst,
+        cross=np.broadcast_to(cross, shape),
+        size=np.broadcast_to(np.asarray(size, np.float64), shape),
+        slot=np.asarray(slot, np.float64),
+        count=np.full(shape, c.num_dcs if per_index else c.num_ranks),
+        tag=np.full(shape, tag),
+    )
+
+
 def _token_part(c: Cluster, w: Workload, domain: int, transpose: bool, per_index: bool) -> dict:
     """Token all-to-all among the G/S ranks at one domain offset: groups (m, i, e) -> rank (d, i)
     sends to (d + m*S, i + e); m > 0 crosses DCs. Dispatch bytes follow the destination's weight,
@@ -235,34 +250,23 @@ def _token_part(c: Cluster, w: Workload, domain: int, transpose: bool, per_index
     keep = (m > 0) | (e > 0)
     m, i, e = m[keep], i[keep], e[keep]
     j = (i + e) % g
-    wts = _weights(g, w.skew)
-    per_peer = w.data_bytes * domain / c.num_ranks
-    return dict(
-        src=i,
-        dst=j,
-        cross=m > 0,
-        size=per_peer * wts[i if transpose else j],
-        slot=(m * g + e - 1).astype(np.float64),
-        count=np.full(m.shape, n if per_index else n * g),
-        tag=np.full(m.shape, TOKENS),
+    size = w.data_bytes * domain / c.num_ranks * _weights(g, w.skew)[i if transpose else j]
+    return _groups(c, per_index, i, j, m > 0, size, m * g + e - 1, TOKENS)
+
+
+def _rail_part(
+    c: Cluster, per_index: bool, messages: int, size: float, first_slot: int, tag: int
+) -> dict:
+    """Rank (d, i) sends `size` bytes to the rank with its GPU index in each of `messages` other
+    DCs, posted from `first_slot` on: groups (m, i). The hierarchical exchange's WAN stage (one
+    message per DC of the token group, the tokens of all its g GPUs; the weights average 1, so
+    skew leaves it uniform), the expert all-gather and its transpose, the reduce-scatter (one
+    message per other DC of the domain)."""
+    m, i = np.meshgrid(
+        np.arange(1, messages + 1), np.arange(c.gpus_per_dc if per_index else 1), indexing="ij"
     )
-
-
-def _wan_part(c: Cluster, w: Workload, domain: int, per_index: bool) -> dict:
-    """Hierarchical stage 1: groups (m, i) -> rank (d, i) sends to (d + m*S, i), m > 0, the tokens
-    of all g GPUs of that DC (the weights average 1, so skew leaves this stage uniform)."""
-    n, g = c.num_dcs, c.gpus_per_dc
-    m, i = np.meshgrid(np.arange(1, n // domain), np.arange(g if per_index else 1), indexing="ij")
     m, i = m.ravel(), i.ravel()
-    return dict(
-        src=i,
-        dst=i,
-        cross=np.ones(m.shape, bool),
-        size=np.full(m.shape, w.data_bytes * domain / n),
-        slot=(m - 1).astype(np.float64),
-        count=np.full(m.shape, n if per_index else n * g),
-        tag=np.full(m.shape, TOKENS),
-    )
+    return _groups(c, per_index, i, i, True, size, first_slot + m - 1, tag)
 
 
 def _local_part(c: Cluster, w: Workload, domain: int, transpose: bool, per_index: bool) -> dict:
@@ -274,34 +278,8 @@ def _local_part(c: Cluster, w: Workload, domain: int, transpose: bool, per_index
     i, e = i.ravel(), e.ravel()
     j = (i + e) % g
     per_peer = w.data_bytes * domain / c.num_ranks * (n // domain)
-    return dict(
-        src=i,
-        dst=j,
-        cross=np.zeros(e.shape, bool),
-        size=per_peer * _weights(g, w.skew)[i if transpose else j],
-        slot=(e - 1).astype(np.float64),
-        count=np.full(e.shape, n if per_index else n * g),
-        tag=np.full(e.shape, TOKENS),
-    )
-
-
-def _gather_part(
-    c: Cluster, w: Workload, domain: int, per_index: bool, first_slot: int, tag: int
-) -> dict:
-    """Expert all-gather (or its transpose, the reduce-scatter): groups (delta, i) -> rank (d, i)
-    sends P_E to the rank with its GPU index at domain offset s + delta."""
-    n, g = c.num_dcs, c.gpus_per_dc
-    delta, i = np.meshgrid(np.arange(1, domain), np.arange(g if per_index else 1), indexing="ij")
-    delta, i = delta.ravel(), i.ravel()
-    return dict(
-        src=i,
-        dst=i,
-        cross=np.ones(delta.shape, bool),
-        size=np.full(delta.shape, w.expert_bytes),
-        slot=(first_slot + delta - 1).astype(np.float64),
-        count=np.full(delta.shape, n if per_index else n * g),
-        tag=np.full(delta.shape, tag),
-    )
+    size = per_peer * _weights(g, w.skew)[i if transpose else j]
+    return _groups(c, per_index, i, j, False, size, e - 1, TOKENS)
 
 
 def _explicit(c: Cluster, w: Workload, domain: int, kind: str) -> tuple[Network, Flows | None]:
@@ -385,13 +363,13 @@ def _phase(
             if kind in ("dispatch", "combine"):
                 parts.append(_token_part(c, w, domain, kind == "combine", per_index))
             elif kind == "wan":
-                parts.append(_wan_part(c, w, domain, per_index))
+                size = w.data_bytes * domain / c.num_dcs
+                parts.append(_rail_part(c, per_index, c.num_dcs // domain - 1, size, 0, TOKENS))
             elif kind in ("local_dispatch", "local_combine"):
                 parts.append(_local_part(c, w, domain, kind == "local_combine", per_index))
-            elif kind == "gather":
-                parts.append(_gather_part(c, w, domain, per_index, 0, TOKENS))
-            else:  # reduce-scatter, posted after the rank's token messages
-                parts.append(_gather_part(c, w, domain, per_index, c.scatter_slot(domain), GRADS))
+            else:  # gather, or the reduce-scatter, posted after the rank's token messages
+                first, tag = (0, TOKENS) if kind == "gather" else (c.scatter_slot(domain), GRADS)
+                parts.append(_rail_part(c, per_index, domain - 1, w.expert_bytes, first, tag))
         parts = [p for p in parts if p["slot"].size]
         if not parts:
             return {}
