@@ -46,17 +46,15 @@ Status ComputeLayout(const LayoutAttrs& attrs, const int32_t* topk_idx, int64_t 
 
 // Layout: all-gather per-(source rank, expert) counts through the rendezvous, then assign rows.
 ffi::Future LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
-                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
-                       int64_t num_ranks, int64_t num_slots, int64_t capacity, int64_t rows,
-                       int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
-                       ffi::Span<const int64_t> expert_slot, bool strict, int64_t timeout_ms,
-                       ffi::ResultBuffer<ffi::S32> row_pos, ffi::ResultBuffer<ffi::S32> group_sizes,
+                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                       LayoutExchangeAttrs layout, ffi::ResultBuffer<ffi::S32> row_pos,
+                       ffi::ResultBuffer<ffi::S32> group_sizes,
                        ffi::ResultBuffer<ffi::S32> tokens_per_expert,
                        ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::S32> invalid) {
-  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
+  const CallSite call = MakeCallSite(run_id, rank, group, layout.exchange());
   const int64_t tokens = topk_idx.dimensions()[0], k = topk_idx.dimensions()[1];
-  auto attrs = std::make_shared<LayoutAttrs>(MakeLayoutAttrs(
-      num_ranks, num_slots, capacity, rows, pad_multiple, expert_rank, expert_slot, strict));
+  auto attrs = std::make_shared<LayoutAttrs>(MakeLayoutAttrs(layout));
+  const int64_t num_ranks = attrs->num_ranks;
   const int64_t num_experts = static_cast<int64_t>(attrs->expert_rank.size());
   // This rank's counts, E per-expert entries then the invalid-id count; peers read them all.
   auto counts = std::make_shared<std::vector<int32_t>>(num_experts + 1);
@@ -83,15 +81,14 @@ ffi::Future LayoutImpl(ffi::RunId run_id, ffi::Buffer<ffi::S32> topk_idx,
 }
 
 // Layout from counts already all-gathered by an XLA collective (EP groups across processes).
-ffi::Error LayoutGatheredImpl(
-    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> gathered, ffi::Buffer<ffi::S32> rank,
-    ffi::Buffer<ffi::S32> group, int64_t num_ranks, int64_t num_slots, int64_t capacity,
-    int64_t rows, int64_t pad_multiple, ffi::Span<const int64_t> expert_rank,
-    ffi::Span<const int64_t> expert_slot, bool strict, ffi::ResultBuffer<ffi::S32> row_pos,
-    ffi::ResultBuffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::S32> tokens_per_expert,
-    ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::S32> invalid) {
-  const LayoutAttrs attrs = MakeLayoutAttrs(num_ranks, num_slots, capacity, rows, pad_multiple,
-                                            expert_rank, expert_slot, strict);
+ffi::Error LayoutGatheredImpl(ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> gathered,
+                              ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                              LayoutAttrsView layout, ffi::ResultBuffer<ffi::S32> row_pos,
+                              ffi::ResultBuffer<ffi::S32> group_sizes,
+                              ffi::ResultBuffer<ffi::S32> tokens_per_expert,
+                              ffi::ResultBuffer<ffi::S32> dropped,
+                              ffi::ResultBuffer<ffi::S32> invalid) {
+  const LayoutAttrs attrs = MakeLayoutAttrs(layout);
   const LayoutOutputs out{row_pos->typed_data(), group_sizes->typed_data(),
                           tokens_per_expert->typed_data(), dropped->typed_data(),
                           invalid->typed_data()};
@@ -127,14 +124,14 @@ std::vector<SourceRows> Sources(const PeerInputs& in, bool with_weights) {
 // per row).
 ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights,
                          ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
-                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
-                         int64_t num_ranks, int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> tokens,
+                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                         ExchangeAttrs exchange, ffi::Result<ffi::AnyBuffer> tokens,
                          ffi::ResultBuffer<ffi::F32> row_weights) {
   auto dtype = ToDtype(x.element_type(), "x");
   if (dtype.has_error()) return Failed(dtype.error());
-  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
+  const CallSite call = MakeCallSite(run_id, rank, group, exchange);
   const int64_t T = x.dimensions()[0];
-  const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], tokens->dimensions()[0],
+  const ExchangeShape shape{call.num_ranks, T, row_pos.dimensions()[1], tokens->dimensions()[0],
                             static_cast<int64_t>(x.size_bytes()) / T};
   auto in = std::make_shared<PeerInputs>();
   Participant p;
@@ -158,19 +155,18 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
 ffi::Future CombineVjpImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
                            ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_pos,
                            ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
-                           ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                           int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> scaled,
-                           ffi::ResultBuffer<ffi::F32> dot) {
+                           ffi::Buffer<ffi::S32> group, ExchangeAttrs exchange,
+                           ffi::Result<ffi::AnyBuffer> scaled, ffi::ResultBuffer<ffi::F32> dot) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return Failed(dtype.error());
   const int64_t T = g.dimensions()[0];
-  const ExchangeShape shape{num_ranks, T, row_pos.dimensions()[1], scaled->dimensions()[0],
+  const ExchangeShape shape{exchange.num_ranks, T, row_pos.dimensions()[1], scaled->dimensions()[0],
                             T > 0 ? static_cast<int64_t>(g.size_bytes()) / T : 0};
   if (ffi::Error error = CheckVjpY(y, g.element_type(), shape.rows, shape.row_bytes);
       error.failure()) {
     return Failed(std::move(error));
   }
-  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
+  const CallSite call = MakeCallSite(run_id, rank, group, exchange);
   auto in = std::make_shared<PeerInputs>();
   Participant p;
   p.published = {g.untyped_data(), dest.typed_data(), row_pos.typed_data(), nullptr};
@@ -192,14 +188,14 @@ ffi::Future CombineVjpImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi:
 // partial per destination, rounded to y's dtype), and the partials in ascending destination.
 ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
                         ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
-                        ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
-                        int64_t num_ranks, bool weighted, int64_t timeout_ms,
+                        ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, CombineAttrs attrs,
                         ffi::Result<ffi::AnyBuffer> out) {
+  const bool weighted = attrs.weighted;
   auto dtype = ToDtype(y.element_type(), "y");
   if (dtype.has_error()) return Failed(dtype.error());
-  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
+  const CallSite call = MakeCallSite(run_id, rank, group, attrs);
   const int64_t T = out->dimensions()[0];
-  const ExchangeShape shape{num_ranks, T, dest.dimensions()[1], y.dimensions()[0],
+  const ExchangeShape shape{call.num_ranks, T, dest.dimensions()[1], y.dimensions()[0],
                             static_cast<int64_t>(out->size_bytes()) / T};
   auto in = std::make_shared<PeerInputs>();
   Participant p;
@@ -224,11 +220,10 @@ ffi::Future CombineImpl(ffi::RunId run_id, ffi::AnyBuffer y, ffi::Buffer<ffi::F3
 ffi::Future ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
                                 ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
                                 ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                                int64_t site, int64_t num_ranks, int64_t timeout_ms,
-                                ffi::ResultBuffer<ffi::F32> out) {
-  const CallSite call = MakeCallSite(run_id, rank, group, site, num_ranks, timeout_ms);
+                                ExchangeAttrs exchange, ffi::ResultBuffer<ffi::F32> out) {
+  const CallSite call = MakeCallSite(run_id, rank, group, exchange);
   const int64_t T = out->dimensions()[0], K = out->dimensions()[1];
-  const ExchangeShape shape{num_ranks, T, K, values.dimensions()[0], 0};
+  const ExchangeShape shape{call.num_ranks, T, K, values.dimensions()[0], 0};
   auto in = std::make_shared<PeerInputs>();
   Participant p;
   p.published = {values.typed_data()};
@@ -253,16 +248,7 @@ XLA_FFI_DEFINE_HANDLER(kLayout, LayoutImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("num_slots")
-                           .Attr<int64_t>("capacity")
-                           .Attr<int64_t>("rows")
-                           .Attr<int64_t>("pad_multiple")
-                           .Attr<ffi::Span<const int64_t>>("expert_rank")
-                           .Attr<ffi::Span<const int64_t>>("expert_slot")
-                           .Attr<bool>("strict")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<LayoutExchangeAttrs>()
                            .Ret<ffi::Buffer<ffi::S32>>()    // row_pos [T, K]
                            .Ret<ffi::Buffer<ffi::S32>>()    // group_sizes [E_local]
                            .Ret<ffi::Buffer<ffi::S32>>()    // tokens_per_expert [E]
@@ -275,14 +261,7 @@ XLA_FFI_DEFINE_HANDLER(kLayoutGathered, LayoutGatheredImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // gathered counts [R, E + 1]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("num_slots")
-                           .Attr<int64_t>("capacity")
-                           .Attr<int64_t>("rows")
-                           .Attr<int64_t>("pad_multiple")
-                           .Attr<ffi::Span<const int64_t>>("expert_rank")
-                           .Attr<ffi::Span<const int64_t>>("expert_slot")
-                           .Attr<bool>("strict")
+                           .Attrs<LayoutAttrsView>()
                            .Ret<ffi::Buffer<ffi::S32>>()    // row_pos [T, K]
                            .Ret<ffi::Buffer<ffi::S32>>()    // group_sizes [E_local]
                            .Ret<ffi::Buffer<ffi::S32>>()    // tokens_per_expert [E]
@@ -298,9 +277,7 @@ XLA_FFI_DEFINE_HANDLER(kDispatch, DispatchImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<ExchangeAttrs>()
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // row_weights [C]
 
@@ -314,9 +291,7 @@ XLA_FFI_DEFINE_HANDLER(kCombineVjp, CombineVjpImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<ExchangeAttrs>()
                            .Ret<ffi::AnyBuffer>()           // scaled [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // dot [C]
 
@@ -329,10 +304,7 @@ XLA_FFI_DEFINE_HANDLER(kCombine, CombineImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<bool>("weighted")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<CombineAttrs>()
                            .Ret<ffi::AnyBuffer>());  // out [T, H]
 
 XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
@@ -343,9 +315,7 @@ XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<ExchangeAttrs>()
                            .Ret<ffi::Buffer<ffi::F32>>());  // out [T, K]
 
 std::vector<HandlerEntry> CpuHandlers() {

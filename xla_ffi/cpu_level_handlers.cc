@@ -44,15 +44,14 @@ LevelItems Items(ffi::Result<ffi::AnyBuffer>& rows, ffi::ResultBuffer<ffi::S32>&
 ffi::Future LevelSendImpl(ffi::RunId run_id, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dest,
                           ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> weights,
                           ffi::Buffer<ffi::S32> coord, ffi::Buffer<ffi::S32> level_group,
-                          int64_t site, int64_t num_ranks, int64_t stride, int64_t timeout_ms,
-                          ffi::Result<ffi::AnyBuffer> out_rows,
+                          LevelSendAttrs attrs, ffi::Result<ffi::AnyBuffer> out_rows,
                           ffi::ResultBuffer<ffi::S32> out_dest, ffi::ResultBuffer<ffi::S32> out_pos,
                           ffi::ResultBuffer<ffi::F32> out_weights,
                           ffi::ResultBuffer<ffi::S32> send_slot) {
-  const CallSite call = MakeCallSite(run_id, coord, level_group, site, num_ranks, timeout_ms);
-  const LevelShape shape = MakeLevelShape(rows, dest, num_ranks, stride);
+  const CallSite call = MakeCallSite(run_id, coord, level_group, attrs);
+  const LevelShape shape = MakeLevelShape(rows, dest, call.num_ranks, attrs.stride);
   auto next = std::make_shared<LevelItems>(Items(out_rows, out_dest, out_pos, out_weights));
-  ClearItems(shape, num_ranks * shape.items, *next);
+  ClearItems(shape, call.num_ranks * shape.items, *next);
 
   Participant p;
   p.published = {next.get()};
@@ -143,9 +142,10 @@ ffi::Error ItemPartialsImpl(ffi::AnyBuffer y, ffi::Buffer<ffi::F32> weights,
 // The direct-write all-to-all over one level: block p of this rank's data lands in block
 // (this rank's coordinate) of peer p's output.
 ffi::Future BlocksAllToAllImpl(ffi::RunId run_id, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> coord,
-                               ffi::Buffer<ffi::S32> level_group, int64_t site, int64_t num_ranks,
-                               int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> out) {
-  const CallSite call = MakeCallSite(run_id, coord, level_group, site, num_ranks, timeout_ms);
+                               ffi::Buffer<ffi::S32> level_group, ExchangeAttrs exchange,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  const CallSite call = MakeCallSite(run_id, coord, level_group, exchange);
+  const int64_t num_ranks = call.num_ranks;
   const int64_t block_bytes = static_cast<int64_t>(data.size_bytes()) / num_ranks;
   Participant p;
   p.published = {out->untyped_data()};
@@ -180,11 +180,12 @@ ffi::Error LevelReduceImpl(ffi::AnyBuffer back, ffi::Buffer<ffi::S32> send_slot,
 // [S * M, H] and reads its block (its coordinate) of each peer's in place, with no copy first.
 ffi::Future LevelReducePullImpl(ffi::RunId run_id, ffi::AnyBuffer partials,
                                 ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> coord,
-                                ffi::Buffer<ffi::S32> level_group, int64_t site, int64_t num_ranks,
-                                int64_t timeout_ms, ffi::Result<ffi::AnyBuffer> out) {
+                                ffi::Buffer<ffi::S32> level_group, ExchangeAttrs exchange,
+                                ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = ToDtype(partials.element_type(), "partials");
   if (dtype.has_error()) return Failed(dtype.error());
-  const CallSite call = MakeCallSite(run_id, coord, level_group, site, num_ranks, timeout_ms);
+  const CallSite call = MakeCallSite(run_id, coord, level_group, exchange);
+  const int64_t num_ranks = call.num_ranks;
   const int64_t items = send_slot.dimensions()[0];
   const int64_t row_bytes = items > 0 ? static_cast<int64_t>(out->size_bytes()) / items : 0;
   if (send_slot.dimensions()[1] != num_ranks ||
@@ -235,10 +236,7 @@ XLA_FFI_DEFINE_HANDLER(kLevelSend, LevelSendImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()  // weights [M, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // coord [] (rank within the level)
                            .Arg<ffi::Buffer<ffi::S32>>()  // level_group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("stride")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<LevelSendAttrs>()
                            .Ret<ffi::AnyBuffer>()           // rows [S * M, H]
                            .Ret<ffi::Buffer<ffi::S32>>()    // dest [S * M, K]
                            .Ret<ffi::Buffer<ffi::S32>>()    // pos [S * M, K]
@@ -290,9 +288,7 @@ XLA_FFI_DEFINE_HANDLER(kBlocksAllToAll, BlocksAllToAllImpl,
                            .Arg<ffi::AnyBuffer>()         // data [S * n, ...]
                            .Arg<ffi::Buffer<ffi::S32>>()  // coord []
                            .Arg<ffi::Buffer<ffi::S32>>()  // level_group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<ExchangeAttrs>()
                            .Ret<ffi::AnyBuffer>());  // out [S * n, ...]
 
 XLA_FFI_DEFINE_HANDLER(kLevelReduce, LevelReduceImpl,
@@ -308,9 +304,7 @@ XLA_FFI_DEFINE_HANDLER(kLevelReducePull, LevelReducePullImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // send_slot [M, S]
                            .Arg<ffi::Buffer<ffi::S32>>()  // coord []
                            .Arg<ffi::Buffer<ffi::S32>>()  // level_group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
+                           .Attrs<ExchangeAttrs>()
                            .Ret<ffi::AnyBuffer>());  // out [M, H]
 
 XLA_FFI_DEFINE_HANDLER(kLevelPick, LevelPickImpl,

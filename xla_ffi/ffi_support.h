@@ -71,7 +71,28 @@ inline ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// Where this call meets its peers: (execution, call site, EP group, this rank).
+// Attributes are decoded as one struct per handler (`.Attrs<T>()`), built from two bundles that
+// mirror jax_hybridep/exchange/ffi_call.py (exchange_attrs, layout_attrs); the registrations at
+// the end of this file name the members.
+
+// An exchange's meeting point: the attributes of every exchange-only handler.
+struct ExchangeAttrs {
+  int64_t site;        // call-site id, one per emitted custom call
+  int64_t num_ranks;   // ranks meeting there (the EP group, or one level's group)
+  int64_t timeout_ms;  // how long each waits for the others before failing
+};
+
+// combine: the exchange, and whether the rows are weighted.
+struct CombineAttrs : ExchangeAttrs {
+  bool weighted;
+};
+
+// level_send: the exchange over one level, and that level's EP-rank stride.
+struct LevelSendAttrs : ExchangeAttrs {
+  int64_t stride;
+};
+
+// Where this call meets its peers: (execution, call site, group, this rank).
 struct CallSite {
   ffi::RunId run_id;
   int64_t site;
@@ -82,9 +103,13 @@ struct CallSite {
 };
 
 inline CallSite MakeCallSite(ffi::RunId run_id, ffi::Buffer<ffi::S32> rank,
-                             ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                             int64_t timeout_ms) {
-  return {run_id, site, group.typed_data()[0], rank.typed_data()[0], num_ranks, timeout_ms};
+                             ffi::Buffer<ffi::S32> group, const ExchangeAttrs& exchange) {
+  return {run_id,
+          exchange.site,
+          group.typed_data()[0],
+          rank.typed_data()[0],
+          exchange.num_ranks,
+          exchange.timeout_ms};
 }
 
 // Joins the exchange; the returned future completes when this rank's read step has run. The
@@ -104,26 +129,49 @@ inline ffi::Future Exchange(const char* name, const CallSite& call, Participant 
   return future;
 }
 
-// The static layout attributes, copied: the attribute spans live in the executable, and the
-// layout may run after the handler returned.
+// The EP group's static plan: the attributes of layout_gathered. The spans point into the
+// executable's attributes.
+struct LayoutAttrsView {
+  int64_t num_ranks;                                  // R, the EP size
+  int64_t num_slots;                                  // local expert slots per rank
+  int64_t capacity;                                   // rows kept per local expert, -1: dropless
+  int64_t rows;                                       // C, rows of the expert-major buffer
+  int64_t pad_multiple;                               // every group size is a multiple of it
+  ffi::Span<const int64_t> expert_rank, expert_slot;  // placement, per expert
+  bool strict;                                        // any drop or invalid id is an error
+};
+
+// layout: the plan, and where the EP group meets to gather its counts (num_ranks is the plan's).
+struct LayoutExchangeAttrs : LayoutAttrsView {
+  int64_t site, timeout_ms;
+  ExchangeAttrs exchange() const { return {site, num_ranks, timeout_ms}; }
+};
+
+// The layout bundle, copied: the layout may run after the handler returned.
 struct LayoutAttrs {
   int64_t num_ranks, num_slots, capacity, rows, pad_multiple;
   std::vector<int64_t> expert_rank, expert_slot;
   bool strict;
 };
 
+inline LayoutAttrs MakeLayoutAttrs(const LayoutAttrsView& b) {
+  return {b.num_ranks,
+          b.num_slots,
+          b.capacity,
+          b.rows,
+          b.pad_multiple,
+          std::vector<int64_t>(b.expert_rank.begin(), b.expert_rank.end()),
+          std::vector<int64_t>(b.expert_slot.begin(), b.expert_slot.end()),
+          b.strict};
+}
+
+// The same from flat attributes (the CUDA layout handler takes the bundle's members flat).
 inline LayoutAttrs MakeLayoutAttrs(int64_t num_ranks, int64_t num_slots, int64_t capacity,
                                    int64_t rows, int64_t pad_multiple,
                                    ffi::Span<const int64_t> expert_rank,
                                    ffi::Span<const int64_t> expert_slot, bool strict) {
-  return {num_ranks,
-          num_slots,
-          capacity,
-          rows,
-          pad_multiple,
-          std::vector<int64_t>(expert_rank.begin(), expert_rank.end()),
-          std::vector<int64_t>(expert_slot.begin(), expert_slot.end()),
-          strict};
+  return MakeLayoutAttrs(LayoutAttrsView{num_ranks, num_slots, capacity, rows, pad_multiple,
+                                         expert_rank, expert_slot, strict});
 }
 
 inline std::string FormatList(const std::vector<int64_t>& values) {
@@ -192,5 +240,25 @@ inline Status StrictCheck(const LayoutAttrs& attrs, const GroupPlan& plan, int32
 }
 
 }  // namespace jax_hybridep
+
+// Decoding by member name, in declaration order (bases first: aggregate initialisation).
+#define JAX_HYBRIDEP_EXCHANGE_MEMBERS                                \
+  StructMember<int64_t>("site"), StructMember<int64_t>("num_ranks"), \
+      StructMember<int64_t>("timeout_ms")
+#define JAX_HYBRIDEP_LAYOUT_MEMBERS                                                            \
+  StructMember<int64_t>("num_ranks"), StructMember<int64_t>("num_slots"),                      \
+      StructMember<int64_t>("capacity"), StructMember<int64_t>("rows"),                        \
+      StructMember<int64_t>("pad_multiple"), StructMember<Span<const int64_t>>("expert_rank"), \
+      StructMember<Span<const int64_t>>("expert_slot"), StructMember<bool>("strict")
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::ExchangeAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::CombineAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS,
+                                      StructMember<bool>("weighted"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::LevelSendAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS,
+                                      StructMember<int64_t>("stride"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::LayoutAttrsView, JAX_HYBRIDEP_LAYOUT_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::LayoutExchangeAttrs,
+                                      JAX_HYBRIDEP_LAYOUT_MEMBERS, StructMember<int64_t>("site"),
+                                      StructMember<int64_t>("timeout_ms"));
 
 #endif  // JAX_HYBRIDEP_XLA_FFI_FFI_SUPPORT_H_
