@@ -130,33 +130,6 @@ int64_t DistinctDestinations(const int32_t* dest_row, int64_t k, int32_t* out) {
 
 }  // namespace
 
-void ClearRecvMetadata(const ExchangeShape& shape, int32_t* token_ids, int32_t* row_pos) {
-  std::fill(token_ids, token_ids + shape.ranks * shape.tokens, -1);
-  std::fill(row_pos, row_pos + shape.ranks * shape.tokens * shape.k, -1);
-}
-
-void WriteTokens(const ExchangeShape& shape, int64_t rank, const char* x, const int32_t* dest,
-                 const int32_t* row_pos, const float* weights, DispatchRecvBuffer* const* peers) {
-  const int64_t T = shape.tokens, K = shape.k;
-  std::vector<int64_t> next_slot(shape.ranks, 0);
-  std::vector<int32_t> dests(K);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t num_dests = DistinctDestinations(dest + t * K, K, dests.data());
-    for (int64_t i = 0; i < num_dests; ++i) {
-      const int32_t d = dests[i];
-      DispatchRecvBuffer& recv = *peers[d];
-      const int64_t slot = rank * T + next_slot[d]++;
-      std::memcpy(recv.tokens + slot * shape.row_bytes, x + t * shape.row_bytes, shape.row_bytes);
-      recv.token_ids[slot] = static_cast<int32_t>(t);
-      for (int64_t j = 0; j < K; ++j) {
-        const bool here = dest[t * K + j] == d;
-        recv.row_pos[slot * K + j] = here ? row_pos[t * K + j] : -1;
-        recv.weights[slot * K + j] = here && weights != nullptr ? weights[t * K + j] : 0.0f;
-      }
-    }
-  }
-}
-
 namespace {
 
 // out[r] = 0 for every r < rows with filled[r] == 0 (contiguous runs zeroed at once).

@@ -1,10 +1,11 @@
 // The steps of one direct-write exchange level, on the host (DESIGN §2.1, §3).
 //
 // Dispatch: every source rank writes one copy of each token per destination rank straight into
-// that destination's receive buffer (WriteTokens), then each destination expands its receive buffer
-// into expert-major rows (ExpandRows). Combine runs the reverse: each destination sums its rows per
-// received token and writes the partial into the source's buffer (WritePartials), and the source
-// adds the partials in ascending destination rank (ReducePartials).
+// that destination's receive buffer, one slot per (source, token), then each destination expands
+// its receive buffer into expert-major rows (ExpandRows). Combine runs the reverse: each
+// destination sums its rows per received token and writes the partial into the source's buffer
+// (WritePartials), and the source adds the partials in ascending destination rank
+// (ReducePartials).
 //
 // These write-based steps are the protocol the CUDA kernels implement (and are checked against).
 // The host handlers use the equivalent pull transport below, which needs no staging copy.
@@ -39,15 +40,6 @@ struct DispatchRecvBuffer {
   float* weights;      // [R, T, K]: routing weight per k
 };
 
-// Prepares a destination's metadata before peers write into it: all slots empty.
-void ClearRecvMetadata(const ExchangeShape& shape, int32_t* token_ids, int32_t* row_pos);
-
-// Source `rank` writes its tokens into every destination's receive buffer: for destination d, the
-// tokens with at least one row on d, in ascending t, one copy each. dest: [T, K] destination rank
-// of each kept (t, k), -1 otherwise. weights may be null (then 0 is sent).
-void WriteTokens(const ExchangeShape& shape, int64_t rank, const char* x, const int32_t* dest,
-                 const int32_t* row_pos, const float* weights, DispatchRecvBuffer* const* peers);
-
 // Expands a destination's receive buffer into expert-major rows; rows nobody fills are zero.
 // out_tokens: [C, row_bytes]; out_weights: [C].
 void ExpandRows(const ExchangeShape& shape, const DispatchRecvBuffer& recv, char* out_tokens,
@@ -58,9 +50,9 @@ void ExpandRows(const ExchangeShape& shape, const DispatchRecvBuffer& recv, char
 // handlers of the one-level exchange read straight from the peers instead of staging a copy
 // first: a destination copies each of its rows from the source's x (one copy per row instead of a
 // copy per (token, destination) into a receive buffer plus one per row out of it), and a source
-// sums its partials from the destinations' rows. Same results, bit for bit, as WriteTokens +
-// ExpandRows and WritePartials + ReducePartials (the same adds in the same order; each partial
-// is still rounded to the row dtype before the source adds it).
+// sums its partials from the destinations' rows. Same results, bit for bit, as writing the
+// receive buffers + ExpandRows and WritePartials + ReducePartials (the same adds in the same order;
+// each partial is still rounded to the row dtype before the source adds it).
 
 // One source's dispatch inputs as a destination reads them.
 struct SourceRows {
@@ -153,7 +145,8 @@ void WritePartials(const ExchangeShape& shape, int64_t rank, Dtype dtype, const 
                    char* const* peer_partials);
 
 // Source side of combine: out[t] = sum over destinations d holding a row of t, in ascending d, of
-// partials[d, t], in float32, rounded once to `dtype`. dest: [T, K] as in WriteTokens.
+// partials[d, t], in float32, rounded once to `dtype`. dest: [T, K] destination rank of each kept
+// (t, k), -1 otherwise.
 void ReducePartials(const ExchangeShape& shape, Dtype dtype, const char* partials,
                     const int32_t* dest, char* out);
 
