@@ -64,8 +64,21 @@ def kv_exchange(prefix: str, rank: int, mine: bytes, count: int, timeout_ms: int
     return [client.blocking_key_value_get_bytes(f"{prefix}/{r}", timeout_ms) for r in range(count)]
 
 
-def device_memory_space():
-    """The memory space of device buffers (compute_on's out_memory_spaces)."""
+def on_gpu_stream(fn, stream):
+    """fn() traced onto GPU stream `stream` ("collective" or an int >= 1) with XLA's stream
+    annotation (`jax.experimental.compute_on`), its results in device memory."""
     from jax._src import core  # noqa: PLC0415
+    from jax.experimental.compute_on import compute_on  # noqa: PLC0415
 
-    return core.MemorySpace.Device
+    placed = compute_on(
+        fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=core.MemorySpace.Device
+    )
+    return placed()
+
+
+def profile_data(xplane_path: str):
+    """The trace in an .xplane.pb file as `ProfileData` (public in jax.profiler on newer jax)."""
+    data = getattr(jax.profiler, "ProfileData", None)
+    if data is None:
+        from jax._src.profiler import ProfileData as data  # noqa: PLC0415  (jax 0.11)
+    return data.from_file(xplane_path)

@@ -1,9 +1,9 @@
 """Dispatch configuration and the static plan derived from it for one call (DESIGN §2.1).
 
-`DispatchConfig` is what users write: frozen, hashable, validated once. `Plan` adds what only the
-call site knows (the topology and the per-shard shapes): EP size, local slots, capacity and the
-receive-buffer row count C, and the placement tables. Both backends consume the same `Plan`, so
-they agree on every row, drop and group size.
+`DispatchConfig` is what users write: frozen, hashable, validated once. `DispatchPlan` adds what
+only the call site knows (the topology and the per-shard shapes): EP size, local slots, capacity
+and the receive-buffer row count C, and the placement tables. Every backend consumes the same
+`DispatchPlan`, so they agree on every row, drop and group size.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jax_hybridep.topology import Topology
 BACKENDS = ("auto", "xla", "ffi")
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
-MAX_SMS = 256  # xla_ffi/cuda/transport.h: kMaxSendBlocks
+MAX_SMS = 256  # xla_ffi/limits.h: kMaxSendBlocks (tests/native_test.py checks it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +125,13 @@ def round_up(value: int, multiple: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class DispatchPlan:
     """Static geometry of one dispatch call on one EP group (identical on every rank).
 
     Attributes:
       topology, config: what the call was given.
-      backend: the resolved backend name.
       tokens, k: T and K per shard.
-      num_ranks: R, the EP size.
+      ep_size: R, the ranks of the EP group.
       num_slots: L, local expert slots per rank.
       capacity: rows kept per local expert, or None (dropless).
       rows: C, rows of the expert-major buffer.
@@ -141,10 +140,9 @@ class Plan:
 
     topology: Topology
     config: DispatchConfig
-    backend: str
     tokens: int
     k: int
-    num_ranks: int
+    ep_size: int
     num_slots: int
     capacity: int | None
     rows: int
@@ -158,14 +156,12 @@ class Plan:
     @property
     def slot_expert(self) -> np.ndarray:
         """[R, L] int32: the expert in each (rank, slot), -1 where empty."""
-        table = np.full((self.num_ranks, self.num_slots), -1, np.int32)
+        table = np.full((self.ep_size, self.num_slots), -1, np.int32)
         table[list(self.expert_rank), list(self.expert_slot)] = np.arange(self.num_experts)
         return table
 
 
-def make_plan(
-    topology: Topology, config: DispatchConfig, backend: str, tokens: int, k: int
-) -> Plan:
+def make_plan(topology: Topology, config: DispatchConfig, tokens: int, k: int) -> DispatchPlan:
     """Derives the static plan; raises ValueError naming the offending values."""
     num_ranks, num_experts = topology.ep_size, config.num_experts
     if k > num_experts:
@@ -205,13 +201,12 @@ def make_plan(
             math.ceil(config.capacity_factor * tokens * num_ranks * k / num_experts), pad
         )
         rows = num_slots * capacity
-    return Plan(
+    return DispatchPlan(
         topology=topology,
         config=config,
-        backend=backend,
         tokens=tokens,
         k=k,
-        num_ranks=num_ranks,
+        ep_size=num_ranks,
         num_slots=num_slots,
         capacity=capacity,
         rows=rows,

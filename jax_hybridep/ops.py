@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep import backends, compat
-from jax_hybridep.config import DispatchConfig, Plan, make_plan
+from jax_hybridep import compat
+from jax_hybridep.config import DispatchConfig, DispatchPlan, make_plan
+from jax_hybridep.exchange import routes, walk
+from jax_hybridep.exchange.routes import Route
+from jax_hybridep.exchange.steps import Shard
 from jax_hybridep.handle import Handle
 from jax_hybridep.topology import Topology
 
@@ -56,7 +59,7 @@ class Dispatched:
       group_sizes: [E_local] int32 rows per local expert slot, each a multiple of pad_multiple.
       kept: [T, K] bool, whether (t, k) got a row.
       stats: DispatchStats.
-      handle: for `combine` (private to the backend and topology).
+      handle: for `combine` (private to the route and plan of this dispatch).
     """
 
     tokens: jax.Array
@@ -136,11 +139,11 @@ def _check_inputs(x, topk_idx, topk_weights):
         raise TypeError(f"topk_weights must be floating point, got dtype {topk_weights.dtype}")
 
 
-def _rank_and_group(topology: Topology, manual):
+def _shard(topology: Topology, manual) -> Shard:
     rank = jax.lax.axis_index(topology.ep_axes).astype(jnp.int32)
     group_axes = tuple(a for a in topology.group_axes if a in manual)
     group = jax.lax.axis_index(group_axes).astype(jnp.int32) if group_axes else jnp.int32(0)
-    return rank, group
+    return Shard(rank, group)
 
 
 def dispatch(
@@ -159,42 +162,49 @@ def dispatch(
     Returns:
       Dispatched(tokens [C, H], weights [C], group_sizes [E_local], kept [T, K], stats, handle).
     """
+    return dispatch_with_route(None, x, topk_idx, topk_weights, topology=topology, config=config)
+
+
+def dispatch_with_route(
+    route: Route | None, x, topk_idx, topk_weights, *, topology: Topology, config: DispatchConfig
+) -> Dispatched:
+    """`dispatch` along an explicit route (None: the one `config.backend` selects); tests use it
+    to run step kinds the platform lacks, e.g. the CUDA bottom over a pure-JAX twin on CPU."""
     manual = _check_context("dispatch", topology, (x, topk_idx, topk_weights))
     x, topk_idx, topk_weights = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weights)
     _check_inputs(x, topk_idx, topk_weights)
-    backend = backends.resolve(config, topology, manual)
-    plan = make_plan(topology, config, backend, *topk_idx.shape)
-    impl = backends.get(plan)
-    rank, group = _rank_and_group(topology, manual)
+    if route is None:
+        route = routes.route(config, topology, manual)
+    route.check(topology)
+    plan = make_plan(topology, config, *topk_idx.shape)
+    shard = _shard(topology, manual)
     topk_idx = topk_idx.astype(jnp.int32)
-    lay = impl.layout(plan, topk_idx, rank, group)
+    lay = route.layout(plan, topk_idx, shard)
     expert_rank = jnp.asarray(np.asarray(plan.expert_rank, np.int32))
     safe_idx = jnp.clip(topk_idx, 0, plan.num_experts - 1)
     dest = jnp.where(lay.row_pos >= 0, expert_rank[safe_idx], -1)
     tokens, row_weights, handle = _dispatch_rows(
-        plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, rank, group
+        route, plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, shard
     )
-    level_rows = impl.level_rows(handle)
-    stats = DispatchStats(lay.dropped, lay.invalid, lay.tokens_per_expert, level_rows)
+    stats = DispatchStats(lay.dropped, lay.invalid, lay.tokens_per_expert, walk.level_rows(handle))
     return Dispatched(tokens, row_weights, lay.group_sizes, lay.row_pos >= 0, stats, handle)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch_rows(plan: Plan, x, weights, row_pos, dest, rank, group):
-    return backends.get(plan).dispatch(plan, x, weights, row_pos, dest, rank, group)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_rows(route: Route, plan: DispatchPlan, x, weights, row_pos, dest, shard):
+    return walk.dispatch(route, plan, x, weights, row_pos, dest, shard)
 
 
-def _dispatch_rows_fwd(plan, x, weights, row_pos, dest, rank, group):
-    out = _dispatch_rows(plan, x, weights, row_pos, dest, rank, group)
+def _dispatch_rows_fwd(route, plan, x, weights, row_pos, dest, shard):
+    out = _dispatch_rows(route, plan, x, weights, row_pos, dest, shard)
     return out, out[2]
 
 
-def _dispatch_rows_bwd(plan, handle, cotangents):
+def _dispatch_rows_bwd(route, plan, handle, cotangents):
     ct_tokens, ct_weights, _ = cotangents
-    impl = backends.get(plan)
-    grad_x = impl.combine(handle, ct_tokens, None)
-    grad_weights = impl.return_row_values(handle, ct_weights)
-    return grad_x, grad_weights, None, None, None, None
+    grad_x = walk.combine(handle, ct_tokens, None)
+    grad_weights = walk.return_row_values(handle, ct_weights)
+    return grad_x, grad_weights, None, None, None
 
 
 _dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
@@ -229,11 +239,11 @@ def combine(
             f"(mesh {topology.mesh_dict})"
         )
     if config is not None:
-        requested = backends.resolve(config, plan.topology, compat.manual_axes())
-        if config != plan.config or requested != plan.backend:
+        requested = routes.backend_name(config, plan.topology, compat.manual_axes())
+        if config != plan.config or requested != handle.route.backend:
             raise ValueError(
-                f"combine got a handle from the '{plan.backend}' backend with {plan.config}, "
-                f"but was given {config} (backend '{requested}')"
+                f"combine got a handle from the '{handle.route.backend}' backend with "
+                f"{plan.config}, but was given {config} (backend '{requested}')"
             )
     args = (y,) if weights is None else (y, weights)
     _check_context("combine", plan.topology, args)
@@ -255,7 +265,7 @@ def combine(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine_rows(weighted: bool, handle: Handle, y, weights):
-    return backends.get(handle.plan).combine(handle, y, weights if weighted else None)
+    return walk.combine(handle, y, weights if weighted else None)
 
 
 def _combine_rows_fwd(weighted, handle, y, weights):
@@ -264,10 +274,9 @@ def _combine_rows_fwd(weighted, handle, y, weights):
 
 def _combine_rows_bwd(weighted, residuals, g):
     handle, y, weights = residuals
-    impl = backends.get(handle.plan)
     if not weighted:
-        return None, impl.redispatch(handle, g), jnp.zeros_like(weights)
-    grad_y, grad_weights = impl.combine_vjp(handle, g, y, weights)
+        return None, walk.redispatch(handle, g), jnp.zeros_like(weights)
+    grad_y, grad_weights = walk.combine_vjp(handle, g, y, weights)
     return None, grad_y, grad_weights
 
 

@@ -28,6 +28,7 @@ class Topology:
       platform: the devices' platform ("cpu", "gpu", ...).
       level_local: per level, whether each rank's peers at that level (the ranks differing only in
         that level's coordinate) live in its own process, so they can exchange by direct write.
+        Default: every level local when `single_process`, none otherwise.
     """
 
     levels: tuple[tuple[str, ...], ...]
@@ -35,7 +36,7 @@ class Topology:
     mesh_shape: tuple[int, ...]
     single_process: bool = True
     platform: str = "cpu"
-    level_local: tuple[bool, ...] | None = None
+    level_local: tuple[bool, ...] | None = None  # always set after __post_init__
 
     def __post_init__(self):
         if not self.levels or any(not level for level in self.levels):
@@ -48,6 +49,13 @@ class Topology:
             raise ValueError(
                 f"Topology levels {self.levels} name axes {missing} that are not in the mesh "
                 f"(axes {self.mesh_axes})"
+            )
+        if self.level_local is None:
+            object.__setattr__(self, "level_local", (self.single_process,) * len(self.levels))
+        elif len(self.level_local) != len(self.levels):
+            raise ValueError(
+                f"level_local {self.level_local} has {len(self.level_local)} entries for "
+                f"{len(self.levels)} levels {self.levels}"
             )
 
     @classmethod

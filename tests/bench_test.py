@@ -167,7 +167,7 @@ def test_gpu_preset_refused_on_cpu():
 
 
 def test_workload_counts():
-    wl = workloads.make_workload(workloads.PRESETS["tiny"], 4, "deepseek")
+    wl = workloads.make_inputs(workloads.PRESETS["tiny"], 4, "deepseek")
     assert wl.topk_idx.shape == (4 * 32, 2) and (wl.topk_idx < 16).all()
     assert wl.received_tokens() == wl.presence().sum() <= 4 * 32 * 2
 

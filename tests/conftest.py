@@ -12,10 +12,15 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 16)
 
 import pytest  # noqa: E402
+from harness import BACKENDS  # noqa: E402
 
 from jax_hybridep import _native  # noqa: E402
 
-BACKENDS = ("xla", "ffi")
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each dispatch/combine backend in turn."""
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,7 +19,8 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
-from jax_hybridep import _native, backends
+from jax_hybridep import _native
+from jax_hybridep.exchange import routes
 
 pytestmark = pytest.mark.skipif(
     "gpu" not in _native.platforms(), reason="jax_hybridep was built without CUDA handlers"
@@ -93,7 +94,7 @@ def test_auto_keeps_xla_on_gpus_until_verified(monkeypatch):
     topo = _gpu_topology({"ep": 8}, ["ep"])
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert not any(t.startswith("jax_hybridep_") for t in targets)
-    monkeypatch.setattr(backends, "GPU_AUTO", True)
+    monkeypatch.setattr(routes, "GPU_AUTO", True)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert {"jax_hybridep_cuda_layout", "jax_hybridep_cuda_dispatch"} <= targets
     assert not any(t.startswith("jax_hybridep_") and "cuda" not in t for t in targets)
@@ -107,7 +108,7 @@ def test_two_level_gpu_topology_walks_slow_level_with_xla_collectives():
     assert {t for t in _targets(text) if t.startswith("jax_hybridep_")} == CUDA_TARGETS
     assert "all_to_all" in text
     assert set(re.findall(r"num_ranks = (\d+)", text)) == {"4", "8"}  # transport 4, layout 8
-    # auto keeps xla on GPUs (backends.GPU_AUTO: the CUDA path is slower there for now)
+    # auto keeps xla on GPUs (routes.GPU_AUTO: the CUDA path is slower there for now)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert not any(t.startswith("jax_hybridep_") for t in targets)
 

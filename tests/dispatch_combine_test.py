@@ -20,7 +20,6 @@ from jax.test_util import check_grads
 import jax_hybridep as hep
 from jax_hybridep.reference import dense_moe
 
-BACKENDS = ("xla", "ffi")
 T, H, F, K = 6, 8, 4, 3
 
 
@@ -53,7 +52,6 @@ def _assert_matches_dense(fn, x, idx, w, experts, cot):
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5, err_msg=f"gradient of {name}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ep", [1, 2, 4, 8, 16])
 def test_values_and_gradients_match_dense(ep, backend):
     num_experts = 2 * ep if ep > 1 else 4
@@ -63,7 +61,6 @@ def test_values_and_gradients_match_dense(ep, backend):
     _assert_matches_dense(fn, *_problem(ep, ep * T, num_experts))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_check_grads(backend):
     mesh = make_mesh((4,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
@@ -80,7 +77,6 @@ def test_check_grads(backend):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_unweighted_combine_of_weighted_rows(backend):
     mesh = make_mesh((4,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
@@ -89,7 +85,6 @@ def test_unweighted_combine_of_weighted_rows(backend):
     _assert_matches_dense(fn, *_problem(5, 4 * T, 8))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ep_group_over_two_mesh_axes(backend):
     mesh = make_mesh((2, 4), ("x", "y"))
     topo = hep.Topology.from_mesh(mesh, (("x", "y"),))
@@ -98,7 +93,6 @@ def test_ep_group_over_two_mesh_axes(backend):
     _assert_matches_dense(fn, *_problem(7, 8 * T, 16))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_ep_groups_beside_a_data_axis(backend):
     mesh = make_mesh((2, 4), ("data", "ep"))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
@@ -127,7 +121,6 @@ def test_two_ep_groups_beside_a_data_axis(backend):
     assert int(np.sum(stats.dropped[4:])) > int(np.sum(stats.dropped[:4]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "capacity_factor,pad,placement",
     [
@@ -180,7 +173,6 @@ def test_rows_follow_the_contract(backend, capacity_factor, pad, placement):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_inside_scan_and_checkpoint(backend):
     """Several dispatches per execution (scan) plus rematerialisation: values and gradients."""
     R, E, steps = 4, 8, 3

@@ -8,13 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import make_mesh, moe_fn
+from harness import BACKENDS, make_mesh, moe_fn
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import _native, compat
-
-BACKENDS = ("xla", "ffi")
 
 
 def _run(mesh, fn, *args, in_specs=None, out_specs=None):

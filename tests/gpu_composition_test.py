@@ -1,11 +1,11 @@
-"""The GPU path's composition on fake CPU devices (jax_hybridep.backends.ffi_gpu).
+"""The GPU route's composition on fake CPU devices (jax_hybridep.exchange.cuda_bottom).
 
-The CUDA handlers cannot run here, so their exchanges are swapped for a pure-JAX twin
-(tests/transport_twin.py) and the layout for the xla backend's; everything else is the GPU path as
-it runs on GPUs: slow levels walked with XLA all-to-alls, the transport over the fastest level,
-the handle's receive map, combine and both VJPs. Values and gradients must equal the xla
-backend's bit for bit (the kernels themselves are checked against the same order on a GPU, in
-tests/cuda_transport_test.py).
+The CUDA handlers cannot run here, so the route is the GPU one with the CUDA bottom issuing its
+exchanges through a pure-JAX twin (tests/transport_twin.py) and the jnp layout; everything else
+is the GPU path as it runs on GPUs: slow levels walked with XLA all-to-alls, the bottom spanning
+the fastest level, the handle's receive map, combine and both VJPs. Values and gradients must
+equal the xla backend's bit for bit (the kernels themselves are checked against the same order
+on a GPU, in tests/cuda_transport_test.py).
 """
 
 from __future__ import annotations
@@ -17,20 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import make_mesh, moe_fn, random_routing
-from transport_twin import JaxTransport
+from transport_twin import JaxExchanges
 
 import jax_hybridep as hep
-from jax_hybridep.backends import ffi_gpu, xla
-
-pytestmark = pytest.mark.skipif(
-    "gpu" not in hep._native.platforms(), reason="built without the CUDA handlers"
-)
+from jax_hybridep.exchange import cuda_bottom, layouts, routes
 
 
-@pytest.fixture
-def twin(monkeypatch):
-    monkeypatch.setattr(ffi_gpu, "TRANSPORT", JaxTransport())
-    monkeypatch.setattr(ffi_gpu, "layout", xla.layout)
+def _twin_route(topo: hep.Topology) -> routes.Route:
+    """The GPU route, its CUDA bottom's exchanges and layout swapped for pure-JAX ones."""
+    gpu = routes.route_for("ffi", topo)
+    assert isinstance(gpu.bottom, cuda_bottom.CudaBottom)
+    twin = cuda_bottom.CudaBottom(exchanges=JaxExchanges())
+    return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
 
 
 def _run(mesh, topo, backend, dtype, capacity, weighted, rng):
@@ -40,7 +38,8 @@ def _run(mesh, topo, backend, dtype, capacity, weighted, rng):
     experts = (rng.standard_normal((E, H, H)) * 0.1).astype(np.float32)
     x, experts = jnp.asarray(x, dtype), jnp.asarray(experts, dtype)
     cfg = hep.DispatchConfig(num_experts=E, capacity_factor=capacity, backend=backend)
-    fn = moe_fn(mesh, topo, cfg, weighted_combine=weighted)
+    route = _twin_route(topo) if backend == "ffi" else None
+    fn = moe_fn(mesh, topo, cfg, weighted_combine=weighted, route=route)
 
     def loss(x, w):
         return jnp.sum(fn(x, idx, w, experts)[0].astype(jnp.float32) ** 2)
@@ -62,7 +61,7 @@ def _bits(tree):
 @pytest.mark.parametrize(
     "dtype,weighted", [(jnp.float32, True), (jnp.float32, False), (jnp.bfloat16, False)]
 )
-def test_gpu_path_matches_xla_backend(twin, shape, levels, capacity, weighted, dtype):
+def test_gpu_path_matches_xla_backend(shape, levels, capacity, weighted, dtype):
     mesh = make_mesh(shape, levels)
     topo = dataclasses.replace(hep.Topology.from_mesh(mesh, levels), platform="gpu")
     results = {}

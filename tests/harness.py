@@ -11,6 +11,10 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
+from jax_hybridep.ops import dispatch_with_route
+
+# The backends every backend-comparing test runs (the `backend` fixture of conftest.py too).
+BACKENDS = ("xla", "ffi")
 
 
 def make_mesh(shape, names):
@@ -32,18 +36,19 @@ def all_axes_spec(mesh):
     return P(tuple(mesh.axis_names))
 
 
-def moe_fn(mesh, topo, cfg, *, weighted_combine=True, expert_weights_spec=None):
+def moe_fn(mesh, topo, cfg, *, weighted_combine=True, expert_weights_spec=None, route=None):
     """jit(shard_map(...)) of dispatch -> local experts -> combine over all mesh axes.
 
     Inputs are global [N, ...] arrays sharded over every mesh axis (row-major device order);
-    expert weights [E, H, F] are sharded over the EP axes (replicated over the others).
+    expert weights [E, H, F] are sharded over the EP axes (replicated over the others). `route`:
+    an explicit exchange route (default: the one cfg.backend selects).
     Returns (out [N, F], dispatched pytree stacked per shard).
     """
     spec = all_axes_spec(mesh)
     w_spec = expert_weights_spec or P(topo.ep_axes)
 
     def step(x, idx, w, experts):
-        d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+        d = dispatch_with_route(route, x, idx, w, topology=topo, config=cfg)
         y = local_experts(d.tokens, d.group_sizes, experts)
         if weighted_combine:
             out = hep.combine(y, d.handle, weights=d.weights)

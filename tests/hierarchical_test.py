@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import make_mesh, moe_fn, random_routing
+from harness import BACKENDS, make_mesh, moe_fn, random_routing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +21,6 @@ import jax_hybridep as hep
 from jax_hybridep import traffic
 from jax_hybridep.reference import dense_moe
 
-BACKENDS = ("xla", "ffi")
 MESHES = {
     "node2_local4": ((2, 4), ("node", "local")),
     "node4_local2": ((4, 2), ("node", "local")),
@@ -87,7 +86,6 @@ def _check(mesh_name, backend, x, idx, w, experts, capacity_factor=None, grads=T
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_values_and_gradients(mesh_name, backend, capacity_factor):
@@ -127,7 +125,6 @@ def test_random_routings(data, mesh_name):
     np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mesh_name", ["node2_local4", "dc2_node2_local4"])
 def test_traffic_counts_one_copy_per_destination_group(mesh_name, backend):
     """Run-time level rows equal an independent count of (token, destination group) pairs and
@@ -208,7 +205,6 @@ def test_backends_agree_bitwise(mesh_name, cross_process, dtype):
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_level_spanning_two_mesh_axes(backend):
     """Levels are groups of mesh axes: ("node", ("x", "y")) is two levels over three axes."""
     mesh = make_mesh((2, 2, 2), ("node", "x", "y"))

@@ -46,7 +46,6 @@ def _assert_matches_dense(result, procs):
     assert result["cases"]["capacity"]["dropped"] > 0
 
 
-@pytest.mark.parametrize("backend", ["xla", "ffi"])
 def test_expert_domains_across_processes(backend):
     """Cross-DC EP with the process as the DC: experts all-gathered across the two processes
     (and their gradients reduce-scattered back), tokens only inside each; values and gradients

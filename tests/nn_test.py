@@ -13,7 +13,6 @@ import jax_hybridep as hep
 from jax_hybridep import nn as hnn
 from jax_hybridep.nn.linen import MoEBlockLinen
 
-BACKENDS = ("xla", "ffi")
 D, F = 16, 24
 
 
@@ -129,7 +128,6 @@ def _block(mesh_shape, names, levels, backend, capacity_factor, shared, top_k=2,
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "mesh_shape,names,levels,capacity_factor,shared",
     [

@@ -7,14 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import PlanView, make_mesh, moe_fn, reference_layout
+from harness import BACKENDS, PlanView, make_mesh, moe_fn, reference_layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_hybridep as hep
 from jax_hybridep.reference import dense_moe
 
-BACKENDS = ("xla", "ffi")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 H, F = 8, 8
 
@@ -129,7 +128,6 @@ def test_all_tokens_to_one_expert_drops_exactly_over_the_dropless_buffer():
     assert flat_kept[:capacity].all() and not flat_kept[capacity:].any()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_single_token_and_k_equal_to_e(backend):
     ep, num_experts = 4, 4
     rng = np.random.default_rng(2)

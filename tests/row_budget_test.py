@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import PlanView, make_mesh, moe_fn, reference_layout
+from harness import BACKENDS, PlanView, make_mesh, moe_fn, reference_layout
 
 import jax_hybridep as hep
 from jax_hybridep.reference import dense_moe
 
-BACKENDS = ("xla", "ffi")
 H, F = 8, 8
 EP, E, T, K = 4, 8, 8, 3  # worst-case dropless C = T * EP * min(K, E_local) = 64 rows
 

@@ -1,4 +1,4 @@
-"""A pure-JAX twin of the CUDA transport's exchanges (jax_hybridep.backends.ffi_gpu.CudaTransport).
+"""A pure-JAX twin of the CUDA transport's exchanges (exchange.cuda_bottom.CudaExchanges).
 
 Same inputs, outputs and §2.1 order as the CUDA handlers, built from masks and `all_to_all` over
 the fast level's axes, so tests can run the GPU path's composition (slow levels through XLA
@@ -20,7 +20,7 @@ def _all_to_all(plan, fast, a):
 def _per_peer(fast, dest, values, fill, per_k):
     """[S * M, ...]: for peer p, each item's values where it goes to p (per (item, k) when
     per_k, else per item: the item's row), else fill."""
-    peers = jnp.arange(fast.ranks)
+    peers = jnp.arange(fast.size)
     here = dest[None] == peers[:, None, None]  # [S, M, K]
     if per_k:
         out = jnp.where(here, values[None], fill)
@@ -38,7 +38,7 @@ def _rows_from(plan, recv_row_pos, per_slot):
     return out.at[target].set(values)[: plan.rows]
 
 
-class JaxTransport:
+class JaxExchanges:
     def dispatch(self, plan, fast, x, weights, row_pos, dest):
         recv_x = _all_to_all(plan, fast, _per_peer(fast, dest, x, 0, per_k=False))
         recv_row_pos = _all_to_all(plan, fast, _per_peer(fast, dest, row_pos, -1, per_k=True))
@@ -66,9 +66,9 @@ class JaxTransport:
         for kk in range(plan.k):  # the destination's rows of each received item, k ascending
             pos = recv_row_pos[:, kk]
             acc = jnp.where((pos >= 0)[:, None], acc + rows[jnp.where(pos >= 0, pos, -1)], acc)
-        back = _all_to_all(plan, fast, acc.astype(y.dtype)).reshape(fast.ranks, -1, y.shape[1])
+        back = _all_to_all(plan, fast, acc.astype(y.dtype)).reshape(fast.size, -1, y.shape[1])
         out = jnp.zeros((dest.shape[0], y.shape[1]), jnp.float32)
-        for p in range(fast.ranks):  # partials of the distinct destinations, ascending
+        for p in range(fast.size):  # partials of the distinct destinations, ascending
             to_p = jnp.any(dest == p, axis=1)
             out = jnp.where(to_p[:, None], out + back[p].astype(jnp.float32), out)
         return out.astype(y.dtype)
@@ -77,7 +77,7 @@ class JaxTransport:
         padded = jnp.concatenate([values, jnp.zeros(1, jnp.float32)])
         sent = jnp.where(recv_row_pos >= 0, padded[jnp.where(recv_row_pos >= 0, recv_row_pos, -1)],
                          0.0)  # fmt: skip
-        back = _all_to_all(plan, fast, sent).reshape(fast.ranks, -1, plan.k)
+        back = _all_to_all(plan, fast, sent).reshape(fast.size, -1, plan.k)
         items = jnp.arange(dest.shape[0])[:, None]
         picked = back[jnp.maximum(dest, 0), items, jnp.arange(plan.k)[None, :]]
         return jnp.where(dest >= 0, picked, 0.0)

@@ -11,7 +11,7 @@ import jax
 
 import jax_hybridep as hep
 from jax_hybridep.bench import metrics, report, runner
-from jax_hybridep.bench.workloads import PRESETS, ROUTINGS, make_workload
+from jax_hybridep.bench.workloads import PRESETS, ROUTINGS, make_inputs
 
 METHODS = ("hybridep", "gshard", "maxtext", "worst_case")
 DEFAULT_CAPACITIES = (None, 1.25, 2.0, runner.Budget(2.0))
@@ -127,7 +127,7 @@ def benchmark(
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-    workloads = [make_workload(preset, len(devices), r, seed) for r in routings]
+    workloads = [make_inputs(preset, len(devices), r, seed) for r in routings]
     cases = runner.build_cases(capacities, methods, backends, topologies, platform_name == "gpu")
     res = runner.run(
         preset,

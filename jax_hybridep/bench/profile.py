@@ -42,10 +42,10 @@ def op_labels(hlo_text: str) -> dict[str, str]:
 
 def aggregate(xplane_path: str, labels: dict[str, str]) -> dict[str, float]:
     """Seconds per label summed over every event of the trace."""
-    from jax._src.profiler import ProfileData
+    from jax_hybridep import compat  # noqa: PLC0415  (jax starts after the fake devices are set)
 
     totals: dict[str, float] = collections.defaultdict(float)
-    for plane in ProfileData.from_file(xplane_path).planes:
+    for plane in compat.profile_data(xplane_path).planes:
         for line in plane.lines:
             for event in line.events:
                 label = labels.get(event.name)
@@ -65,7 +65,7 @@ def profile(
 
     preset = workloads.PRESETS[preset_name]
     devices = jax.devices()[: preset.devices]
-    wl = workloads.make_workload(preset, len(devices), routing)
+    wl = workloads.make_inputs(preset, len(devices), routing)
     mesh, axes = runner.make_meshes(devices, 2)[topology]
     args = runner.device_args(wl, mesh, axes, jnp.dtype(preset.dtype))
     budget = capacity if isinstance(capacity, runner.Budget) else None

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep.bench import baselines
-from jax_hybridep.bench.workloads import Preset, Workload
+from jax_hybridep.bench.workloads import BenchInputs, Preset
 
 DIRECTIONS = ("fwd", "fwd+bwd")
 
@@ -202,7 +202,7 @@ def time_call(compiled, args, warmup: int, repeats: int):
     return statistics.median(times), times, out
 
 
-def device_args(wl: Workload, mesh, axes, dtype):
+def device_args(wl: BenchInputs, mesh, axes, dtype):
     sharding = NamedSharding(mesh, P(axes))
     arrays = (
         jnp.asarray(wl.x, dtype),
@@ -228,7 +228,7 @@ def make_floor(mesh, axes, rows_per_rank: int, passes: int):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
 
 
-def reference_error(wl: Workload, direction: str, result) -> float:
+def reference_error(wl: BenchInputs, direction: str, result) -> float:
     """Max |difference| from the dropless identity-expert math, relative to the largest value."""
     w = wl.topk_weights.astype(np.float64)
     x = np.asarray(jnp.asarray(wl.x, result_dtype(result)).astype(jnp.float32), np.float64)

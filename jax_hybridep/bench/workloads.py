@@ -45,7 +45,7 @@ PRESETS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
+class BenchInputs:
     """Global inputs of one routing (host numpy) and its host-side traffic counts."""
 
     routing: str
@@ -102,7 +102,7 @@ def _distinct_topk(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, axis=-1, kind="stable")[:, :k].astype(np.int32)
 
 
-def make_workload(preset: Preset, ranks: int, routing: str, seed: int = 0) -> Workload:
+def make_inputs(preset: Preset, ranks: int, routing: str, seed: int = 0) -> BenchInputs:
     """Builds the global inputs of `routing` for `ranks` EP ranks."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
@@ -123,7 +123,7 @@ def make_workload(preset: Preset, ranks: int, routing: str, seed: int = 0) -> Wo
         idx = _distinct_topk(logits + bias, k)
         weights = np.exp(np.take_along_axis(logits, idx, -1))
         weights = (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
-    return Workload(routing, x, idx, weights, ct, ranks, experts)
+    return BenchInputs(routing, x, idx, weights, ct, ranks, experts)
 
 
 def _deepseek(logits, experts, k, ranks):

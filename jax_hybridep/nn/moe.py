@@ -10,7 +10,6 @@ has; only `dispatch`/`combine` do.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import jax
@@ -251,8 +250,3 @@ class MoEBlock(nnx.Module):
     def update_router_bias(self, tokens_per_expert):
         """Auxiliary-loss-free balancing step (no-op when router.bias_update_rate is 0)."""
         self.router.update_bias(tokens_per_expert)
-
-
-def num_params(block: MoEBlock) -> int:
-    """Parameter count of a block (all experts)."""
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(block, nnx.Param)))

@@ -1,0 +1,66 @@
+"""Emitting the ffi backend's custom calls (host and CUDA handlers alike) and their attributes.
+
+Two attribute bundles recur across handlers: the exchange's (where a call meets its peers: call
+site, ranks, timeout) and the layout's (the EP group's static plan). The host handlers decode a
+call's attributes as one struct (xla_ffi/ffi_support.h) built from these bundles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_hybridep import compat
+from jax_hybridep.config import DispatchPlan
+
+# Every emitted exchange gets its own call-site id; repeated executions of one call site within
+# an execution (scan, remat) are told apart by the handlers' generation counter.
+_sites = itertools.count(1)
+
+
+def next_site() -> np.int64:
+    return np.int64(next(_sites))
+
+
+def call(name, out_types, *args, like, plan: DispatchPlan, **attrs):
+    """One custom call jax_hybridep_<name>. `like`: the inputs whose varying manual axes the
+    results share."""
+    results = jax.ffi.ffi_call(f"jax_hybridep_{name}", out_types)(*args, **attrs)
+    # FFI results come back typed as not varying over the manual axes; they vary like the
+    # inputs and across the EP group.
+    axes = set(plan.topology.ep_axes) | set(plan.topology.group_axes)
+    axes &= compat.manual_axes()
+    for a in like:
+        axes |= compat.varying_axes(a)
+    return jax.tree.map(lambda r: compat.mark_varying(r, axes), results)
+
+
+def i32(shape):
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def exchange_attrs(plan: DispatchPlan, num_ranks: int) -> dict:
+    """An exchange's meeting point: a fresh call site, the `num_ranks` ranks that meet there, and
+    how long each waits for the others (DispatchConfig.timeout_s) before failing."""
+    return dict(
+        site=next_site(),
+        num_ranks=np.int64(num_ranks),
+        timeout_ms=np.int64(round(plan.config.resolved_timeout_s * 1000)),
+    )
+
+
+def layout_attrs(plan: DispatchPlan) -> dict:
+    """The EP group's static plan for the layout handlers (capacity -1: dropless)."""
+    return dict(
+        num_ranks=np.int64(plan.ep_size),
+        num_slots=np.int64(plan.num_slots),
+        capacity=np.int64(-1 if plan.capacity is None else plan.capacity),
+        rows=np.int64(plan.rows),
+        pad_multiple=np.int64(plan.config.pad_multiple),
+        expert_rank=np.asarray(plan.expert_rank, np.int64),
+        expert_slot=np.asarray(plan.expert_slot, np.int64),
+        strict=np.bool_(plan.config.strict),
+    )

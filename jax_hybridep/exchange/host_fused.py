@@ -1,0 +1,83 @@
+"""The fused host bottom: one custom call per direction over one level whose ranks share this
+process (xla_ffi/cpu_handlers.cc).
+
+It spans the level itself: each destination copies its rows straight from the sources' held rows
+into expert-major rows (one copy per row, no staging), and each source sums its partials straight
+from the destinations' outputs, in the §2.1 order (k ascending per destination, destinations
+ascending). The EP rank and group arrive as operands, never from device ordinals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange.ffi_call import call, exchange_attrs
+from jax_hybridep.exchange.steps import (
+    Items,
+    Shard,
+    fast_dest,
+    fast_level,
+    pytree_record,
+    span_copies,
+)
+
+
+@pytree_record
+@dataclasses.dataclass(frozen=True)
+class HostFusedRecord:
+    dest: jax.Array  # [M, K] int32: each held (item, k)'s destination in the level, -1 for none
+    pos: jax.Array  # [M, K] int32: its row there
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFused:
+    spans_level = True
+
+    def _call(self, plan: DispatchPlan, shard: Shard, name, out_types, *args, like, **attrs):
+        """A handler call meeting the level's ranks, with (dest, pos, coord, level group) last."""
+        fast = fast_level(plan, shard)
+        return call(name, out_types, *args, fast.coord, fast.group, like=like, plan=plan,
+                    **exchange_attrs(plan, fast.size), **attrs)  # fmt: skip
+
+    def _rows(self, plan: DispatchPlan, shard: Shard, rows, weights, pos, dest):
+        out_types = (jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype),
+                     jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
+        return self._call(plan, shard, "dispatch", out_types, rows, weights, pos, dest,
+                          like=(rows, weights, pos))  # fmt: skip
+
+    def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
+        dest = fast_dest(fast_level(plan, shard), held.dest)
+        tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest)
+        return tokens, row_weights, HostFusedRecord(dest, held.pos)
+
+    def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g):
+        zeros = jnp.zeros(record.pos.shape, jnp.float32)
+        return self._rows(plan, shard, g, zeros, record.pos, record.dest)[0]
+
+    def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g, y,
+                    weights):  # fmt: skip
+        out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),
+                     jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
+        return self._call(plan, shard, "combine_vjp", out_types, g, weights, y, record.pos,
+                          record.dest, like=(g, record.pos))  # fmt: skip
+
+    def partials(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, y, weights):
+        weighted = weights is not None
+        if not weighted:
+            weights = jnp.zeros((plan.rows,), jnp.float32)  # ignored by the handler
+        out_type = jax.ShapeDtypeStruct((record.pos.shape[0], y.shape[1]), y.dtype)
+        return self._call(plan, shard, "combine", out_type, y, weights, record.pos, record.dest,
+                          like=(y, record.pos), weighted=np.bool_(weighted))  # fmt: skip
+
+    def row_values(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, values):
+        out_type = jax.ShapeDtypeStruct(record.pos.shape, jnp.float32)
+        return self._call(plan, shard, "return_row_values", out_type, values, record.pos,
+                          record.dest, like=(values, record.pos))  # fmt: skip
+
+    def copies(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord):
+        return span_copies(fast_level(plan, shard), record.dest)

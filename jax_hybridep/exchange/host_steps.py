@@ -1,0 +1,187 @@
+"""Host (CPU) steps over the C++ handlers of xla_ffi/cpu_level_handlers.cc.
+
+A level whose ranks share this process is crossed by direct write: the ranks meet in a
+process-wide rendezvous (keyed by execution, call site, level group and generation; DESIGN
+§2.1.7), each writes its item copies straight into its peers' next-level buffers, and combine's
+partials are read in place from the peers. A level that crosses processes is packed by a handler
+and exchanged with an XLA all-to-all. The rows bottom expands the last items with a handler that
+also fuses combine's VJP (the routing-weight dot in weight_grad's order, the rows never stored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32
+from jax_hybridep.exchange.steps import Items, LevelRecord, Shard, level_peer, pytree_record
+from jax_hybridep.exchange.xla_steps import item_row_values, level_all_to_all
+
+
+@pytree_record
+@dataclasses.dataclass(frozen=True)
+class HostLevelRecord(LevelRecord):
+    held_pos: jax.Array  # [M, K] int32: the items' destination rows when they were sent
+
+
+def _send_types(plan: DispatchPlan, level: int, held: Items):
+    """Output types of a level's send: the next items [S * M, ...] and send_slot [M, S]."""
+    size = plan.topology.level_sizes[level]
+    items, k = held.dest.shape
+    return (
+        jax.ShapeDtypeStruct((size * items, held.rows.shape[1]), held.rows.dtype),
+        i32((size * items, k)),
+        i32((size * items, k)),
+        jax.ShapeDtypeStruct((size * items, k), jnp.float32),
+        i32((items, size)),
+    )
+
+
+def _level_attrs(plan: DispatchPlan, level: int) -> dict:
+    return dict(num_ranks=np.int64(plan.topology.level_sizes[level]),
+                stride=np.int64(plan.topology.level_strides[level]))  # fmt: skip
+
+
+class _HostLevel:
+    """The steps both host level kinds share; `_send` and `_all_to_all` cross the level."""
+
+    def _send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
+        """(the next items, send_slot [M, S])."""
+        raise NotImplementedError
+
+    def _all_to_all(self, plan: DispatchPlan, level: int, shard: Shard, data):
+        """Block p of data [S * n, ...] to peer p."""
+        raise NotImplementedError
+
+    def send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
+        nxt, send_slot = self._send(plan, level, shard, held)
+        return nxt, HostLevelRecord(send_slot, held.dest, held.pos)
+
+    def forward(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, g):
+        zeros = jnp.zeros(record.held_dest.shape, jnp.float32)
+        nxt, _ = self._send(plan, level, shard, Items(g, record.held_dest, record.held_pos, zeros))
+        return nxt.rows
+
+    def pick(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, values):
+        back = self._all_to_all(plan, level, shard, values)
+        held_dest = record.held_dest
+        return call(
+            "level_pick", jax.ShapeDtypeStruct(held_dest.shape, jnp.float32),
+            back, record.send_slot, held_dest, like=(back, held_dest), plan=plan,
+            stride=np.int64(plan.topology.level_strides[level]),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class HostDirectLevel(_HostLevel):
+    """A level whose ranks share this process: item copies written straight into the peers."""
+
+    def _send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
+        coord, level_group = level_peer(plan, level, shard)
+        *nxt, send_slot = call(
+            "level_send", _send_types(plan, level, held), held.rows, held.dest, held.pos,
+            held.weights, coord, level_group, like=(held.rows, held.dest, held.pos, held.weights),
+            plan=plan, **exchange_attrs(plan, plan.topology.level_sizes[level]),
+            stride=np.int64(plan.topology.level_strides[level]),
+        )  # fmt: skip
+        return Items(*nxt), send_slot
+
+    def _all_to_all(self, plan: DispatchPlan, level: int, shard: Shard, data):
+        coord, level_group = level_peer(plan, level, shard)
+        return call(
+            "blocks_all_to_all", jax.ShapeDtypeStruct(data.shape, data.dtype), data, coord,
+            level_group, like=(data,), plan=plan,
+            **exchange_attrs(plan, plan.topology.level_sizes[level]),
+        )  # fmt: skip
+
+    def reduce(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord,
+               partials):  # fmt: skip
+        # Each rank reads its peers' partials in place.
+        coord, level_group = level_peer(plan, level, shard)
+        send_slot = record.send_slot
+        out_type = jax.ShapeDtypeStruct((send_slot.shape[0], partials.shape[1]), partials.dtype)
+        return call(
+            "level_reduce_pull", out_type, partials, send_slot, coord, level_group,
+            like=(partials, send_slot), plan=plan,
+            **exchange_attrs(plan, plan.topology.level_sizes[level]),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPackedLevel(_HostLevel):
+    """A level that crosses processes: packed by a handler around an XLA all-to-all."""
+
+    def _send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
+        *packed, send_slot = call(
+            "level_pack", _send_types(plan, level, held), held.rows, held.dest, held.pos,
+            held.weights, like=(held.rows, held.dest, held.pos, held.weights), plan=plan,
+            **_level_attrs(plan, level),
+        )  # fmt: skip
+        return Items(*(level_all_to_all(plan, level, a) for a in packed)), send_slot
+
+    def _all_to_all(self, plan: DispatchPlan, level: int, shard: Shard, data):
+        return level_all_to_all(plan, level, data)
+
+    def reduce(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord,
+               partials):  # fmt: skip
+        back = level_all_to_all(plan, level, partials)
+        send_slot = record.send_slot
+        out_type = jax.ShapeDtypeStruct((send_slot.shape[0], partials.shape[1]), partials.dtype)
+        return call("level_reduce", out_type, back, send_slot, like=(back, send_slot), plan=plan)
+
+
+# ----------------------------------------------------------------------------- bottom
+
+
+@pytree_record
+@dataclasses.dataclass(frozen=True)
+class HostRowsRecord:
+    held_pos: jax.Array  # [M, K] int32: each held (item, k)'s row, -1 for none
+
+
+def _row_types(plan: DispatchPlan, rows):
+    return (jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype),
+            jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
+
+
+def _expand_items(plan: DispatchPlan, rows, pos, weights):
+    """(tokens [C, H], row weights [C]) from held rows [M, H] and their rows/weights [M, K]."""
+    return call("expand_items", _row_types(plan, rows), rows, pos, weights, like=(rows, pos),
+                plan=plan)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRows:
+    """Expert-major rows written from the held items by a handler."""
+
+    spans_level = False
+
+    def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
+        tokens, row_weights = _expand_items(plan, held.rows, held.pos, held.weights)
+        return tokens, row_weights, HostRowsRecord(held.pos)
+
+    def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g):
+        zeros = jnp.zeros(record.held_pos.shape, jnp.float32)
+        return _expand_items(plan, g, record.held_pos, zeros)[0]
+
+    def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g, y,
+                    weights):  # fmt: skip
+        return call("expand_items_vjp", _row_types(plan, g), g, record.held_pos, weights, y,
+                    like=(g, record.held_pos), plan=plan)  # fmt: skip
+
+    def partials(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, y, weights):
+        weighted = weights is not None
+        if not weighted:
+            weights = jnp.zeros((plan.rows,), jnp.float32)  # ignored by the handler
+        held_pos = record.held_pos
+        return call(
+            "item_partials", jax.ShapeDtypeStruct((held_pos.shape[0], y.shape[1]), y.dtype),
+            y, weights, held_pos, like=(y, held_pos), plan=plan, weighted=np.bool_(weighted),
+        )  # fmt: skip
+
+    def row_values(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, values):
+        return item_row_values(plan, record.held_pos, values)
