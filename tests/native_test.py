@@ -4,7 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_hybridep import _native
+from jax_hybridep import _native, config
+from jax_hybridep.exchange import cuda_bottom
 
 
 def test_handlers_registered():
@@ -15,6 +16,13 @@ def test_handlers_registered():
                  "item_partials", "blocks_all_to_all", "level_reduce", "level_reduce_pull",
                  "level_pick"}  # fmt: skip
     assert targets == {f"jax_hybridep_{name}" for name in one_level | per_level}
+
+
+def test_python_mirrors_the_native_limits():
+    """Constants checked on the Python side equal the kernels' own (xla_ffi/limits.h)."""
+    limits = _native.module().limits()
+    assert config.MAX_SMS == limits["max_send_blocks"]
+    assert cuda_bottom.MAX_TOP_K == limits["max_top_k"]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -9,6 +9,7 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/limits.h"
 #include "xla_ffi/numeric.h"
 #include "xla_ffi/rendezvous.h"
 
@@ -87,6 +88,15 @@ NB_MODULE(_hybridep, m) {
   m.def("open_exchange_count", &jax_hybridep::OpenExchangeCount,
         "Exchanges waiting for ranks in this process (0 when idle).");
   m.def("round_trip", &jax_hybridep::RoundTrip, nb::arg("dtype"), nb::arg("values"));
+  m.def(
+      "limits",
+      [] {
+        nb::dict out;
+        out["max_send_blocks"] = jax_hybridep::kMaxSendBlocks;
+        out["max_top_k"] = jax_hybridep::kMaxTopK;
+        return out;
+      },
+      "The transport's limits that the Python side mirrors (xla_ffi/limits.h).");
 #ifdef JAX_HYBRIDEP_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def(

@@ -820,7 +820,7 @@ dim3 SendGrid(const ExchangeContext& ctx) { return dim3(static_cast<unsigned>(ct
 
 cudaError_t CheckContext(const ExchangeContext& ctx) {
   if (ctx.send_blocks < 1 || ctx.send_blocks > kMaxSendBlocks || ctx.ranks < 1 ||
-      ctx.ranks > kMaxWindowRanks || ctx.k > 64) {
+      ctx.ranks > kMaxWindowRanks || ctx.k > kMaxTopK) {
     return cudaErrorInvalidValue;
   }
   return cudaSuccess;

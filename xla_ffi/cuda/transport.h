@@ -25,12 +25,11 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "xla_ffi/limits.h"  // kMaxSendBlocks, kMaxTopK
 #include "xla_ffi/numeric.h"
 
 namespace jax_hybridep {
 
-// Most blocks one rank's send phase may use (the size of a window's flag table per source).
-constexpr int64_t kMaxSendBlocks = 256;
 // Most ranks in one window group.
 constexpr int64_t kMaxWindowRanks = 128;
 
