@@ -192,7 +192,7 @@ def test_cuda_layout_matches_host(gpu, routing, mode):
     _assert_same(native.cuda_selftest_layout(**args), want, "cuda rerun")  # deterministic
 
 
-# ---- Exchange: receive buffers built as WriteTokens would build them ----
+# ---- Exchange: receive buffers as the write-based protocol of exchange.h fills them ----
 
 
 def _write_tokens(x: np.ndarray, dest: np.ndarray, row_pos: np.ndarray, weights: np.ndarray):

@@ -183,7 +183,8 @@ def test_transport_hook_rejects_bad_shapes(cuda_build):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_numpy_model_matches_host_kernels(cuda_build, routing, dtype):
     """The model the GPU tests trust, against the host kernels of the same steps (exchange.h):
-    WriteTokens + ExpandRows for dispatch, WritePartials + ReducePartials for combine."""
+    the receive buffers (one slot per (source, token)) + ExpandRows for dispatch, WritePartials +
+    ReducePartials for combine."""
     case = Round(routing, dtype, 7, R=4)
     x_bytes = case.x.view(np.uint8).reshape(case.R, case.T, -1)
     recv = _write_tokens(x_bytes, case.dest, case.row_pos, case.weights)

@@ -1,0 +1,88 @@
+"""Backend selection: which layout, level steps and bottom each backend and topology runs
+(jax_hybridep/exchange/routes.py), and that a Topology built by its constructor runs everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from harness import make_mesh, moe_fn, random_routing
+
+import jax_hybridep as hep
+from jax_hybridep import _native
+from jax_hybridep.exchange import cuda_bottom, host_fused, host_steps, layouts, routes, xla_steps
+
+
+def _topology(levels, local, single_process=True, platform="cpu") -> hep.Topology:
+    names = tuple(f"a{i}" for i in range(len(levels)))
+    return hep.Topology(levels=tuple((n,) for n in names), mesh_axes=names, mesh_shape=levels,
+                        single_process=single_process, platform=platform,
+                        level_local=local)  # fmt: skip
+
+
+def _kinds(route):
+    return type(route.layout), tuple(type(s) for s in route.levels), type(route.bottom)
+
+
+@pytest.mark.parametrize(
+    "levels,local,single,want",
+    [
+        ((8,), (True,), True, (layouts.HostLayout, (), host_fused.HostFused)),
+        ((2, 4), (True, True), True, (layouts.HostLayout,
+         (host_steps.HostDirectLevel, host_steps.HostDirectLevel), host_steps.HostRows)),
+        ((2, 4), (False, True), False, (layouts.HostGatheredLayout,
+         (host_steps.HostPackedLevel, host_steps.HostDirectLevel), host_steps.HostRows)),
+        ((8,), (False,), False, (layouts.HostGatheredLayout, (host_steps.HostPackedLevel,),
+         host_steps.HostRows)),
+    ],
+)  # fmt: skip
+def test_ffi_routes_on_cpu(levels, local, single, want):
+    assert _kinds(routes.route_for("ffi", _topology(levels, local, single))) == want
+
+
+def test_xla_route_walks_every_level_and_gpu_route_spans_the_fastest():
+    topo = _topology((2, 2, 2), (True,) * 3)
+    xla = routes.route_for("xla", topo)
+    assert _kinds(xla) == (layouts.JnpLayout, (xla_steps.XlaLevel,) * 3, xla_steps.XlaRows)
+    gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
+    assert _kinds(gpu) == (layouts.CudaLayout, (xla_steps.XlaLevel,) * 2, cuda_bottom.CudaBottom)
+    gpu.check(topo)
+    xla.check(topo)
+
+
+def test_route_must_cover_the_topology():
+    route = routes.route_for("ffi", _topology((2, 4), (True, True)))
+    with pytest.raises(ValueError, match=r"route walks 2 level\(s\) and its bottom spans 0"):
+        route.check(_topology((8,), (True,)))
+
+
+def test_routes_are_static_and_hashable():
+    topo = _topology((2, 4), (True, True))
+    assert routes.route_for("ffi", topo) == routes.route_for("ffi", topo)
+    assert hash(routes.route_for("xla", topo)) == hash(routes.route_for("xla", topo))
+
+
+def test_constructed_topology_defaults_level_local():
+    topo = _topology((2, 4), None)
+    assert topo.level_local == (True, True)
+    assert _topology((8,), None, single_process=False).level_local == (False,)
+    with pytest.raises(ValueError, match="level_local"):
+        _topology((2, 4), (True,))
+
+
+@pytest.mark.skipif(not _native.available(), reason="native module not built")
+def test_constructed_topology_runs_ffi_like_xla():
+    """A Topology from its constructor (no level_local given) runs the ffi route, bitwise xla."""
+    mesh = make_mesh((2, 4), ("node", "local"))
+    topo = hep.Topology(levels=(("node",), ("local",)), mesh_axes=("node", "local"),
+                        mesh_shape=(2, 4))  # fmt: skip
+    rng = np.random.default_rng(3)
+    idx, w = random_routing(rng, 8 * 6, 2, 16, invalid_fraction=0.1)
+    x = rng.standard_normal((8 * 6, 8)).astype(np.float32)
+    experts = rng.standard_normal((16, 8, 8)).astype(np.float32)
+    outs = []
+    for backend in ("ffi", "xla"):
+        fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=16, backend=backend))
+        outs.append(np.asarray(fn(x, idx, w, experts)[0]))
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
