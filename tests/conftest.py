@@ -17,6 +17,17 @@ from harness import BACKENDS  # noqa: E402
 from jax_hybridep import _native  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_error_log():
+    """Each test starts with no recorded failures (hep.check_errors() raises recorded ones)."""
+    import jax_hybridep as hep
+
+    try:
+        hep.check_errors()  # takes every recorded failure at once
+    except (hep.StrictModeError, hep.TransportError):
+        pass
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Each dispatch/combine backend in turn."""

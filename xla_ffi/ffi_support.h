@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/error_log.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/numeric.h"
 #include "xla_ffi/rendezvous.h"
@@ -120,9 +121,12 @@ inline ffi::Future Exchange(const char* name, const CallSite& call, Participant 
   participant.done = [promise](const Status& status) mutable {
     if (status.ok()) {
       promise.SetAvailable();
-    } else {
-      promise.SetError(ToError(status));
+      return;
     }
+    if (status.code == Status::Code::kDeadlineExceeded) {
+      RecordError(ErrorKind::kTransport, status.message);
+    }
+    promise.SetError(ToError(status));
   };
   JoinExchange(name, call.run_id.run_id, call.site, call.group, call.rank, call.num_ranks,
                std::chrono::milliseconds(call.timeout_ms), std::move(participant));
@@ -236,6 +240,7 @@ inline Status StrictCheck(const LayoutAttrs& attrs, const GroupPlan& plan, int32
       << total_invalid << " invalid expert id(s) in EP group " << group << "; dropped per EP rank "
       << FormatList(dropped_per_rank) << ", invalid per EP rank "
       << FormatList(plan.invalid_per_rank);
+  RecordError(ErrorKind::kStrictMode, msg.str());
   return Status{Status::Code::kFailedPrecondition, msg.str()};
 }
 

@@ -9,6 +9,7 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/error_log.h"
 #include "xla_ffi/limits.h"
 #include "xla_ffi/numeric.h"
 #include "xla_ffi/rendezvous.h"
@@ -97,6 +98,18 @@ NB_MODULE(_hybridep, m) {
         return out;
       },
       "The transport's limits that the Python side mirrors (xla_ffi/limits.h).");
+  m.def(
+      "take_recorded_errors",
+      [] {
+        nb::list out;
+        for (const auto& [kind, message] : jax_hybridep::TakeRecordedErrors()) {
+          out.append(nb::make_tuple(
+              kind == jax_hybridep::ErrorKind::kStrictMode ? "strict_mode" : "transport", message));
+        }
+        return out;
+      },
+      "Handler failures recorded since the last call, oldest first: [(kind, message)] with kind "
+      "'strict_mode' or 'transport'; the log is empty afterwards.");
 #ifdef JAX_HYBRIDEP_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def(

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep import compat
+from jax_hybridep import compat, errors
 from jax_hybridep.config import DispatchPlan
 from jax_hybridep.errors import StrictModeError, strict_mode_message
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32, layout_attrs, next_site
@@ -62,13 +62,15 @@ def _plan_groups(plan: DispatchPlan, totals):
 
 def _strict_check(group, all_counts, invalid_per_rank, keep_limit):
     """Raises (through a host callback) the same error the host layout handler returns."""
-    before = jnp.cumsum(all_counts, axis=0) - all_counts
+    before = jnp.cumsum(all_counts, axis=0, dtype=jnp.int32) - all_counts
     kept = jnp.clip(keep_limit[None, :] - before, 0, all_counts)
-    dropped_per_rank = jnp.sum(all_counts - kept, axis=1)
+    dropped_per_rank = jnp.sum(all_counts - kept, axis=1, dtype=jnp.int32)
 
     def check(group, dropped, invalid):
         if int(np.sum(dropped)) + int(np.sum(invalid)) > 0:
-            raise StrictModeError(strict_mode_message(int(group), dropped, invalid))
+            error = StrictModeError(strict_mode_message(int(group), dropped, invalid))
+            errors.record(error)  # check_errors() raises it with its type (JAX does not)
+            raise error
         return np.int32(0)
 
     return jax.pure_callback(
@@ -86,7 +88,7 @@ class JnpLayout:
         expert = jnp.where(valid, topk_idx, num_experts).reshape(-1)  # invalid -> sentinel E
         counts, invalid, gathered = gather_counts(plan, topk_idx)
         all_counts, invalid_per_rank = gathered[:, :num_experts], gathered[:, num_experts]
-        tokens_per_expert = jnp.sum(all_counts, axis=0)
+        tokens_per_expert = jnp.sum(all_counts, axis=0, dtype=jnp.int32)
 
         kept_rs, offset_rs, size_rs = _plan_groups(plan, tokens_per_expert)
         er, es = np.asarray(plan.expert_rank), np.asarray(plan.expert_slot)
@@ -94,9 +96,9 @@ class JnpLayout:
 
         # Index of each row within its expert, in (source rank, t, k) order: rows from lower
         # source ranks, then this rank's earlier rows of the same expert (a stable sort by expert).
-        before = (jnp.cumsum(all_counts, axis=0) - all_counts)[shard.rank]
+        before = (jnp.cumsum(all_counts, axis=0, dtype=jnp.int32) - all_counts)[shard.rank]
         order = jnp.argsort(expert, stable=True)
-        starts = jnp.cumsum(counts) - counts
+        starts = jnp.cumsum(counts, dtype=jnp.int32) - counts
         starts = jnp.concatenate([starts, jnp.zeros(1, jnp.int32)])
         rank_sorted = jnp.arange(tokens * k, dtype=jnp.int32) - starts[expert[order]]
         local_index = jnp.zeros(tokens * k, jnp.int32).at[order].set(rank_sorted)
