@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 import numpy as np
 
 from jax_hybridep.topology import Topology
+from jax_hybridep.values import check_bool, check_int, is_real
 
 BACKENDS = ("auto", "xla", "ffi")
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
@@ -67,30 +69,29 @@ class DispatchConfig:
     gpu_stream: str | int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.num_experts, int | np.integer) or self.num_experts < 1:
-            raise ValueError(f"num_experts must be a positive int, got {self.num_experts!r}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(
-                f"capacity_factor must be > 0 or None (dropless), got {self.capacity_factor!r}"
-            )
-        if not isinstance(self.pad_multiple, int | np.integer) or self.pad_multiple < 1:
-            raise ValueError(f"pad_multiple must be an int >= 1, got {self.pad_multiple!r}")
-        if self.backend not in BACKENDS:
+        self._set("num_experts", check_int("num_experts", self.num_experts, 1))
+        if self.capacity_factor is not None:
+            f = self.capacity_factor
+            if not is_real(f) or not math.isfinite(f) or not f > 0:
+                raise ValueError(
+                    f"capacity_factor must be a finite number > 0 or None (dropless), got {f!r}"
+                )
+            self._set("capacity_factor", float(f))
+        self._set("pad_multiple", check_int("pad_multiple", self.pad_multiple, 1))
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        self._set("strict", check_bool("strict", self.strict))
+        self._set("timeout_s", _timeout("timeout_s", self.timeout_s))
         if self.row_budget is not None:
-            integer = isinstance(self.row_budget, int | np.integer)
-            if not integer or isinstance(self.row_budget, bool) or self.row_budget < 1:
-                raise ValueError(f"row_budget must be an int >= 1 or None, got {self.row_budget!r}")
+            budget = check_int("row_budget", self.row_budget, 1, what="an int >= 1 or None")
+            self._set("row_budget", budget)
             if self.capacity_factor is not None:
                 raise ValueError(
                     f"row_budget={self.row_budget} is for dropless mode only; it cannot be "
                     f"combined with capacity_factor={self.capacity_factor} (a capacity already "
                     "bounds the buffer)"
                 )
-        if not isinstance(self.num_sms, int | np.integer) or not 1 <= self.num_sms <= MAX_SMS:
-            raise ValueError(f"num_sms must be an int in [1, {MAX_SMS}], got {self.num_sms!r}")
+        self._set("num_sms", check_int("num_sms", self.num_sms, 1, MAX_SMS))
         stream = self.gpu_stream
         if not (stream is None or stream == "collective" or (
             isinstance(stream, int | np.integer) and not isinstance(stream, bool) and stream >= 1
@@ -98,26 +99,64 @@ class DispatchConfig:
             raise ValueError(
                 f"gpu_stream must be None, 'collective' or an int >= 1, got {stream!r}"
             )
-        if self.num_local_slots is not None and self.num_local_slots < 1:
-            raise ValueError(f"num_local_slots must be >= 1, got {self.num_local_slots!r}")
+        if self.num_local_slots is not None:
+            self._set("num_local_slots", check_int("num_local_slots", self.num_local_slots, 1))
         if self.expert_placement is not None:
-            placement = tuple((int(r), int(s)) for r, s in self.expert_placement)
-            object.__setattr__(self, "expert_placement", placement)
-            if len(placement) != self.num_experts:
-                raise ValueError(
-                    f"expert_placement has {len(placement)} entries for "
-                    f"num_experts={self.num_experts}"
-                )
-            if any(r < 0 or s < 0 for r, s in placement):
-                raise ValueError(f"expert_placement has negative ranks or slots: {placement}")
-            if len(set(placement)) != len(placement):
-                raise ValueError(
-                    f"expert_placement maps two experts to one (rank, slot): {placement}"
-                )
+            self._set("expert_placement", _placement(self.expert_placement, self.num_experts))
+
+    def _set(self, name, value):
+        object.__setattr__(self, name, value)
 
     @property
     def resolved_timeout_s(self) -> float:
-        return float(os.environ.get(TIMEOUT_ENV, self.timeout_s))
+        """timeout_s, or the env var JAX_HYBRIDEP_TIMEOUT_S when it is set (checked alike)."""
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return self.timeout_s
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"{TIMEOUT_ENV}={raw!r} is not a number of seconds (e.g. {TIMEOUT_ENV}=60)"
+            ) from None
+        return _timeout(TIMEOUT_ENV, value)
+
+
+# Longest wait a config or JAX_HYBRIDEP_TIMEOUT_S may set (its milliseconds must fit an int64).
+MAX_TIMEOUT_S = 1e7
+
+
+def _timeout(name: str, value) -> float:
+    if not is_real(value) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] (how long a rank waits "
+            f"for its peers before failing), got {value!r}"
+        )
+    return float(value)
+
+
+def _placement(placement, num_experts: int) -> tuple[tuple[int, int], ...]:
+    """expert_placement as int pairs, checked: one (rank, slot) per expert, injective."""
+    try:
+        pairs = [tuple(entry) for entry in placement]
+    except TypeError:
+        raise ValueError(
+            f"expert_placement must be a sequence of (rank, slot) pairs, got {placement!r}"
+        ) from None
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"expert_placement entries must be (rank, slot) pairs, got {placement!r}")
+    bad = [p for p in pairs if not all(isinstance(v, int | np.integer) and not isinstance(
+        v, bool | np.bool_) for v in p)]  # fmt: skip
+    if bad:
+        raise ValueError(f"expert_placement entries must be int pairs, got {bad[:4]}")
+    pairs = [(int(r), int(s)) for r, s in pairs]
+    if len(pairs) != num_experts:
+        raise ValueError(f"expert_placement has {len(pairs)} entries for num_experts={num_experts}")
+    if any(r < 0 or s < 0 for r, s in pairs):
+        raise ValueError(f"expert_placement has negative ranks or slots: {tuple(pairs)}")
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"expert_placement maps two experts to one (rank, slot): {tuple(pairs)}")
+    return tuple(pairs)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -161,6 +200,18 @@ class DispatchPlan:
         return table
 
 
+# Row indices are int32 everywhere (row_pos, group sizes, the handlers' buffers).
+_MAX_ROWS = 2**31 - 1
+
+
+def _warn_clamped(setting: str, result: str) -> None:
+    warnings.warn(
+        f"jax_hybridep: {setting} asks for more rows than any expert or rank can receive; "
+        f"clamped to {result} (the same rows and drops, a smaller buffer)",
+        stacklevel=4,
+    )
+
+
 def make_plan(topology: Topology, config: DispatchConfig, tokens: int, k: int) -> DispatchPlan:
     """Derives the static plan; raises ValueError naming the offending values."""
     num_ranks, num_experts = topology.ep_size, config.num_experts
@@ -191,16 +242,36 @@ def make_plan(topology: Topology, config: DispatchConfig, tokens: int, k: int) -
                 f"expert_placement names slot {max(expert_slot)} but num_local_slots={num_slots}"
             )
     pad = config.pad_multiple
+    # No expert can receive more than T * EP * K rows, nor a rank more than that plus each
+    # group's padding: larger capacities or budgets change no row or drop, only the buffer, so
+    # they are clamped to these bounds (with a warning).
+    most_per_expert = tokens * num_ranks * k
+    most_per_rank = most_per_expert + num_slots * (pad - 1)
     if config.capacity_factor is None:
         capacity = None
         rows = tokens * num_ranks * min(k, num_slots) + num_slots * (pad - 1)
         if config.row_budget is not None:  # opt-in: overflow is dropped and counted
-            rows = int(config.row_budget)
+            rows = min(config.row_budget, most_per_rank)
+            if rows < config.row_budget:
+                _warn_clamped(f"row_budget={config.row_budget}", f"C={rows} rows per rank")
     else:
-        capacity = round_up(
-            math.ceil(config.capacity_factor * tokens * num_ranks * k / num_experts), pad
+        # The factor may be huge: bound it before rounding (no overflow to inf).
+        wanted = config.capacity_factor * tokens * num_ranks * k / num_experts  # §2.1.3
+        capacity = round_up(math.ceil(min(wanted, most_per_expert)), pad)
+        rows = min(num_slots * capacity, most_per_rank)
+        if wanted > most_per_expert:
+            _warn_clamped(
+                f"capacity_factor={config.capacity_factor} (over {most_per_expert} rows per "
+                "local expert)",
+                f"capacity {capacity} rows per local expert and C={rows}",
+            )
+    if rows > _MAX_ROWS:
+        raise ValueError(
+            f"the expert-major buffer would need C={rows} rows per rank (T={tokens}, EP size "
+            f"{num_ranks}, K={k}, {num_slots} local slots, capacity "
+            f"{'dropless' if capacity is None else capacity}), more than the {_MAX_ROWS} an int32 "
+            "row index reaches; lower capacity_factor or set row_budget"
         )
-        rows = num_slots * capacity
     return DispatchPlan(
         topology=topology,
         config=config,

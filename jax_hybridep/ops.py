@@ -18,15 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep import compat
+from jax_hybridep import checks, compat
 from jax_hybridep.config import DispatchConfig, DispatchPlan, make_plan
 from jax_hybridep.exchange import routes, walk
 from jax_hybridep.exchange.routes import Route
 from jax_hybridep.exchange.steps import Shard
 from jax_hybridep.handle import Handle
 from jax_hybridep.topology import Topology
-
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,58 +85,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _check_context(op: str, topology: Topology, args) -> frozenset[str]:
-    """Trace-time checks of where the op runs; returns the manual mesh axes."""
-    if any(compat.is_batched(a) for a in args):
-        raise ValueError(
-            f"jax_hybridep.{op} does not support jax.vmap: it exchanges data between EP ranks, "
-            "so each shard must call it once; map over tokens instead (fold the batch into T)"
-        )
-    manual = compat.manual_axes()
-    missing = [a for a in topology.ep_axes if a not in manual]
-    if missing:
-        raise ValueError(
-            f"jax_hybridep.{op} must run inside jax.shard_map over the EP axes "
-            f"{topology.ep_axes}; axes {missing} are not manual here (manual axes: "
-            f"{sorted(manual)})"
-        )
-    shape = compat.context_mesh_shape()
-    wrong = {a: shape[a] for a in topology.ep_axes if shape[a] != topology.axis_size(a)}
-    if wrong:
-        expected = {a: topology.axis_size(a) for a in wrong}
-        raise ValueError(
-            f"jax_hybridep.{op}: the topology was built for axis sizes {expected} but the "
-            f"enclosing shard_map has {wrong}"
-        )
-    return manual
-
-
-def _check_inputs(x, topk_idx, topk_weights):
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, H], got shape {x.shape}")
-    if topk_idx.ndim != 2:
-        raise ValueError(f"topk_idx must be [T, K], got shape {topk_idx.shape}")
-    if topk_weights.shape != topk_idx.shape:
-        raise ValueError(
-            f"topk_weights shape {topk_weights.shape} differs from topk_idx shape {topk_idx.shape}"
-        )
-    if x.shape[0] != topk_idx.shape[0]:
-        raise ValueError(
-            f"x has T={x.shape[0]} tokens (shape {x.shape}) but topk_idx has "
-            f"T={topk_idx.shape[0]} (shape {topk_idx.shape})"
-        )
-    if x.shape[0] == 0 or topk_idx.shape[1] == 0:
-        raise ValueError(
-            f"dispatch needs T >= 1 and K >= 1, got x {x.shape}, topk_idx {topk_idx.shape}"
-        )
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
-        raise TypeError(f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}")
-    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-        raise TypeError(f"topk_weights must be floating point, got dtype {topk_weights.dtype}")
-
-
 def _shard(topology: Topology, manual) -> Shard:
     rank = jax.lax.axis_index(topology.ep_axes).astype(jnp.int32)
     group_axes = tuple(a for a in topology.group_axes if a in manual)
@@ -170,15 +116,14 @@ def dispatch_with_route(
 ) -> Dispatched:
     """`dispatch` along an explicit route (None: the one `config.backend` selects); tests use it
     to run step kinds the platform lacks, e.g. the CUDA bottom over a pure-JAX twin on CPU."""
-    manual = _check_context("dispatch", topology, (x, topk_idx, topk_weights))
-    x, topk_idx, topk_weights = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weights)
-    _check_inputs(x, topk_idx, topk_weights)
+    manual = checks.check_context("dispatch", topology, (x, topk_idx, topk_weights))
+    x, topk_idx, topk_weights = checks.check_dispatch_inputs(x, topk_idx, topk_weights)
     if route is None:
         route = routes.route(config, topology, manual)
     route.check(topology)
     plan = make_plan(topology, config, *topk_idx.shape)
     shard = _shard(topology, manual)
-    topk_idx = topk_idx.astype(jnp.int32)
+    topk_idx = checks.expert_ids_int32(topk_idx, plan.num_experts)
     lay = route.layout(plan, topk_idx, shard)
     expert_rank = jnp.asarray(np.asarray(plan.expert_rank, np.int32))
     safe_idx = jnp.clip(topk_idx, 0, plan.num_experts - 1)
@@ -245,21 +190,9 @@ def combine(
                 f"combine got a handle from the '{handle.route.backend}' backend with "
                 f"{plan.config}, but was given {config} (backend '{requested}')"
             )
-    args = (y,) if weights is None else (y, weights)
-    _check_context("combine", plan.topology, args)
-    y = jnp.asarray(y)
-    if y.ndim != 2 or y.shape[0] != plan.rows:
-        raise ValueError(
-            f"y must be [C, H] with C={plan.rows} rows (one per row of its dispatch), got shape "
-            f"{y.shape}"
-        )
-    if y.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"y must be float32, bfloat16 or float16, got {y.dtype}")
+    y, weights = checks.check_combine_inputs(plan, y, weights)
     if weights is None:
         return _combine_rows(False, handle, y, jnp.zeros((plan.rows,), jnp.float32))
-    weights = jnp.asarray(weights)
-    if weights.shape != (plan.rows,):
-        raise ValueError(f"weights must be [C] = ({plan.rows},), got shape {weights.shape}")
     return _combine_rows(True, handle, y, weights.astype(jnp.float32))
 
 

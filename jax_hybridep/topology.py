@@ -39,6 +39,27 @@ class Topology:
     level_local: tuple[bool, ...] | None = None  # always set after __post_init__
 
     def __post_init__(self):
+        # Normalise sequences to tuples (hashable, comparable); a bare string is one axis name.
+        levels = (self.levels,) if isinstance(self.levels, str) else self.levels
+        try:
+            levels = tuple((lvl,) if isinstance(lvl, str) else tuple(lvl) for lvl in levels)
+        except TypeError:
+            raise ValueError(
+                f"Topology levels must be a sequence of axis names, got {self.levels!r}"
+            ) from None
+        object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "mesh_axes", tuple(self.mesh_axes))
+        object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
+        if not all(isinstance(a, str) for level in levels for a in level):
+            raise ValueError(f"Topology levels must name mesh axes by string, got {levels}")
+        if len(self.mesh_shape) != len(self.mesh_axes) or not all(
+            isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
+            for n in self.mesh_shape
+        ):
+            raise ValueError(
+                f"Topology mesh_shape {self.mesh_shape} must give one size >= 1 per mesh axis "
+                f"{self.mesh_axes}"
+            )
         if not self.levels or any(not level for level in self.levels):
             raise ValueError(f"Topology needs at least one level of mesh axes, got {self.levels}")
         seen = [axis for level in self.levels for axis in level]
@@ -57,6 +78,7 @@ class Topology:
                 f"level_local {self.level_local} has {len(self.level_local)} entries for "
                 f"{len(self.levels)} levels {self.levels}"
             )
+        object.__setattr__(self, "level_local", tuple(bool(b) for b in self.level_local))
 
     @classmethod
     def from_mesh(

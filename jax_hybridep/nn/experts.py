@@ -30,7 +30,7 @@ def _windowed_swiglu(rows, group_sizes, w_gate, w_up, w_down, capacity):
     num_rows = rows.shape[0]
     # Windows may run past the last row: pad so dynamic_slice never shifts a window back.
     padded = jnp.concatenate([rows, jnp.zeros((capacity, rows.shape[1]), rows.dtype)])
-    starts = jnp.cumsum(group_sizes) - group_sizes
+    starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes
     out = jnp.zeros((num_rows + capacity, w_down.shape[-1]), rows.dtype)
     varying = frozenset().union(*(compat.varying_axes(a) for a in (rows, w_gate, w_up, w_down)))
     out = compat.mark_varying(out, varying)  # the scan carry must vary like what it absorbs

@@ -22,6 +22,7 @@ import jax_hybridep as hep
 from jax_hybridep import xdc
 from jax_hybridep.nn.experts import expert_swiglu, swiglu
 from jax_hybridep.nn.router import Router, RouterConfig, route
+from jax_hybridep.values import check_int
 
 DISPATCH_NAME = "moe_dispatch"  # checkpoint_name of the dispatched rows (for remat policies)
 COMBINE_NAME = "moe_combine"  # checkpoint_name of the combined output
@@ -79,6 +80,32 @@ class SharedExpert(nnx.Module):
         )
 
 
+def _check_block(d_model, d_ff, router, mesh, topology, shared_expert_ff) -> None:
+    """The block's arguments, checked before any parameter is made (ValueError/TypeError)."""
+    check_int("d_model", d_model, 1)
+    check_int("d_ff", d_ff, 1)
+    if shared_expert_ff is not None:
+        check_int("shared_expert_ff", shared_expert_ff, 1)
+    if not isinstance(router, RouterConfig):
+        raise TypeError(f"router must be a jax_hybridep.nn.RouterConfig, got {router!r}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not isinstance(topology, hep.Topology):
+        raise TypeError(f"topology must be a jax_hybridep.Topology, got {type(topology).__name__}")
+    mesh_shape = dict(mesh.shape)
+    if topology.mesh_dict != mesh_shape:
+        raise ValueError(
+            f"topology was built for mesh {topology.mesh_dict}, but the block's mesh is "
+            f"{mesh_shape}; build it with Topology.from_mesh(mesh, ...)"
+        )
+    if router.num_experts % topology.ep_size:
+        raise ValueError(
+            f"router.num_experts={router.num_experts} experts do not split evenly over the EP "
+            f"size {topology.ep_size} (EP axes {topology.ep_axes} of mesh {mesh_shape}): the "
+            "stacked expert weights are sharded over them"
+        )
+
+
 class MoEBlock(nnx.Module):
     """Top-k routed SwiGLU experts (stacked [E, ...] weights sharded over the EP axes).
 
@@ -115,7 +142,10 @@ class MoEBlock(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
+        _check_block(d_model, d_ff, router, mesh, topology, shared_expert_ff)
         dispatch = dispatch or hep.DispatchConfig(num_experts=router.num_experts)
+        if not isinstance(dispatch, hep.DispatchConfig):
+            raise TypeError(f"dispatch must be a jax_hybridep.DispatchConfig, got {dispatch!r}")
         if dispatch.num_experts != router.num_experts:
             raise ValueError(
                 f"dispatch.num_experts={dispatch.num_experts} differs from "
@@ -195,9 +225,9 @@ class MoEBlock(nnx.Module):
             loss=cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss,
             aux_loss=aux_loss,
             z_loss=z_loss,
-            tokens_per_expert=jnp.sum(per_expert, axis=0) // ep_size,
-            dropped=jnp.sum(dropped),
-            level_rows=jnp.sum(level_rows, axis=0),
+            tokens_per_expert=jnp.sum(per_expert, axis=0, dtype=jnp.int32) // ep_size,
+            dropped=jnp.sum(dropped, dtype=jnp.int32),
+            level_rows=jnp.sum(level_rows, axis=0, dtype=jnp.int32),
         )
         return y.reshape(*lead, -1).astype(x.dtype), aux
 

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_hybridep.values import check_bool, check_int, check_real
+
 SCORE_FNS = ("softmax", "sigmoid")
 
 
@@ -46,6 +48,12 @@ class RouterConfig:
     bias_update_rate: float = 0.0
 
     def __post_init__(self):
+        check_int("num_experts", self.num_experts, 1)
+        check_int("top_k", self.top_k, 1)
+        check_bool("normalize", self.normalize)
+        check_real("routed_scale", self.routed_scale, positive=True)
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            check_real(name, getattr(self, name), 0.0)
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.score_fn not in SCORE_FNS:
@@ -53,6 +61,8 @@ class RouterConfig:
         if (self.num_groups is None) != (self.topk_groups is None):
             raise ValueError("num_groups and topk_groups go together (both set or both None)")
         if self.num_groups is not None:
+            check_int("num_groups", self.num_groups, 1)
+            check_int("topk_groups", self.topk_groups, 1)
             if self.num_experts % self.num_groups:
                 raise ValueError(
                     f"num_experts={self.num_experts} is not divisible by "
