@@ -8,6 +8,7 @@ otherwise on 8 fake CPU devices with the `ffi` backend (C++ host handlers, direc
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -23,12 +24,19 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_hybridep as hep  # noqa: E402
 
 flags.DEFINE_enum("backend", "auto", ["auto", "xla", "ffi"], "dispatch/combine backend")
-flags.DEFINE_integer("num_experts", 32, "global experts (a multiple of the device count)")
-flags.DEFINE_integer("top_k", 4, "experts per token")
-flags.DEFINE_integer("tokens", 256, "tokens per device")
-flags.DEFINE_integer("hidden", 128, "model width")
-flags.DEFINE_integer("ffn", 256, "expert FFN width")
+flags.DEFINE_integer(
+    "num_experts", 32, "global experts (a multiple of the device count)", lower_bound=1
+)
+flags.DEFINE_integer("top_k", 4, "experts per token", lower_bound=1)
+flags.DEFINE_integer("tokens", 256, "tokens per device", lower_bound=1)
+flags.DEFINE_integer("hidden", 128, "model width", lower_bound=1)
+flags.DEFINE_integer("ffn", 256, "expert FFN width", lower_bound=1)
 flags.DEFINE_float("capacity_factor", None, "per-expert capacity factor; unset means dropless")
+flags.register_validator(
+    "capacity_factor",
+    lambda f: f is None or (math.isfinite(f) and f > 0),
+    message="--capacity_factor must be a finite number > 0 (omit it for dropless)",
+)
 flags.DEFINE_integer("seed", 0, "random seed")
 FLAGS = flags.FLAGS
 

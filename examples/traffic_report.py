@@ -25,8 +25,10 @@ import jax_hybridep as hep  # noqa: E402
 from jax_hybridep import nn as hnn  # noqa: E402
 from jax_hybridep import traffic  # noqa: E402
 
-flags.DEFINE_integer("tokens", 64, "tokens per rank (scaled down from DeepSeek-V3's 4096)")
-flags.DEFINE_integer("hidden", 7168, "hidden size, for the byte counts")
+flags.DEFINE_integer(
+    "tokens", 64, "tokens per rank (scaled down from DeepSeek-V3's 4096)", lower_bound=1
+)
+flags.DEFINE_integer("hidden", 7168, "hidden size, for the byte counts", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "random seed of the gate logits")
 FLAGS = flags.FLAGS
 NODES, LOCAL, EXPERTS, TOP_K, NODES_PER_TOKEN = 8, 8, 256, 8, 4

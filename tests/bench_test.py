@@ -116,6 +116,43 @@ def test_parse_capacities():
     ]
 
 
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--capacities", "1.25,abc"], "'abc' in '1.25,abc'"),
+        (["--capacities", "budget=-1"], "'budget=-1'"),
+        (["--capacities", "inf"], "'inf'"),
+        (["--routings", "uniform,zipf"], "unknown ['zipf']"),
+        (["--methods", "nccl"], "unknown ['nccl']"),
+        (["--backends", "cuda"], "unknown ['cuda']"),
+        (["--directions", "bwd"], "unknown ['bwd']"),
+        (["--devices", "0"], "'0' is not an int >= 1"),
+        (["--repeats", "two"], "'two' is not an int >= 1"),
+        (["--warmup", "-1"], "'-1' is not an int >= 0"),
+    ],
+)
+def test_bad_flags_fail_at_parse_time_naming_the_value(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        bench_main.parser().parse_args(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_layer_and_profile_clis_check_their_flags(capsys):
+    from jax_hybridep.bench import layer, profile
+
+    for main, argv, needle in [
+        (layer.main, ["--tokens", "0"], "'0' is not an int >= 1"),
+        (layer.main, ["--capacity_factor", "nan"], "'nan' is not a finite number > 0"),
+        (profile.main, ["--capacity", "budget=x"], "--capacity: 'budget=x'"),
+        (profile.main, ["--routing", "zipf"], "invalid choice: 'zipf'"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
 def test_fields_sane(doc):
     for c in doc["cases"]:
         missing = [k for k in CASE_FIELDS if k not in c]

@@ -10,7 +10,7 @@ def _cpu_devices(argv) -> int:
     for i, arg in enumerate(argv):
         value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
         if arg.startswith("--devices"):
-            count = int(value)
+            count = int(value) if value.isdigit() and int(value) > 0 else None  # argparse reports
         elif arg.startswith("--preset"):
             preset = value
     return count or {"tiny": 4}.get(preset, 8)

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 
 from jax_hybridep import _native
-from jax_hybridep.bench import report
+from jax_hybridep.bench import cli, report
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -97,17 +97,18 @@ def table(result: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--k", type=int, default=8)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--sms", default="1,2,4,8,16,24", help="comma-separated SM counts")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tokens", type=cli.positive_int, default=4096)
+    p.add_argument("--hidden", type=cli.positive_int, default=7168)
+    p.add_argument("--k", type=cli.positive_int, default=8)
+    p.add_argument("--experts", type=cli.positive_int, default=8)
+    p.add_argument("--sms", type=cli.positive_int_list, default=[1, 2, 4, 8, 16, 24],
+                   help="comma-separated SM counts")  # fmt: skip
+    p.add_argument("--iters", type=cli.positive_int, default=20)
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
     p.add_argument("--json", default="gpu_transport.json", help="JSON output ('' to skip)")
     args = p.parse_args(argv)
     result = measure(args.dtype, args.tokens, args.hidden, args.k, args.experts,
-                     [int(s) for s in args.sms.split(",")], args.iters, args.warmup)  # fmt: skip
+                     args.sms, args.iters, args.warmup)  # fmt: skip
     if args.json:
         report.write_json(result, args.json)
     print(table(result))

@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
-from jax_hybridep.bench import baselines, report, runner
+from jax_hybridep.bench import baselines, cli, report, runner
 
 AXIS = "ep"
 
@@ -222,15 +222,21 @@ def table(result: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field in dataclasses.fields(LayerShape):
-        p.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
-    p.add_argument("--backends", default="ffi,xla")
-    p.add_argument("--capacity_factor", type=float, default=None, help="default: dropless")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+        if field.name == "dtype":
+            p.add_argument(
+                "--dtype", choices=("bfloat16", "float32", "float16"), default=field.default
+            )
+        else:
+            p.add_argument(f"--{field.name}", type=cli.positive_int, default=field.default)
+    p.add_argument("--backends", type=cli.choice_list(("ffi", "xla")), default=["ffi", "xla"])
+    p.add_argument("--capacity_factor", type=cli.positive_float, default=None,
+                   help="default: dropless")  # fmt: skip
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=2)
+    p.add_argument("--repeats", type=cli.positive_int, default=5)
     p.add_argument("--json", default="", help="JSON output path ('' to skip)")
     args = p.parse_args(argv)
     shape = LayerShape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LayerShape)})
-    result = measure(shape, tuple(args.backends.split(",")), args.capacity_factor, args.warmup,
+    result = measure(shape, tuple(args.backends), args.capacity_factor, args.warmup,
                      args.repeats)  # fmt: skip
     if args.json:
         report.write_json(result, args.json)

@@ -10,7 +10,7 @@ import sys
 import jax
 
 import jax_hybridep as hep
-from jax_hybridep.bench import metrics, report, runner
+from jax_hybridep.bench import cli, metrics, report, runner
 from jax_hybridep.bench.workloads import PRESETS, ROUTINGS, make_inputs
 
 METHODS = ("hybridep", "gshard", "maxtext", "worst_case")
@@ -19,16 +19,10 @@ DEFAULT_CAPACITIES = (None, 1.25, 2.0, runner.Budget(2.0))
 
 def parse_capacities(text: str):
     """'dropless' -> None, 'budget=F' -> runner.Budget(F), a number -> capacity factor f."""
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        if item in ("none", "dropless"):
-            out.append(None)
-        elif item.startswith("budget="):
-            out.append(runner.Budget(float(item.split("=", 1)[1])))
-        else:
-            out.append(float(item))
-    return out
+    try:
+        return cli.capacity_list(text)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(str(err)) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,31 +42,39 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--devices",
-        type=int,
+        type=cli.positive_int,
         default=None,
         help="devices to use (default: the preset's on CPU, all GPUs on GPU); on CPU "
         "this many fake devices are created",
     )
     p.add_argument(
         "--nodes",
-        type=int,
+        type=cli.positive_int,
         default=2,
         help="nodes of the hierarchical topology (node x local mesh)",
     )
-    p.add_argument("--routings", default=",".join(ROUTINGS), help=f"subset of {ROUTINGS}")
+    p.add_argument("--routings", type=cli.choice_list(ROUTINGS), default=list(ROUTINGS),
+                   help=f"subset of {ROUTINGS}")  # fmt: skip
     p.add_argument(
         "--capacities",
-        default="dropless,1.25,2.0,budget=2",
+        type=cli.capacity_list,
+        default=list(DEFAULT_CAPACITIES),
         help="comma list: 'dropless', capacity factors f, and/or 'budget=F' (dropless with the "
         "opt-in DispatchConfig.row_budget = ceil(F * T * K) rows per rank; overflow is dropped "
         "and counted; compared with the dropless baselines)",
     )
-    p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {METHODS}")
-    p.add_argument("--backends", default="ffi,xla", help="hybridep backends")
-    p.add_argument("--topologies", default="flat,hierarchical")
-    p.add_argument("--directions", default="fwd,fwd+bwd")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls (median reported)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first")
+    p.add_argument("--methods", type=cli.choice_list(METHODS), default=list(METHODS),
+                   help=f"subset of {METHODS}")  # fmt: skip
+    p.add_argument("--backends", type=cli.choice_list(("ffi", "xla")), default=["ffi", "xla"],
+                   help="hybridep backends")  # fmt: skip
+    p.add_argument("--topologies", type=cli.choice_list(runner.TOPOLOGIES),
+                   default=list(runner.TOPOLOGIES))  # fmt: skip
+    p.add_argument("--directions", type=cli.choice_list(runner.DIRECTIONS),
+                   default=list(runner.DIRECTIONS))  # fmt: skip
+    p.add_argument("--repeats", type=cli.positive_int, default=None,
+                   help="timed calls (median reported)")  # fmt: skip
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=None,
+                   help="untimed calls first")  # fmt: skip
     p.add_argument("--json", default="bench.json", help="JSON output path ('' to skip)")
     p.add_argument("--png", default="bench.png", help="PNG chart path ('' to skip)")
     p.add_argument("--seed", type=int, default=0)
@@ -84,10 +86,6 @@ def parser() -> argparse.ArgumentParser:
         "are not faulted in from the OS on every call (all methods and the floor alike)",
     )
     return p
-
-
-def _split(text: str) -> list[str]:
-    return [s.strip() for s in text.split(",") if s.strip()]
 
 
 def benchmark(
@@ -183,12 +181,12 @@ def main(argv=None) -> dict:
     args = parser().parse_args(argv)
     doc = benchmark(
         args.preset,
-        routings=_split(args.routings),
-        capacities=parse_capacities(args.capacities),
-        methods=_split(args.methods),
-        backends=_split(args.backends),
-        topologies=_split(args.topologies),
-        directions=_split(args.directions),
+        routings=args.routings,
+        capacities=args.capacities,
+        methods=args.methods,
+        backends=args.backends,
+        topologies=args.topologies,
+        directions=args.directions,
         repeats=args.repeats,
         warmup=args.warmup,
         nodes=args.nodes,

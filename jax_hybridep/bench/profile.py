@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from jax_hybridep.bench import cli
+
 
 def op_labels(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> label: 'ffi <target>' for custom calls, 'xla <name> <shape>' for
@@ -89,10 +91,10 @@ def profile(
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m jax_hybridep.bench.profile", description=__doc__)
     p.add_argument("--capacity", default="1.25", help="'dropless', a factor f, or 'budget=F'")
-    p.add_argument("--backend", default="ffi")
-    p.add_argument("--topology", default="flat")
-    p.add_argument("--routing", default="uniform")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--backend", default="ffi", choices=("ffi", "xla"))
+    p.add_argument("--topology", default="flat", choices=("flat", "hierarchical"))
+    p.add_argument("--routing", default="uniform", choices=("uniform", "deepseek", "skewed"))
+    p.add_argument("--steps", type=cli.positive_int, default=3)
     p.add_argument("--hlo", default="", help="also write the compiled HLO here")
     p.add_argument(
         "--keep-freed-memory",
@@ -101,13 +103,15 @@ def main(argv=None):
         help="as in the benchmark: glibc malloc keeps freed memory (runner.keep_freed_memory)",
     )
     args = p.parse_args(argv)
+    try:
+        (capacity,) = cli.capacity_list(args.capacity)
+    except (argparse.ArgumentTypeError, ValueError) as err:
+        p.error(f"--capacity: {err}")
     from jax_hybridep.bench import runner
 
     if args.keep_freed_memory:
         runner.keep_freed_memory()
-    from jax_hybridep.bench.main import parse_capacities
 
-    (capacity,) = parse_capacities(args.capacity)
     t0 = time.perf_counter()
     median, per_device, hlo = profile(
         capacity, args.backend, args.topology, args.routing, args.steps

@@ -25,6 +25,7 @@ from jax_hybridep.bench import baselines
 from jax_hybridep.bench.workloads import BenchInputs, Preset
 
 DIRECTIONS = ("fwd", "fwd+bwd")
+TOPOLOGIES = ("flat", "hierarchical")
 
 
 def keep_freed_memory() -> bool:
