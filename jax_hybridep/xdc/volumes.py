@@ -59,7 +59,8 @@ class LevelVolumes:
       gather_peers: peers (messages) of the gather and of the reduce-scatter, `S_l - 1`.
       dense_sync_bytes: bytes a rank receives from peers across this level in the dense
         gradients' all-reduce over all G ranks (training only), `2 D (G - G / G_l) / G`.
-      dense_peers: those peers, `G - G / G_l`.
+      dense_peers: messages per phase of that all-reduce at this level, `G_l - 1` (timed as a
+        ring over the level: an all-reduce over G ranks need not message all of them).
     """
 
     size: int
@@ -165,10 +166,11 @@ def _check(level_sizes, domains, num_experts, top_k=None, **sizes):
 
 
 def _dense(level_sizes, lvl: int, dense_bytes: int) -> tuple[int, int]:
-    """(bytes, peers) of the dense gradients' all-reduce over all ranks, across level `lvl`."""
+    """(bytes, peers) of the dense gradients' all-reduce over all ranks across level `lvl`:
+    bytes as the direct exchange the programs are read with, peers as a ring over the level."""
     ranks = math.prod(level_sizes)
     across = ranks - ranks // level_sizes[lvl]
-    return traffic.all_reduce_bytes(dense_bytes, ranks, across), across
+    return traffic.all_reduce_bytes(dense_bytes, ranks, across), level_sizes[lvl] - 1
 
 
 def _build(
