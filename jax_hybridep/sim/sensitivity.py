@@ -9,7 +9,6 @@ of fixed p and of the best domain. Writes a CSV (docs/crossdc_simulator.md recor
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import sys
 import time
@@ -18,7 +17,7 @@ from collections.abc import Iterable
 from jax_hybridep.sim.cluster import Datacenters, MoELayer
 from jax_hybridep.sim.moe_step import step_time
 from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction
-from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS
+from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS, write_csv
 
 # Each assumed constant (a `Datacenters` field) and the values tried, the default among them.
 CONSTANTS = {
@@ -64,16 +63,6 @@ def sensitivity(
     return rows
 
 
-def write_csv(rows: list[dict], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(
-                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
-            )
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(
         prog="python -m jax_hybridep.sim.sensitivity",
@@ -102,7 +91,7 @@ def main(argv=None) -> list[dict]:
             f"{r['policy'] + str(r['param']):>13} {r['domain']:>5} {r['speedup']:>8.3f}"
         )
     if args.csv:
-        write_csv(rows, args.csv)
+        write_csv(rows, args.csv, FIELDS)
         print(f"wrote {args.csv}")
     return rows
 

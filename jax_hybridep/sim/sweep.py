@@ -94,10 +94,10 @@ def run_sweep(
     return rows
 
 
-def write_csv(rows: list[dict], path: str) -> None:
-    """Rows as CSV with a header (`FIELDS` order)."""
+def write_csv(rows: list[dict], path: str, fields: tuple[str, ...] = FIELDS) -> None:
+    """Rows as CSV with a header in `fields` order, floats to 6 significant digits."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for row in rows:
             writer.writerow(
