@@ -215,14 +215,10 @@ def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert
     plt.close(fig)
 
 
-def train(cfg: TrainConfig, console: Console | None = None) -> dict:
-    """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict."""
-    console = console or Console(soft_wrap=True)
-    if cfg.steps < 0 or cfg.eval_every < 1:
-        raise ValueError(f"need steps >= 0 and eval_every >= 1, got {cfg.steps}, {cfg.eval_every}")
-    mesh, topology = make_mesh(cfg.mesh, jax.devices())
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model `cfg` trains."""
     capacity = cfg.capacity_factor if cfg.capacity_factor and cfg.capacity_factor > 0 else None
-    model_cfg = ModelConfig(
+    return ModelConfig(
         vocab_size=VOCAB_SIZE,
         d_model=cfg.d_model,
         d_ff=cfg.d_ff,
@@ -235,7 +231,18 @@ def train(cfg: TrainConfig, console: Console | None = None) -> dict:
         expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
         domain_compression=cfg.domain_compression,
     )
-    model = MoETransformer(model_cfg, mesh, topology, rngs=nnx.Rngs(cfg.seed))
+
+
+def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> dict:
+    """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict.
+
+    `on_compile`, if given, is called with the compiled train step's HLO text (e.g. to read its
+    collectives, `jax_hybridep.traffic`)."""
+    console = console or Console(soft_wrap=True)
+    if cfg.steps < 0 or cfg.eval_every < 1:
+        raise ValueError(f"need steps >= 0 and eval_every >= 1, got {cfg.steps}, {cfg.eval_every}")
+    mesh, topology = make_mesh(cfg.mesh, jax.devices())
+    model = MoETransformer(model_config(cfg), mesh, topology, rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # Dense parameters replicate; the MoE block's own sharding annotations place its experts.
     params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
@@ -280,7 +287,7 @@ def train(cfg: TrainConfig, console: Console | None = None) -> dict:
                 mgr.delete(old_step)
 
         history, params, rest, opt_state, backend = _loop(
-            cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console
+            cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile
         )
         if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
             state = dict(params=params, rest=rest, opt_state=opt_state)
@@ -309,7 +316,7 @@ def train(cfg: TrainConfig, console: Console | None = None) -> dict:
     return result
 
 
-def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console):
+def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile):
     """The training loop proper: compile once, step, evaluate, report progress."""
     data = ByteData.load()
     num_devices = mesh.devices.size
@@ -334,6 +341,8 @@ def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, cons
     backend = ran_backend(compiled.as_text())
     levels = [a for a in mesh.axis_names if a != DATA_AXIS]
     history["program_traffic"] = program_traffic(compiled.as_text(), levels)
+    if on_compile is not None:
+        on_compile(compiled.as_text())
     console.print(
         f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}, "
         f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}), "

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jax_hybridep import sim
-from jax_hybridep.sim import Cluster, Congestion, Flows, Network, Workload
+from jax_hybridep.sim import Congestion, Datacenters, Flows, MoELayer, Network
 from jax_hybridep.sim.__main__ import main, parser
 from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS
 
@@ -14,7 +14,7 @@ ENGINES = (sim.simulate, sim.simulate_reference)
 
 # No latency, no per-message cost, no congestion, no compute: times are pure bandwidth.
 BARE = dict(wan_latency_s=0.0, intra_latency_s=0.0, msg_overhead_s=0.0, congestion_exponent=0.0)
-NO_COMPUTE = Workload(data_bytes=1e9, expert_bytes=1e8, compute_s=0.0, pre_expert_s=0.0)
+NO_COMPUTE = MoELayer(data_bytes=1e9, expert_bytes=1e8, compute_s=0.0, pre_expert_s=0.0)
 
 
 def _flows(paths, path, size, start=None, count=None, floor=None):
@@ -106,7 +106,7 @@ def test_ep_matches_analytic_time(num_dcs, exchange):
     # Uplink-bound all-to-all: a DC sends g * D * (N-1)/N bytes out through 1 GB/s (8 Gbps). The
     # hierarchical exchange then forwards inside the DC: each GPU sends (g-1) * D/g through its
     # 16 GB/s (128 Gbps) link.
-    c = Cluster(num_dcs=num_dcs, gpus_per_dc=2, dc_gbps=8.0, exchange=exchange, **BARE)
+    c = Datacenters(num_dcs=num_dcs, gpus_per_dc=2, dc_gbps=8.0, exchange=exchange, **BARE)
     a2a = 2 * NO_COMPUTE.data_bytes * (num_dcs - 1) / num_dcs / 1e9
     if exchange == "hierarchical":
         a2a += NO_COMPUTE.data_bytes / 2 / 16e9
@@ -119,12 +119,12 @@ def test_ep_matches_analytic_time(num_dcs, exchange):
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_domain_one_is_plain_ep(exchange):
-    c = Cluster(num_dcs=4, gpus_per_dc=2, exchange=exchange)
-    ep = sim.step_time(c, Workload(), 1)
+    c = Datacenters(num_dcs=4, gpus_per_dc=2, exchange=exchange)
+    ep = sim.step_time(c, MoELayer(), 1)
     assert ep.allgather_s == 0 and ep.reduce_scatter_s == 0
     # Flat: every other rank; hierarchical: one rank per other DC, then the DC's other GPUs.
     assert ep.peers_per_gpu == (c.num_ranks - 1 if exchange == "flat" else 3 + 1)
-    assert ep.wan_bytes_per_gpu == pytest.approx(4 * Workload().data_bytes * 3 / 4)
+    assert ep.wan_bytes_per_gpu == pytest.approx(4 * MoELayer().data_bytes * 3 / 4)
     # Without the reduce-scatter the backward's last all-to-all is the forward's combine.
     assert ep.combine_rs_s == ep.combine_s == ep.dispatch_s
 
@@ -133,10 +133,10 @@ def test_domain_one_is_plain_ep(exchange):
 def test_domain_of_all_dcs_sends_no_tokens_across_dcs(exchange):
     times = []
     for bw in (0.01, 100.0):
-        c = Cluster(num_dcs=4, gpus_per_dc=2, dc_gbps=bw, exchange=exchange)
-        hy = sim.step_time(c, Workload(), 4)
+        c = Datacenters(num_dcs=4, gpus_per_dc=2, dc_gbps=bw, exchange=exchange)
+        hy = sim.step_time(c, MoELayer(), 4)
         assert hy.peers_per_gpu == c.gpus_per_dc - 1
-        assert hy.wan_bytes_per_gpu == pytest.approx(2 * 3 * Workload().expert_bytes)
+        assert hy.wan_bytes_per_gpu == pytest.approx(2 * 3 * MoELayer().expert_bytes)
         times.append(hy.dispatch_s)
     assert times[0] == times[1]  # tokens never touch the WAN links
 
@@ -146,9 +146,9 @@ def test_domain_of_all_dcs_sends_no_tokens_across_dcs(exchange):
 @pytest.mark.parametrize("skew", [0.0, 0.8])
 def test_aggregated_equals_every_gpu_flow(shape, skew, exchange):
     # Low bandwidth and a long RTT make the congestion term bind; it must agree too.
-    c = Cluster(num_dcs=shape[0], gpus_per_dc=shape[1], dc_gbps=2e-4, wan_latency_s=0.05,
+    c = Datacenters(num_dcs=shape[0], gpus_per_dc=shape[1], dc_gbps=2e-4, wan_latency_s=0.05,
                 congestion_exponent=0.3, exchange=exchange)  # fmt: skip
-    w = Workload(data_bytes=1e6, expert_bytes=1e5, skew=skew)
+    w = MoELayer(data_bytes=1e6, expert_bytes=1e5, skew=skew)
     assert sim.step_time(c, w, 1).total_s != sim.step_time(
         dataclasses.replace(c, congestion_exponent=0.0), w, 1).total_s  # fmt: skip
     for s in sim.divisors(c.num_dcs):
@@ -159,7 +159,7 @@ def test_aggregated_equals_every_gpu_flow(shape, skew, exchange):
 
 
 def test_skewed_routing_slows_ep_when_gpu_links_bind():
-    c = Cluster(num_dcs=4, gpus_per_dc=4, dc_gbps=1e4, **BARE)
+    c = Datacenters(num_dcs=4, gpus_per_dc=4, dc_gbps=1e4, **BARE)
     uniform = sim.step_time(c, NO_COMPUTE, 1)
     hot = sim.step_time(c, dataclasses.replace(NO_COMPUTE, skew=1.5), 1)
     assert hot.dispatch_s > 1.2 * uniform.dispatch_s
@@ -167,12 +167,12 @@ def test_skewed_routing_slows_ep_when_gpu_links_bind():
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_large_cluster_runs_aggregated(exchange):
-    c = Cluster(num_dcs=1000, dc_gbps=10.0, exchange=exchange)
+    c = Datacenters(num_dcs=1000, dc_gbps=10.0, exchange=exchange)
     for s in (1, 8):
-        t = sim.step_time(c, Workload(), s)
+        t = sim.step_time(c, MoELayer(), s)
         assert t.peers_per_gpu == sum(c.token_messages(s))
         assert t.peers_per_gpu == (c.num_ranks // s - 1 if exchange == "flat" else 1000 // s + 6)
-        assert sim.lower_bound(c, Workload(), s) <= t.total_s
+        assert sim.lower_bound(c, MoELayer(), s) <= t.total_s
 
 
 @pytest.mark.parametrize(
@@ -184,8 +184,8 @@ def test_hierarchical_exchange_equals_the_cost_model(num_dcs, gpus, domain, dc_g
     # where both apply: no latency, per-message cost or congestion; uniform top-1 routing (no
     # copies to deduplicate). A token exchange is the DC level, then the GPU level; the gather is
     # one WAN transfer. Both are bound by the GPU's PCIe link or the DC's shared uplink.
-    c = Cluster(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
-    w = Workload(data_bytes=3000 * 1024 * 2, expert_bytes=3e5, compute_s=0.0, pre_expert_s=0.0)
+    c = Datacenters(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
+    w = MoELayer(data_bytes=3000 * 1024 * 2, expert_bytes=3e5, compute_s=0.0, pre_expert_s=0.0)
     t = sim.step_time(c, w, domain)
     # The cost model as the planned policy builds it for this cluster (levels dc, local).
     plan = sim.policies.plan(c, w)
@@ -208,19 +208,19 @@ def test_domain_policies():
     with pytest.raises(ValueError, match="p must be"):
         sim.fixed_fraction(8, 1.5)
     with pytest.raises(ValueError, match="must divide"):
-        sim.step_time(Cluster(num_dcs=6), Workload(), 4)
+        sim.step_time(Datacenters(num_dcs=6), MoELayer(), 4)
     with pytest.raises(ValueError, match="exchange must be one of"):
-        Cluster(num_dcs=2, exchange="ring")
+        Datacenters(num_dcs=2, exchange="ring")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("bw", [1.0, 100.0])
 def test_best_domain_is_the_minimum_over_divisors(bw, exchange):
-    c = Cluster(num_dcs=12, dc_gbps=bw, exchange=exchange)
-    times = {s: sim.step_time(c, Workload(), s).total_s for s in sim.divisors(12)}
+    c = Datacenters(num_dcs=12, dc_gbps=bw, exchange=exchange)
+    times = {s: sim.step_time(c, MoELayer(), s).total_s for s in sim.divisors(12)}
     for s, t in times.items():
-        assert sim.lower_bound(c, Workload(), s) <= t
-    assert sim.best_domain(c, Workload()).total_s == min(times.values())
+        assert sim.lower_bound(c, MoELayer(), s) <= t
+    assert sim.best_domain(c, MoELayer()).total_s == min(times.values())
 
 
 @pytest.mark.parametrize("num_dcs,gpus,dc_gbps,expert_mb,pre_ms",
@@ -231,8 +231,8 @@ def test_planned_domain_is_the_cost_models_choice(num_dcs, gpus, dc_gbps, expert
     # the cost model time every candidate alike (the model hides the gather under the pre-expert
     # compute and counts the rest), so the plan is the simulator's best domain: S = N, 1 and 2
     # among these cases.
-    c = Cluster(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
-    w = Workload(data_bytes=2048 * 3000, expert_bytes=expert_mb * 1e6, compute_s=0.0,
+    c = Datacenters(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
+    w = MoELayer(data_bytes=2048 * 3000, expert_bytes=expert_mb * 1e6, compute_s=0.0,
                  pre_expert_s=pre_ms * 1e-3, forward_only=True)  # fmt: skip
     plan = sim.policies.plan(c, w)
     for candidate in plan.candidates:
@@ -245,7 +245,7 @@ def test_planned_domain_is_the_cost_models_choice(num_dcs, gpus, dc_gbps, expert
 
 
 def test_trends_lower_bandwidth_larger_gain_and_fixed_p_above_fixed_domain():
-    rows = sim.run_sweep(Cluster(num_dcs=1), Workload(), dc_counts=(128,), domains=(8,),
+    rows = sim.run_sweep(Datacenters(num_dcs=1), MoELayer(), dc_counts=(128,), domains=(8,),
                      fractions=(0.5,))  # fmt: skip
     gain = {(r["policy"], r["dc_gbps"]): r["speedup"] for r in rows}
     for policy in ("fixed_domain", "fixed_p", "best"):
@@ -260,7 +260,7 @@ def test_trends_at_1000_dcs():
     # imply) every policy gains more at lower bandwidth and fixed p >= fixed domain; with the
     # Table V experts (0.36 MB) the best domain (best S) still never gains more as bandwidth
     # rises. Flat exchanges break the first at 100 Gbps (docs/crossdc_simulator.md, §3).
-    rows = sim.run_sweep(Cluster(num_dcs=1), Workload(expert_bytes=36e3), dc_counts=(1000,),
+    rows = sim.run_sweep(Datacenters(num_dcs=1), MoELayer(expert_bytes=36e3), dc_counts=(1000,),
                          domains=(2, 8), fractions=(0.5, 0.9))  # fmt: skip
     gain = {(r["policy"], r["param"], r["dc_gbps"]): r["speedup"] for r in rows}
     for policy, param in {(r["policy"], r["param"]) for r in rows}:
@@ -268,7 +268,7 @@ def test_trends_at_1000_dcs():
         assert all(a > b for a, b in zip(series, series[1:], strict=False)), (policy, series)
     for bw in BANDWIDTHS_GBPS:
         assert min(gain[("fixed_p", p, bw)] for p in (0.5, 0.9)) >= gain[("fixed_domain", 8, bw)]
-    rows = sim.run_sweep(Cluster(num_dcs=1), Workload(), dc_counts=(1000,), domains=(),
+    rows = sim.run_sweep(Datacenters(num_dcs=1), MoELayer(), dc_counts=(1000,), domains=(),
                          fractions=(), planned=False)  # fmt: skip
     series = [r["speedup"] for r in rows]
     assert series[0] > 1.2 and all(a >= b for a, b in zip(series, series[1:], strict=False))
@@ -277,8 +277,8 @@ def test_trends_at_1000_dcs():
 def test_byte_counting_gives_no_fixed_domain_gain_at_scale():
     # Without per-message costs or congestion a domain of 2 among 128 DCs saves 1/128 of the
     # token bytes and adds the expert traffic: about 1x, as the paper's byte model says.
-    c = Cluster(num_dcs=128, dc_gbps=0.1, msg_overhead_s=0.0, congestion_exponent=0.0)
-    gain = sim.step_time(c, Workload(), 1).total_s / sim.step_time(c, Workload(), 2).total_s
+    c = Datacenters(num_dcs=128, dc_gbps=0.1, msg_overhead_s=0.0, congestion_exponent=0.0)
+    gain = sim.step_time(c, MoELayer(), 1).total_s / sim.step_time(c, MoELayer(), 2).total_s
     assert 0.95 < gain < 1.05
 
 
@@ -295,3 +295,98 @@ def test_cli_writes_csv_and_png(tmp_path, capsys):
     assert png.stat().st_size > 10_000
     assert "4 DCs x 8 GPUs" in capsys.readouterr().out
     assert "--congestion" in parser().format_help()
+
+
+# --- SR compression ------------------------------------------------------------------------------
+
+
+def test_compression_shrinks_the_gather_and_adds_the_shared_sync():
+    c = Datacenters(num_dcs=4, gpus_per_dc=2, dc_gbps=8.0, **BARE)
+    full = sim.step_time(c, NO_COMPUTE, 4)
+    sr = sim.step_time(c, dataclasses.replace(NO_COMPUTE, compression=10.0), 4)
+    both = sim.step_time(
+        c, dataclasses.replace(NO_COMPUTE, compression=10.0, compress_gradients=True), 4
+    )
+    p_e = NO_COMPUTE.expert_bytes
+    # Pure bandwidth: the same flows with a tenth of the bytes take a tenth of the time.
+    assert sr.allgather_s == pytest.approx(full.allgather_s / 10, rel=1e-12)
+    assert full.shared_sync_s == 0 < sr.shared_sync_s
+    # Wire bytes: gather P_E / 10, shared sync 2 (S - 1) P_E / S, reduce-scatter full size
+    # unless the gradients are compressed too.
+    assert sr.wan_bytes_per_gpu == pytest.approx(3 * p_e / 10 + 2 * 3 * p_e / 4 + 3 * p_e)
+    assert both.wan_bytes_per_gpu == pytest.approx(3 * p_e / 10 + 2 * 3 * p_e / 4 + 3 * p_e / 10)
+    assert both.reduce_scatter_s < sr.reduce_scatter_s == pytest.approx(full.reduce_scatter_s)
+    plain = sim.step_time(c, dataclasses.replace(NO_COMPUTE, compression=10.0), 1)
+    assert plain.total_s == sim.step_time(c, NO_COMPUTE, 1).total_s  # nothing to compress
+
+
+def test_compressed_step_aggregated_equals_every_gpu_flow_and_stays_above_its_bound():
+    c = Datacenters(num_dcs=4, gpus_per_dc=2, dc_gbps=2e-4, wan_latency_s=0.05,
+                    congestion_exponent=0.3)  # fmt: skip
+    w = MoELayer(data_bytes=1e6, expert_bytes=1e5, skew=0.8, compression=4.0,
+                 compress_gradients=True)  # fmt: skip
+    for s in (2, 4):
+        agg = dataclasses.asdict(sim.step_time(c, w, s))
+        ref = dataclasses.asdict(sim.step_time(c, w, s, aggregate=False))
+        for key, value in agg.items():
+            assert value == pytest.approx(ref[key], rel=1e-12), (s, key)
+        assert sim.lower_bound(c, w, s) <= agg["total_s"]
+
+
+def test_phase_kinds():
+    assert {p for p in sim.Phase if p.rail} == {sim.Phase.GATHER, sim.Phase.SCATTER, sim.Phase.SYNC}
+    assert {p for p in sim.Phase if p.local} == {sim.Phase.LOCAL_DISPATCH, sim.Phase.LOCAL_COMBINE}
+    assert {p for p in sim.Phase if p.transposed} == {sim.Phase.COMBINE, sim.Phase.LOCAL_COMBINE}
+    assert [p for p in sim.Phase if p.tag != sim.cluster.TOKENS] == [sim.Phase.SCATTER]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: Datacenters(num_dcs=0), "Datacenters.num_dcs must be an integer >= 1, got 0"),
+        (lambda: Datacenters(num_dcs=2, dc_gbps=float("nan")), "dc_gbps must be a finite"),
+        (lambda: Datacenters(num_dcs=2, wan_latency_s=-1), "wan_latency_s must be a finite"),
+        (lambda: MoELayer(compression=0.5), "MoELayer.compression must be a finite number >= 1"),
+        (lambda: MoELayer(data_bytes=-1), "MoELayer.data_bytes must be a finite number >= 0"),
+        (lambda: sim.step_time(Datacenters(num_dcs=4), MoELayer(), 2.0), "domain size 2.0"),
+    ],
+)
+def test_constructors_name_the_bad_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--bandwidths", "-1"], "--bandwidths: every value must be > 0, got \\[-1.0\\]"),
+        (["--dcs", "0"], "--dcs: every value must be >= 1"),
+        (["--p", "1.5"], "--p: every value must be in \\[0, 1\\]"),
+        (["--gpu-gbps", "0"], "--gpu-gbps: Datacenters.gpu_gbps must be"),
+        (["--compression", "0.5"], "--compression: MoELayer.compression must be"),
+    ],
+)
+def test_cli_names_the_bad_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        main(argv + ["--csv", "", "--png", "", "--quiet"])
+
+
+def test_sensitivity_varies_one_constant_at_a_time():
+    from jax_hybridep.sim import sensitivity
+
+    rows = sensitivity.sensitivity(
+        Datacenters(num_dcs=1), MoELayer(expert_bytes=36e3),
+        constants={"congestion_exponent": (0.0, 0.3), "msg_overhead_s": (5e-6,)},
+        bandwidths=(0.01,), num_dcs=8, domain=2, fraction=0.5,
+    )  # fmt: skip
+    assert len(rows) == 3 * 3 and {r["policy"] for r in rows} == {"fixed_domain", "fixed_p", "best"}
+    ep = {(r["constant"], r["value"]): r["ep_s"] for r in rows}
+    # Congestion binds at 0.01 Gbps (8 x 7 flows per uplink), so the exponent matters.
+    assert ep["congestion_exponent", 0.3] > ep["congestion_exponent", 0.0]
+    with pytest.raises(ValueError, match="not Datacenters fields"):
+        sensitivity.sensitivity(Datacenters(num_dcs=1), MoELayer(), constants={"beta": (0,)})
+    with pytest.raises(ValueError, match="--dcs=0"):
+        sensitivity.main(["--dcs", "0", "--csv", ""])

@@ -81,6 +81,11 @@ def test_domain_errors_name_the_offending_values():
     two_axis = hep.Topology.from_mesh(mesh, levels=(("dc", "node"), "local"))
     with pytest.raises(ValueError, match="spans several mesh axes"):
         xdc.ExpertDomains.from_mesh(mesh, two_axis, [4, 1])
+    with pytest.raises(
+        ValueError, match="compression must be None or a finite number > 0, got nan"
+    ):
+        xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2}, float("nan"))
+    assert xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2}, 1.0).compression is None
 
 
 def _block(sizes, backend, compression=None, capacity_factor=None):

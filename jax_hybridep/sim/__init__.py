@@ -6,17 +6,19 @@ GPUs, aggregated over the cluster's symmetry so that 1000+ DCs take seconds. Pur
 (matplotlib only for plots). See docs/crossdc_simulator.md.
 
     from jax_hybridep import sim
-    c = sim.Cluster(num_dcs=1000, dc_gbps=10)
-    w = sim.Workload(data_bytes=48e6, expert_bytes=0.36e6)
+    c = sim.Datacenters(num_dcs=1000, dc_gbps=10)
+    w = sim.MoELayer(data_bytes=48e6, expert_bytes=0.36e6)
     ep, hy = sim.step_time(c, w, 1), sim.step_time(c, w, 8)
     print(ep.total_s / hy.total_s)
 
-Modules: `network` (links, flows, max-min, event engine), `moe_step` (traffic and time of a
-layer step), `policies` (domain size per DC count), `sweep` (grids, CSV, PNG);
-CLI `python -m jax_hybridep.sim`.
+Modules: `network` (links, flows, max-min, event engine), `cluster` (the inputs: datacenters,
+layer, phase kinds), `messages` (the messages of each phase), `moe_step` (time of a layer step),
+`policies` (domain size per DC count), `sweep` (grids, CSV, PNG), `sensitivity` (the 1000-DC gain
+against each assumed constant); CLI `python -m jax_hybridep.sim`.
 """
 
-from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
+from jax_hybridep.sim.cluster import Datacenters, MoELayer, Phase
+from jax_hybridep.sim.moe_step import StepTime, step_time
 from jax_hybridep.sim.network import (
     Congestion,
     Flows,
@@ -36,12 +38,13 @@ from jax_hybridep.sim.policies import (
 from jax_hybridep.sim.sweep import plot, read_csv, run_sweep, write_csv
 
 __all__ = [
-    "Cluster",
     "Congestion",
+    "Datacenters",
     "Flows",
+    "MoELayer",
     "Network",
+    "Phase",
     "StepTime",
-    "Workload",
     "best_domain",
     "divisors",
     "fixed_domain",

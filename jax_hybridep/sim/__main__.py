@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from jax_hybridep.sim.moe_step import EXCHANGES, Cluster, Workload
+from jax_hybridep.sim.cluster import EXCHANGES, Datacenters, MoELayer
 from jax_hybridep.sim.sweep import (
     BANDWIDTHS_GBPS,
     DC_COUNTS,
@@ -20,7 +20,7 @@ from jax_hybridep.sim.sweep import (
 
 
 def parser() -> argparse.ArgumentParser:
-    c, w = Cluster(num_dcs=1), Workload()
+    c, w = Datacenters(num_dcs=1), MoELayer()
     p = argparse.ArgumentParser(
         prog="python -m jax_hybridep.sim",
         description="Simulate one MoE layer step (forward + backward) of plain EP and HybridEP "
@@ -99,6 +99,18 @@ def parser() -> argparse.ArgumentParser:
         help="Lat_PE, forward pre-expert compute hiding the all-gather (backward = 2x)",
     )
     a("--skew", type=float, default=w.skew, help="Zipf exponent of routing over GPU index")
+    a(
+        "--compression",
+        type=float,
+        default=w.compression,
+        help="SR compression of the forward expert all-gather, full / sent bytes (1: off; above "
+        "1 adds the shared expert's all-reduce)",
+    )
+    a(
+        "--compress-gradients",
+        action="store_true",
+        help="compress the backward reduce-scatter too (the runtime's gradients are exact: off)",
+    )
     a("--forward-only", action="store_true")
     a("--csv", default="crossdc_sim.csv", help="CSV path ('' to skip)")
     a("--png", default="crossdc_sim.png", help="PNG path ('' to skip)")
@@ -118,21 +130,62 @@ def _table(rows: list[dict], num_dcs: int, gpus: int) -> None:
             )
 
 
+# Flags checked here, by name; the rest are checked by the constructors they feed.
+_FLAG_CHECKS = (
+    ("bandwidths", "--bandwidths", lambda v: v > 0, "> 0"),
+    ("dcs", "--dcs", lambda v: v >= 1, ">= 1"),
+    ("domains", "--domains", lambda v: v >= 1, ">= 1"),
+    ("fractions", "--p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+)
+# Flag -> the field it sets, to name the flag in the constructors' errors.
+_FIELDS = {
+    "--gpus-per-dc": "gpus_per_dc", "--gpu-gbps": "gpu_gbps", "--wan-latency-ms": "wan_latency_s",
+    "--intra-latency-us": "intra_latency_s", "--msg-overhead-us": "msg_overhead_s",
+    "--header-bytes": "header_bytes", "--min-window-bytes": "min_window_bytes",
+    "--congestion": "congestion_exponent", "--data-mb": "data_bytes",
+    "--expert-mb": "expert_bytes", "--compute-ms": "compute_s",
+    "--pre-expert-ms": "pre_expert_s", "--skew": "skew", "--compression": "compression",
+}  # fmt: skip
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag and its value for every list flag out of range."""
+    for attr, flag, ok, want in _FLAG_CHECKS:
+        bad = [v for v in getattr(args, attr) if not (ok(v) and v == v)]
+        if bad:
+            raise ValueError(f"{flag}: every value must be {want}, got {bad}")
+    if not args.dcs or not args.bandwidths:
+        raise ValueError("--dcs and --bandwidths need at least one value each")
+
+
+def build(args: argparse.Namespace) -> tuple[Datacenters, MoELayer]:
+    """The datacenters and layer the flags describe (ValueError naming the flag if one is bad)."""
+    try:
+        cluster = Datacenters(
+            num_dcs=1, gpus_per_dc=args.gpus_per_dc, gpu_gbps=args.gpu_gbps,
+            wan_latency_s=args.wan_latency_ms * 1e-3,
+            intra_latency_s=args.intra_latency_us * 1e-6,
+            msg_overhead_s=args.msg_overhead_us * 1e-6, header_bytes=args.header_bytes,
+            min_window_bytes=args.min_window_bytes, congestion_exponent=args.congestion,
+            exchange=args.exchange,
+        )  # fmt: skip
+        workload = MoELayer(
+            data_bytes=args.data_mb * 1e6, expert_bytes=args.expert_mb * 1e6,
+            compute_s=args.compute_ms * 1e-3, pre_expert_s=args.pre_expert_ms * 1e-3,
+            skew=args.skew, forward_only=args.forward_only, compression=args.compression,
+            compress_gradients=args.compress_gradients,
+        )  # fmt: skip
+    except ValueError as e:
+        flags = [f for f, field in _FIELDS.items() if f".{field} " in str(e)]
+        raise ValueError(f"{' / '.join(flags) or 'flags'}: {e}") from None
+    return cluster, workload
+
+
 def main(argv=None) -> list[dict]:
     """Parse `argv`, run the sweep, print tables, write CSV and PNG; returns the rows."""
     args = parser().parse_args(argv)
-    cluster = Cluster(
-        num_dcs=1, gpus_per_dc=args.gpus_per_dc, gpu_gbps=args.gpu_gbps,
-        wan_latency_s=args.wan_latency_ms * 1e-3, intra_latency_s=args.intra_latency_us * 1e-6,
-        msg_overhead_s=args.msg_overhead_us * 1e-6, header_bytes=args.header_bytes,
-        min_window_bytes=args.min_window_bytes, congestion_exponent=args.congestion,
-        exchange=args.exchange,
-    )  # fmt: skip
-    workload = Workload(
-        data_bytes=args.data_mb * 1e6, expert_bytes=args.expert_mb * 1e6,
-        compute_s=args.compute_ms * 1e-3, pre_expert_s=args.pre_expert_ms * 1e-3,
-        skew=args.skew, forward_only=args.forward_only,
-    )  # fmt: skip
+    check_args(args)
+    cluster, workload = build(args)
     t0 = time.perf_counter()
     progress = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     rows = run_sweep(
@@ -158,11 +211,15 @@ def main(argv=None) -> list[dict]:
             rows,
             args.png,
             title=f"D={args.data_mb:g} MB, P_E={args.expert_mb:g} MB, "
-            f"{args.gpus_per_dc} GPUs/DC, congestion {args.congestion:g}, {args.exchange}",
+            f"{args.gpus_per_dc} GPUs/DC, congestion {args.congestion:g}, {args.exchange}"
+            + (f", SR compression {args.compression:g}" if args.compression > 1 else ""),
         )
         print(f"wrote {args.png}")
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a bad flag: say which, without a traceback
+        sys.exit(f"python -m jax_hybridep.sim: error: {e}")

@@ -3,11 +3,12 @@ that prunes best S."""
 
 from __future__ import annotations
 
-from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
+from jax_hybridep.sim.cluster import Datacenters, MoELayer
+from jax_hybridep.sim.moe_step import StepTime, step_time
 from jax_hybridep.xdc import cost, planner
 
 
-def lower_bound(c: Cluster, w: Workload, domain: int) -> float:
+def lower_bound(c: Datacenters, w: MoELayer, domain: int) -> float:
     """A bound below `step_time(c, w, domain).total_s`: each phase needs at least its DC
     uplink bytes at full rate, and at least the posting time plus latency of its last message
     (a hierarchical exchange: of each of its two stages)."""
@@ -22,16 +23,15 @@ def lower_bound(c: Cluster, w: Workload, domain: int) -> float:
         peers = cross + local
         lat = c.wan_latency_s if m > 1 else c.intra_latency_s
         a2a = max(uplink, (peers - 1) * c.msg_overhead_s + lat if peers else 0.0)
-    ag = 0.0
+    ag = rs = 0.0
     if domain > 1:
-        ag = max(
-            g * (domain - 1) * (w.expert_bytes + c.header_bytes) / up,
-            (domain - 2) * c.msg_overhead_s + c.wan_latency_s,
-        )
+        posting = (domain - 2) * c.msg_overhead_s + c.wan_latency_s
+        ag = max(g * (domain - 1) * (w.gather_bytes + c.header_bytes) / up, posting)
+        rs = max(g * (domain - 1) * (w.scatter_bytes + c.header_bytes) / up, posting)
     fwd = max(w.pre_expert_s, ag) + 2 * a2a + w.compute_s
     if w.forward_only:
         return fwd
-    return fwd + a2a + 2 * w.compute_s + max(a2a + 2 * w.pre_expert_s, ag)
+    return fwd + a2a + 2 * w.compute_s + max(a2a + 2 * w.pre_expert_s, rs)
 
 
 def divisors(n: int) -> list[int]:
@@ -53,15 +53,15 @@ def fixed_fraction(num_dcs: int, p: float) -> int:
     return min(divisors(num_dcs), key=lambda s: (abs(s - target), s))
 
 
-def best_domain(c: Cluster, w: Workload, step=step_time) -> StepTime:
+def best_domain(c: Datacenters, w: MoELayer, step=step_time) -> StepTime:
     """Policy "best S": the fastest step over all divisors of the DC count.
 
     Domains are tried in order of `lower_bound`; a domain whose bound is no better than the best
     simulated time cannot win and is skipped, so the result equals the full minimum.
 
     Args:
-      c: the cluster.
-      w: the workload.
+      c: the datacenters.
+      w: the layer.
       step: `step_time` or a caching stand-in with its signature.
     """
     best = None
@@ -79,19 +79,20 @@ def best_domain(c: Cluster, w: Workload, step=step_time) -> StepTime:
 _HIDDEN, _ACT_BYTES = 1024, 2
 
 
-def planned_domain(c: Cluster, w: Workload) -> int:
+def planned_domain(c: Datacenters, w: MoELayer) -> int:
     """Policy "planned": the DC-level domain that `xdc.plan` (the closed-form cost model this
     package's planner uses) picks for the same cluster, intra-DC domain 1 as in the simulator."""
     return plan(c, w).domains[0]
 
 
-def plan(c: Cluster, w: Workload) -> planner.Plan:
+def plan(c: Datacenters, w: MoELayer) -> planner.Plan:
     """`xdc.plan` over the domains (S, 1), S | num_dcs, for a simulated cluster and workload.
 
     The model sees each GPU's link (rate `gpu_gbps`) at both levels, the DC link as the uplink the
     DC's GPUs share, and `msg_overhead_s` per message, added up; it has no one-way latency and
     no congestion, and it hides only the forward gather (under `pre_expert_s`). It models this
-    package's runtime, so its exchange is hierarchical whichever `c.exchange` is simulated.
+    package's runtime, so its exchange is hierarchical whichever `c.exchange` is simulated, and
+    its gradients are exact (`compress_gradients` is not modelled).
     """
     gpu, dc = c.gpu_gbps * 1e9 / 8, c.dc_gbps * 1e9 / 8
     model = cost.Cluster(
@@ -106,6 +107,7 @@ def plan(c: Cluster, w: Workload) -> planner.Plan:
         hidden=_HIDDEN,
         act_bytes=_ACT_BYTES,
         expert_bytes=round(w.expert_bytes),
+        compression=w.compression if w.compressed else None,
         training=not w.forward_only,
         lat_pe=w.pre_expert_s,
     )

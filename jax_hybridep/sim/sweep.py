@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from jax_hybridep.sim.moe_step import Cluster, StepTime, Workload, step_time
+from jax_hybridep.sim.cluster import Datacenters, MoELayer
+from jax_hybridep.sim.moe_step import StepTime, step_time
 from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction, planned_domain
 
 BANDWIDTHS_GBPS = (0.1, 1.0, 10.0, 100.0)
@@ -31,8 +32,8 @@ FIELDS = (
 
 
 def run_sweep(
-    base: Cluster,
-    workload: Workload,
+    base: Datacenters,
+    workload: MoELayer,
     bandwidths: Iterable[float] = BANDWIDTHS_GBPS,
     dc_counts: Iterable[int] = DC_COUNTS,
     domains: Iterable[int] = DOMAINS,
@@ -44,7 +45,7 @@ def run_sweep(
     """One row per (bandwidth, DC count, policy): EP time, hybrid time, speedup.
 
     Args:
-      base: cluster parameters; its `num_dcs` and `dc_gbps` are replaced by the sweep's.
+      base: the datacenters; their `num_dcs` and `dc_gbps` are replaced by the sweep's.
       workload: the layer's sizes and compute.
       bandwidths: DC uplink/downlink bandwidths, Gbit/s.
       dc_counts: numbers of DCs.
@@ -93,10 +94,10 @@ def run_sweep(
     return rows
 
 
-def write_csv(rows: list[dict], path: str) -> None:
-    """Rows as CSV with a header (`FIELDS` order)."""
+def write_csv(rows: list[dict], path: str, fields: tuple[str, ...] = FIELDS) -> None:
+    """Rows as CSV with a header in `fields` order, floats to 6 significant digits."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for row in rows:
             writer.writerow(

@@ -2,11 +2,17 @@
 
 * `ExpertDomains` (`domains`): the runtime — split a level into domains, all-gather experts inside
   a domain (optionally SR-compressed, `compress`), dispatch tokens only between domains.
-* `volumes`: the bytes that runtime moves per level (expected, or exact for a routing).
+* `volumes`: the bytes that runtime moves per level (expected, or exact for a routing), from
+  `geometry` (where replicas live), `loads` (token copies per rank) and `wire` (an expert's bytes,
+  whole or compressed).
 * `cost`: the paper's stream model and the extended multi-level model (latency, shared uplinks,
-  backward reduce-scatter, skew, compression); `paper` (imported on its own, or run as
-  `python -m jax_hybridep.xdc.paper`): the paper's tables reproduced.
+  backward reduce-scatter, skew, compression, dense gradients).
 * `planner.plan(cluster, workload)`: the fastest per-level domain sizes under that model.
+* `paper` and `reproduction` (imported on their own, or run as `python -m jax_hybridep.xdc.paper`):
+  the paper's tables reproduced, with pass / fail tiers.
+
+The SR compression ratio (full bytes / bytes sent) is called `compression` throughout; the Flax
+block and the training examples name it `domain_compression`, beside `expert_domains`.
 """
 
 from jax_hybridep.xdc import compress, cost, domains, planner, volumes

@@ -4,9 +4,9 @@ Each layer keeps a shared expert: the mean of the domain's experts, recomputed e
 all-reduce over the inner axes (so every member of a domain decodes against the same one). An
 expert travels as the top-k entries, by magnitude, of its residual (expert - shared) in
 value-index form: k values in the weights' dtype and k int32 indices per matrix, with
-`k = max(1, floor(n * value_bytes / (ratio * (value_bytes + 4))))` for a matrix of n entries, so
-`ratio` is full bytes / bytes sent. The receiver decodes shared + scatter(values at indices); a
-rank's own experts stay exact.
+`k = max(1, floor(n * value_bytes / (compression * (value_bytes + 4))))` for a matrix of n entries,
+so `compression` is full bytes / bytes sent (`wire`). The receiver decodes shared + scatter(values
+at indices); a rank's own experts stay exact.
 
 Gradients are straight-through to the owner's full weights: the backward pass treats each decoded
 replica as if it were the owner's exact expert, so the replicas' gradients are reduce-scattered
@@ -25,44 +25,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep.xdc import volumes
+from jax_hybridep.xdc import wire
 
 
-def kept_entries(num_entries: int, dtype, ratio: float | None) -> int:
-    """k: entries of one matrix sent at compression `ratio` (all of them when None)."""
-    if ratio is None:
+def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
+    """k: entries of one matrix sent at SR compression `compression` (all of them when None)."""
+    if compression is None:
         return num_entries
-    return volumes.topk_count(num_entries, ratio, np.dtype(dtype).itemsize)
+    return wire.topk_count(num_entries, compression, np.dtype(dtype).itemsize)
 
 
-def sent_bytes(matrix_shape, dtype, ratio: float | None) -> int:
+def sent_bytes(matrix_shape, dtype, compression: float | None) -> int:
     """Bytes one expert matrix of `matrix_shape` costs on the wire."""
     n, value_bytes = math.prod(matrix_shape), np.dtype(dtype).itemsize
-    if ratio is None:
+    if compression is None:
         return n * value_bytes
-    return kept_entries(n, dtype, ratio) * (value_bytes + volumes.INDEX_BYTES)
+    return kept_entries(n, dtype, compression) * (value_bytes + wire.INDEX_BYTES)
 
 
-def gather_compressed(weights, axes: tuple[str, ...], ratio: float):
+def gather_compressed(weights, axes: tuple[str, ...], compression: float):
     """[E_local, ...] per matrix -> [S * E_local, ...]: the domain's experts, SR-compressed.
 
     Slot order is that of sequential all-gathers over `axes` (slow -> fast); the rank's own
     block holds its exact weights.
     """
-    return _gather(tuple(weights), axes, float(ratio))
+    return _gather(tuple(weights), axes, float(compression))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather(weights, axes, ratio):
-    return tuple(_gather_one(w, axes, ratio) for w in weights)
+def _gather(weights, axes, compression):
+    return tuple(_gather_one(w, axes, compression) for w in weights)
 
 
-def _gather_fwd(weights, axes, ratio):
-    return _gather(weights, axes, ratio), None
+def _gather_fwd(weights, axes, compression):
+    return _gather(weights, axes, compression), None
 
 
-def _gather_bwd(axes, ratio, _, cotangents):
-    del ratio
+def _gather_bwd(axes, compression, _, cotangents):
+    del compression
     grads = []
     for ct in cotangents:
         for axis in reversed(axes):  # the transpose of the slow -> fast all-gathers
@@ -82,12 +82,12 @@ def shared_expert(w, axes):
     return shared
 
 
-def _gather_one(w, axes, ratio):
+def _gather_one(w, axes, compression):
     e_local, shape = w.shape[0], w.shape[1:]
     n = math.prod(shape)
     shared = shared_expert(w, axes).reshape(n)
     residual = w.reshape(e_local, n) - shared
-    _, index = jax.lax.top_k(jnp.abs(residual), kept_entries(n, w.dtype, ratio))
+    _, index = jax.lax.top_k(jnp.abs(residual), kept_entries(n, w.dtype, compression))
     values = jnp.take_along_axis(residual, index, axis=1)
     block, held = 0, 1
     for axis in axes:

@@ -10,13 +10,17 @@ Units throughout: bytes, seconds, bytes/s.
    leaves out: per-level links (per-rank bandwidth, per-message latency alpha, an uplink shared by
    the ranks of one site), the backward reduce-scatter of replica gradients, skewed routing (the
    busiest rank and site set each level's time), compressed gathers plus the shared-expert sync,
-   a compute term and the pre-expert compute the forward gather may hide under. Levels run one
-   after another (hierarchical, this runtime) or all at once ("flat" plain EP, the baseline).
+   the dense gradients' all-reduce, a compute term and the pre-expert compute the forward gather
+   may hide under. Levels run one after another (hierarchical, this runtime) or all at once
+   ("flat" plain EP, the baseline). All-reduces are counted by `traffic.all_reduce_bytes`, the
+   convention the compiled programs are read with (`volumes` holds the bytes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 from jax_hybridep.xdc.volumes import Volumes
 
@@ -101,8 +105,21 @@ class Link:
     uplink: float | None = None
 
     def __post_init__(self):
+        for name in ("bandwidth", "alpha", "uplink"):
+            value = getattr(self, name)
+            if name == "uplink" and value is None:
+                continue
+            if not _finite(value):
+                raise ValueError(f"Link.{name} must be a finite number, got {value!r}")
         if self.bandwidth <= 0 or self.alpha < 0 or (self.uplink is not None and self.uplink <= 0):
-            raise ValueError(f"bandwidths must be > 0 and alpha >= 0, got {self}")
+            raise ValueError(
+                f"Link needs bandwidth > 0, alpha >= 0 and uplink None or > 0; got "
+                f"bandwidth={self.bandwidth!r}, alpha={self.alpha!r}, uplink={self.uplink!r}"
+            )
+
+
+def _finite(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +137,25 @@ class Cluster:
     names: tuple[str, ...] | None = None
 
     def __post_init__(self):
-        if len(self.level_sizes) != len(self.links) or not self.links:
+        sizes = tuple(self.level_sizes)
+        if not all(isinstance(g, numbers.Integral) and not isinstance(g, bool) for g in sizes):
+            raise ValueError(f"Cluster.level_sizes must be integers, got {self.level_sizes!r}")
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"Cluster.level_sizes must be >= 1 (one or more), got {sizes}")
+        if len(sizes) != len(self.links):
             raise ValueError(
-                f"need one link per level: {len(self.level_sizes)} levels {self.level_sizes}, "
-                f"{len(self.links)} links"
+                f"need one link per level: {len(sizes)} levels {sizes}, {len(self.links)} links"
             )
-        if self.names is not None and len(self.names) != len(self.links):
-            raise ValueError(f"names {self.names} do not match levels {self.level_sizes}")
+        bad = [x for x in self.links if not isinstance(x, Link)]
+        if bad:
+            raise ValueError(f"Cluster.links must be cost.Link values, got {bad!r}")
+        if self.names is not None:
+            if len(self.names) != len(self.links) or len(set(self.names)) != len(self.names):
+                raise ValueError(
+                    f"Cluster.names {self.names} must name each of the levels {sizes} once"
+                )
+        object.__setattr__(self, "level_sizes", tuple(int(g) for g in sizes))
+        object.__setattr__(self, "links", tuple(self.links))
 
 
 def transfer_time(link: Link, rank_bytes: float, site_bytes: float, messages: int) -> float:
@@ -147,7 +176,8 @@ class LevelCost:
     shared_sync: float
     tokens: float
     reduce_scatter: float
-    time: float  # per step: layers x (gather + sync + exchanges x tokens + reduce-scatter)
+    dense: float  # per step: the dense gradients' all-reduce (training)
+    time: float  # per step: layers x (gather + sync + exchanges x tokens + reduce-scatter) + dense
     bytes: float  # per step and rank, all traffic at this level
 
 
@@ -162,6 +192,7 @@ class StepCost:
       exposed_gather: forward gather + shared sync not hidden under Lat_PE, per step.
       tokens: token exchanges per step.
       reduce_scatter: backward reduce-scatters per step.
+      dense: the dense gradients' all-reduce per step (training; levels one after another).
       levels: per level, `LevelCost` (raw, before hiding; flat levels overlap).
     """
 
@@ -171,6 +202,7 @@ class StepCost:
     exposed_gather: float
     tokens: float
     reduce_scatter: float
+    dense: float
     levels: tuple[LevelCost, ...]
 
     @property
@@ -193,7 +225,8 @@ def step_cost(
     (the paper's `max(Lat_PE, V_AG / B)`, with Lat_PE counted in `compute`); then the token
     exchanges (4 training, 2 forward), each level after level (hierarchical) or all levels at once
     (flat: the slowest level sets the time); training adds the gradients' reduce-scatter, which
-    nothing hides. Each level's time is that of its busiest rank and site.
+    nothing hides, and once per step the dense gradients' all-reduce (`volumes` dense bytes).
+    Each level's time is that of its busiest rank and site.
 
     Args:
       cluster: level sizes and links; must match `volumes.level_sizes`.
@@ -207,26 +240,34 @@ def step_cost(
         raise ValueError(
             f"cluster levels {cluster.level_sizes} do not match volumes {volumes.level_sizes}"
         )
+    if not isinstance(layers, numbers.Integral) or layers < 1:
+        raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+    for name, value in (("compute", compute), ("lat_pe", lat_pe)):
+        if not _finite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     exchanges = volumes.token_exchanges(training)
     per_level = []
     for link, v in zip(cluster.links, volumes.levels, strict=True):
         gather = transfer_time(link, v.gather_bytes, v.site_ranks * v.gather_bytes, v.gather_peers)
-        ring = 2 * (v.domain - 1) / v.domain * v.shared_sync_bytes  # ring all-reduce per rank
-        sync = transfer_time(link, ring, v.site_ranks * ring, 2 * (v.domain - 1)) if ring else 0.0
+        b = v.shared_sync_bytes
+        sync = transfer_time(link, b, v.site_ranks * b, 2 * (v.domain - 1)) if b else 0.0
         tokens = transfer_time(link, v.token_bytes_max, v.token_site_bytes_max, v.token_peers)
         rs = v.reduce_scatter_bytes
         rs = transfer_time(link, rs, v.site_ranks * rs, v.gather_peers) if training else 0.0
-        per_level.append((gather, sync, tokens, rs))
-    gather = max(0.0, sum(g + s for g, s, _, _ in per_level) - lat_pe)
+        b = v.dense_sync_bytes if training else 0
+        dense = transfer_time(link, b, v.site_ranks * b, 2 * v.dense_peers) if b else 0.0
+        per_level.append((gather, sync, tokens, rs, dense))
+    gather = max(0.0, sum(p[0] + p[1] for p in per_level) - lat_pe)
     if volumes.mode == "flat":
-        exchange = max((t for _, _, t, _ in per_level), default=0.0)
+        exchange = max((p[2] for p in per_level), default=0.0)
     else:
-        exchange = sum(t for _, _, t, _ in per_level)
-    rs = sum(r for _, _, _, r in per_level)
-    comm = layers * (gather + exchanges * exchange + rs)
+        exchange = sum(p[2] for p in per_level)
+    rs = sum(p[3] for p in per_level)
+    dense = sum(p[4] for p in per_level)
+    comm = layers * (gather + exchanges * exchange + rs) + dense
     levels = tuple(
-        LevelCost(g, s, t, r, layers * (g + s + exchanges * t + r), layers * b)
-        for (g, s, t, r), b in zip(per_level, volumes.step_bytes(training), strict=True)
+        LevelCost(g, s, t, r, d, layers * (g + s + exchanges * t + r) + d, b)
+        for (g, s, t, r, d), b in zip(per_level, volumes.step_bytes(training, layers), strict=True)
     )
     return StepCost(
         time=compute + comm,
@@ -235,5 +276,6 @@ def step_cost(
         exposed_gather=layers * gather,
         tokens=layers * exchanges * exchange,
         reduce_scatter=layers * rs,
+        dense=dense,
         levels=levels,
     )

@@ -28,7 +28,7 @@ import jax
 
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
-from jax_hybridep.xdc import compress, geometry
+from jax_hybridep.xdc import compress, geometry, wire
 
 INNER_SUFFIX = "_domain"
 
@@ -92,7 +92,7 @@ class ExpertDomains:
                     f"level {level} spans several mesh axes; only a single-axis level can be "
                     f"split into domains"
                 )
-        if compression is not None and compression <= 1:
+        if not wire.compressed(compression):  # raises for a value that is not a number > 0
             compression = None
         return cls(topology, sizes, compression, _split_mesh(mesh, topology, sizes))
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
 
-from jax_hybridep.xdc import cost, volumes
+from jax_hybridep.xdc import cost, volumes, wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +32,15 @@ class Workload:
       expert_bytes: P1, one expert's parameter bytes (or give `expert_matrices`).
       expert_matrices: element count (or shape) of each of an expert's matrices.
       value_bytes: bytes per parameter value.
-      ratio: SR compression ratio of the forward gather (None or <= 1: off).
+      compression: SR compression of the forward gather, full bytes / bytes sent (None or <= 1:
+        off; the public `MoEBlock` keyword is `domain_compression`).
       layers: MoE layers per step.
       training: forward + backward (True) or forward only.
       compute: fixed compute seconds per step.
       lat_pe: pre-expert compute seconds per layer the forward gather may hide under.
       expert_probs: [E] routing probabilities for skewed expected routing (None: uniform).
+      dense_bytes: bytes of the replicated (data-parallel) parameters whose gradients each
+        training step all-reduces over every rank; the same for every domain choice (0: left out).
     """
 
     tokens: int
@@ -47,12 +51,33 @@ class Workload:
     expert_bytes: int | None = None
     expert_matrices: tuple | None = None
     value_bytes: int = 4
-    ratio: float | None = None
+    compression: float | None = None
     layers: int = 1
     training: bool = True
     compute: float = 0.0
     lat_pe: float = 0.0
     expert_probs: tuple[float, ...] | None = None
+    dense_bytes: int = 0
+
+    def __post_init__(self):
+        counts = dict(
+            tokens=(self.tokens, 0), top_k=(self.top_k, 1), num_experts=(self.num_experts, 1),
+            hidden=(self.hidden, 1), act_bytes=(self.act_bytes, 1),
+            value_bytes=(self.value_bytes, 1), layers=(self.layers, 1),
+            dense_bytes=(self.dense_bytes, 0),
+        )  # fmt: skip
+        if self.expert_bytes is not None:
+            counts["expert_bytes"] = (self.expert_bytes, 0)
+        for name, (value, low) in counts.items():
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+                raise ValueError(f"Workload.{name} must be an integer >= {low}, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"Workload.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        for name in ("compute", "lat_pe"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ValueError(f"Workload.{name} must be seconds >= 0, got {value!r}")
+        wire.compressed(self.compression)  # raises for a value that is not a positive number
 
     def volumes(self, level_sizes: Sequence[int], domains: Sequence[int], routing="uniform"):
         """This runtime's volumes: expected ("uniform") or exact for a [G, T, K] `topk_idx`."""
@@ -62,8 +87,9 @@ class Workload:
             act_bytes=self.act_bytes,
             expert_bytes=self.expert_bytes,
             expert_matrices=self.expert_matrices,
-            ratio=self.ratio,
+            compression=self.compression,
             value_bytes=self.value_bytes,
+            dense_bytes=self.dense_bytes,
         )
         if isinstance(routing, str):
             if routing != "uniform":
@@ -184,10 +210,26 @@ def plan(
     Returns:
       A `Plan`: the best domains, their predicted time and per-level bytes, and all candidates.
     """
+    if not isinstance(cluster, cost.Cluster):
+        raise ValueError(f"plan: cluster must be a cost.Cluster, got {type(cluster).__name__}")
+    if not isinstance(workload, Workload):
+        raise ValueError(
+            f"plan: workload must be a planner.Workload, got {type(workload).__name__}"
+        )
     sizes = tuple(cluster.level_sizes)
     plain = (1,) * len(sizes)
     todo = volumes.realisable_domains(sizes) if candidates is None else list(candidates)
     todo = [tuple(int(s) for s in d) for d in todo]
+    bad = [
+        d
+        for d in todo
+        if len(d) != len(sizes) or any(s < 1 or g % s for g, s in zip(sizes, d, strict=False))
+    ]
+    if bad:
+        raise ValueError(
+            f"plan: candidates {bad} are not domain tuples of the levels {sizes} (one divisor "
+            f"per level)"
+        )
     if plain not in todo:
         todo.insert(0, plain)
     evaluated = []

@@ -4,10 +4,14 @@ What the runtime moves per rank and per MoE layer, level by level (slow -> fast)
 sizes `G_l` split into domains `S_l` (outer `n_l = G_l / S_l`, inner `S_l`):
 
 * Experts: all-gathered over the inner axes, slow -> fast; at level l each rank receives
-  `(S_l - 1) * prod_{m<l} S_m * E_local` experts (compressed when `ratio` is set). Training adds
-  the transpose, a reduce-scatter of full-size gradients with the same counts.
-* Shared-expert sync (compression only): an all-reduce of one expert's `P1` bytes over each inner
-  axis with `S_l > 1`.
+  `(S_l - 1) * prod_{m<l} S_m * E_local` experts (SR-compressed when `compression` is set).
+  Training adds the transpose, a reduce-scatter of full-size gradients with the same counts.
+* Shared-expert sync (compression only): an all-reduce of one expert (each matrix on its own)
+  over each inner axis with `S_l > 1`, `2 (S_l - 1) / S_l * P1` received per rank
+  (`traffic.all_reduce_bytes`, the convention `traffic.crossing_bytes` reads programs with).
+* Dense gradients (training, `dense_bytes`): the data-parallel all-reduce of the replicated
+  parameters' gradients over every rank, by the same convention what comes from peers across
+  level l: `2 * dense_bytes * (G - G / G_l) / G`.
 * Tokens: hierarchical dispatch over the token EP group (ranks with equal inner coordinates, levels
   with `n_l > 1`), one copy per (token, destination group) per level, as `traffic.routed_pairs`
   counts. Counts are per exchange; a training step makes 4 exchanges, a forward pass 2.
@@ -29,8 +33,8 @@ import numpy as np
 from jax_hybridep import traffic
 from jax_hybridep.xdc import geometry
 from jax_hybridep.xdc.geometry import token_level_sizes
-
-INDEX_BYTES = 4  # compressed experts carry int32 indices
+from jax_hybridep.xdc.loads import exact_loads, expected_loads
+from jax_hybridep.xdc.wire import expert_bytes_on_wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +54,13 @@ class LevelVolumes:
       gather_experts: experts a rank receives in the forward all-gather.
       gather_bytes: forward all-gather bytes received per rank.
       reduce_scatter_bytes: backward reduce-scatter gradient bytes per rank (training only).
-      shared_sync_bytes: shared-expert all-reduce payload (`P1`, compression only, else 0).
+      shared_sync_bytes: bytes a rank receives in the shared-expert all-reduce,
+        `2 (S_l - 1) / S_l * P1` (compression only, else 0).
       gather_peers: peers (messages) of the gather and of the reduce-scatter, `S_l - 1`.
+      dense_sync_bytes: bytes a rank receives from peers across this level in the dense
+        gradients' all-reduce over all G ranks (training only), `2 D (G - G / G_l) / G`.
+      dense_peers: messages per phase of that all-reduce at this level, `G_l - 1` (timed as a
+        ring over the level: an all-reduce over G ranks need not message all of them).
     """
 
     size: int
@@ -69,6 +78,8 @@ class LevelVolumes:
     reduce_scatter_bytes: int = 0
     shared_sync_bytes: int = 0
     gather_peers: int = 0
+    dense_sync_bytes: int = 0
+    dense_peers: int = 0
 
     @property
     def token_bytes(self) -> float:
@@ -108,14 +119,19 @@ class Volumes:
         """Token exchanges per layer: dispatch and combine, plus their two VJPs when training."""
         return 4 if training else 2
 
-    def step_bytes(self, training: bool = True) -> tuple[float, ...]:
-        """Bytes per rank and layer at each level: tokens, gather, reduce-scatter, shared sync."""
+    def step_bytes(self, training: bool = True, layers: int = 1) -> tuple[float, ...]:
+        """Bytes per rank at each level of a step of `layers` MoE layers: per layer tokens,
+        gather, reduce-scatter and shared sync; once per step the dense gradients."""
         n = self.token_exchanges(training)
         return tuple(
-            n * v.token_bytes
-            + v.gather_bytes
-            + (v.reduce_scatter_bytes if training else 0)
-            + v.shared_sync_bytes
+            layers
+            * (
+                n * v.token_bytes
+                + v.gather_bytes
+                + (v.reduce_scatter_bytes if training else 0)
+                + v.shared_sync_bytes
+            )
+            + (v.dense_sync_bytes if training else 0)
             for v in self.levels
         )
 
@@ -126,119 +142,42 @@ def realisable_domains(level_sizes: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*divisors))
 
 
-def topk_count(elements: int, ratio: float, value_bytes: int) -> int:
-    """Values kept of an `elements`-element matrix compressed by `ratio` in value-index form."""
-    return max(1, math.floor(elements * value_bytes / (ratio * (value_bytes + INDEX_BYTES))))
-
-
-def expert_wire_bytes(matrices: Sequence, ratio: float | None, value_bytes: int) -> int:
-    """Bytes one expert takes on the wire: `P1`, or the sum of `k * (vb + ib)` when compressed.
-
-    Args:
-      matrices: per matrix, its element count or its shape.
-      ratio: compression ratio; None or <= 1 sends the matrices as they are.
-      value_bytes: bytes per parameter value.
-    """
-    sizes = [m if isinstance(m, int | np.integer) else math.prod(m) for m in matrices]
-    if ratio is None or ratio <= 1:
-        return sum(sizes) * value_bytes
-    return sum(topk_count(n, ratio, value_bytes) * (value_bytes + INDEX_BYTES) for n in sizes)
-
-
-def _experts(expert_bytes, expert_matrices, ratio, value_bytes) -> tuple[int, int, bool]:
-    """(P1, bytes per expert on the wire, compressed?)."""
-    if (expert_bytes is None) == (expert_matrices is None):
-        raise ValueError("give exactly one of expert_bytes and expert_matrices")
-    if expert_matrices is None:
-        if expert_bytes % value_bytes:
-            raise ValueError(f"expert_bytes={expert_bytes} is not a multiple of {value_bytes=}")
-        # One matrix: compressed bytes are then approximate (the runtime rounds k per matrix).
-        expert_matrices = [expert_bytes // value_bytes]
-    return (
-        expert_wire_bytes(expert_matrices, None, value_bytes),
-        expert_wire_bytes(expert_matrices, ratio, value_bytes),
-        ratio is not None and ratio > 1,
-    )
-
-
-def _check(level_sizes, domains, num_experts, top_k=None):
+def _check(level_sizes, domains, num_experts, top_k=None, **sizes):
+    """Validated (level sizes, domains); `sizes` are counts that must be >= 0 (dense_bytes,
+    tokens) or >= 1 (hidden, act_bytes)."""
     level_sizes, domains = tuple(int(g) for g in level_sizes), tuple(int(s) for s in domains)
+    if not level_sizes or min(level_sizes) < 1:
+        raise ValueError(f"level sizes must be >= 1, at least one level; got {level_sizes}")
     if len(level_sizes) != len(domains):
         raise ValueError(f"domains {domains} do not match level sizes {level_sizes}")
+    for name, value in sizes.items():
+        low = 1 if name in ("hidden", "act_bytes") else 0
+        if value < low:
+            raise ValueError(f"{name}={value} must be >= {low}")
     bad = [(g, s) for g, s in zip(level_sizes, domains, strict=True) if s < 1 or g % s]
     if bad:
         raise ValueError(f"domain sizes must divide their level sizes; got {bad} (G_l, S_l)")
     ranks = math.prod(level_sizes)
-    if num_experts % ranks:
+    if num_experts < 1 or num_experts % ranks:
         raise ValueError(f"num_experts={num_experts} is not a multiple of the {ranks} ranks")
     if top_k is not None and not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
     return level_sizes, domains
 
 
-def exact_loads(dest, token_sizes: Sequence[int]):
-    """Exact per-rank token copies per level for one token group.
-
-    Args:
-      dest: [R, T, K] destination rank in the group of each (source, t, k), -1 for none.
-      token_sizes: the group's level sizes.
-
-    Returns:
-      (copies, sent, received), each [R, levels] int64: copies by source rank (summed over
-      sources this equals `traffic.routed_pairs`), and by the rank that actually sends and
-      receives each copy (at level l a copy goes from the rank holding the destination's
-      coordinates below l and the source's from l on, to the destination's coordinates up to l).
-    """
-    dest = np.asarray(dest)
-    ranks = dest.shape[0]
-    strides = [math.prod(token_sizes[i + 1 :]) for i in range(len(token_sizes))]
-    out = np.zeros((3, ranks, len(token_sizes)), np.int64)
-    src = np.arange(ranks)[:, None, None]
-    for lvl, (n, stride) in enumerate(zip(token_sizes, strides, strict=True)):
-        prefix = np.where(dest >= 0, dest // stride, -1)
-        keep = (dest >= 0) & (prefix % n != (src // stride) % n)
-        p = np.sort(np.where(keep, prefix, -1), axis=-1)
-        new = p >= 0
-        new[..., 1:] &= p[..., 1:] != p[..., :-1]  # one copy per (token, destination prefix)
-        s, t, k = np.nonzero(new)
-        pp = p[s, t, k]
-        out[0, :, lvl] = np.bincount(s, minlength=ranks)
-        out[1, :, lvl] = np.bincount((pp // n) * n * stride + s % (n * stride), minlength=ranks)
-        out[2, :, lvl] = np.bincount(pp * stride + s % stride, minlength=ranks)
-    return out[0], out[1], out[2]
+def _dense(level_sizes, lvl: int, dense_bytes: int) -> tuple[int, int]:
+    """(bytes, peers) of the dense gradients' all-reduce over all ranks across level `lvl`:
+    bytes as the direct exchange the programs are read with, peers as a ring over the level."""
+    ranks = math.prod(level_sizes)
+    across = ranks - ranks // level_sizes[lvl]
+    return traffic.all_reduce_bytes(dense_bytes, ranks, across), level_sizes[lvl] - 1
 
 
-def _expected_loads(token_sizes, groups, probs, tokens, top_k):
-    """Expected (copies, sent, received) [R, levels] per token-group rank.
-
-    A prefix holding routing mass P is hit with probability `1 - prod_{i<K} (1 - P E/(E-i))`:
-    exact for uniform routing (the hypergeometric `1 - C(E-E_p, K)/C(E, K)`), an approximation
-    of drawing K distinct experts without replacement otherwise.
-    """
-    num_experts = len(probs)
-    ranks = math.prod(token_sizes)
-    out = np.zeros((3, ranks, len(token_sizes)))
-    rank = np.arange(ranks)
-    for lvl, n in enumerate(token_sizes):
-        stride = math.prod(token_sizes[lvl + 1 :])
-        above = math.prod(token_sizes[:lvl])
-        mass = np.bincount(groups // stride, weights=probs, minlength=above * n)
-        miss = np.ones_like(mass)
-        for i in range(top_k):
-            miss *= np.clip(1 - mass * num_experts / (num_experts - i), 0, None)
-        hit = (1 - miss).reshape(above, n)
-        own = (rank // stride) % n
-        # Copies by source: every prefix whose level coordinate differs from the source's.
-        out[0, :, lvl] = tokens * (hit.sum() - hit.sum(0)[own])
-        block = (rank // (n * stride)) % above
-        out[1, :, lvl] = tokens * above * (hit[block].sum(1) - hit[block, own])
-        out[2, :, lvl] = tokens * above * (n - 1) * hit[block, own]
-    return out[0], out[1], out[2]
-
-
-def _build(level_sizes, domains, loads, *, local, tokens, hidden, act_bytes, experts, exact):
+def _build(
+    level_sizes, domains, loads, *, local, tokens, hidden, act_bytes, experts, exact, dense_bytes
+):
     """`Volumes` from per-full-rank loads [3 (copies, sent, received), G, token levels]."""
-    p1, wire, compressed = experts
+    p1, wire, matrices, is_compressed = experts
     outer = [g // s for g, s in zip(level_sizes, domains, strict=True)]
     token_sizes = token_level_sizes(level_sizes, domains)
     padded = traffic.padded_buffer_bytes(token_sizes, tokens, hidden, act_bytes)
@@ -253,6 +192,8 @@ def _build(level_sizes, domains, loads, *, local, tokens, hidden, act_bytes, exp
             sites = max(sent.reshape(shape).sum(1).max(), recv.reshape(shape).sum(1).max())
             tok += 1
         gathered = (s - 1) * math.prod(domains[:lvl]) * local
+        sync = sum(traffic.all_reduce_bytes(m, s, s - 1) for m in matrices)
+        dense, dense_peers = _dense(level_sizes, lvl, dense_bytes)
         levels.append(
             LevelVolumes(
                 size=g,
@@ -268,8 +209,10 @@ def _build(level_sizes, domains, loads, *, local, tokens, hidden, act_bytes, exp
                 gather_experts=gathered,
                 gather_bytes=gathered * wire,
                 reduce_scatter_bytes=gathered * p1,
-                shared_sync_bytes=p1 if compressed and s > 1 else 0,
+                shared_sync_bytes=sync if is_compressed and s > 1 else 0,
                 gather_peers=s - 1,
+                dense_sync_bytes=dense,
+                dense_peers=dense_peers if dense else 0,
             )
         )
     return Volumes(level_sizes, domains, tuple(levels), p1, "hierarchical", exact)
@@ -298,9 +241,10 @@ def expected_volumes(
     act_bytes: int,
     expert_bytes: int | None = None,
     expert_matrices: Sequence | None = None,
-    ratio: float | None = None,
+    compression: float | None = None,
     value_bytes: int = 4,
     expert_probs: Sequence[float] | None = None,
+    dense_bytes: int = 0,
 ) -> Volumes:
     """Expected per-level volumes for routing of K distinct experts per token.
 
@@ -310,13 +254,19 @@ def expected_volumes(
       tokens, top_k, num_experts, hidden, act_bytes: `T` per rank, `K`, `E`, `H`, token bytes.
       expert_bytes: `P1`, one expert's parameter bytes (treated as one matrix when compressed).
       expert_matrices: alternatively, the element count (or shape) of each expert matrix.
-      ratio: compression ratio of the forward gather (None or <= 1: off).
+      compression: SR compression of the forward gather, full bytes / bytes sent (None or <= 1:
+        off).
       value_bytes: bytes per parameter value.
       expert_probs: [E] routing probability of each expert (default uniform); the busiest rank
         and site then carry more than the mean.
+      dense_bytes: bytes of the replicated parameters whose gradients a training step
+        all-reduces over every rank (0: not counted).
     """
-    level_sizes, domains = _check(level_sizes, domains, num_experts, top_k)
-    experts = _experts(expert_bytes, expert_matrices, ratio, value_bytes)
+    level_sizes, domains = _check(
+        level_sizes, domains, num_experts, top_k, tokens=tokens, hidden=hidden,
+        act_bytes=act_bytes, dense_bytes=dense_bytes,
+    )  # fmt: skip
+    experts = expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes)
     if expert_probs is None:
         probs = np.full(num_experts, 1 / num_experts)
     else:
@@ -326,14 +276,14 @@ def expected_volumes(
         probs = probs / probs.sum()
     token_sizes = token_level_sizes(level_sizes, domains)
     groups = geometry.replica_placement(level_sizes, domains, num_experts)[0]
-    per_rank = np.stack(_expected_loads(token_sizes, groups, probs, tokens, top_k))
+    per_rank = np.stack(expected_loads(token_sizes, groups, probs, tokens, top_k))
     # Every token group sees the same routing statistics.
     per_group = np.broadcast_to(per_rank[:, None], (3, math.prod(domains), *per_rank.shape[1:]))
     loads = np.stack([_to_full(level_sizes, domains, a) for a in per_group])
     local = num_experts // math.prod(level_sizes)
     return _build(
         level_sizes, domains, loads, local=local, tokens=tokens, hidden=hidden,
-        act_bytes=act_bytes, experts=experts, exact=False,
+        act_bytes=act_bytes, experts=experts, exact=False, dense_bytes=dense_bytes,
     )  # fmt: skip
 
 
@@ -347,8 +297,9 @@ def routed_volumes(
     act_bytes: int,
     expert_bytes: int | None = None,
     expert_matrices: Sequence | None = None,
-    ratio: float | None = None,
+    compression: float | None = None,
     value_bytes: int = 4,
+    dense_bytes: int = 0,
 ) -> Volumes:
     """Exact per-level volumes of an actual routing.
 
@@ -358,14 +309,17 @@ def routed_volumes(
         the replica in its own token group (owner's outer coordinates, its own inner ones).
       Others: as `expected_volumes`.
     """
-    level_sizes, domains = _check(level_sizes, domains, num_experts)
+    level_sizes, domains = _check(
+        level_sizes, domains, num_experts, hidden=hidden, act_bytes=act_bytes,
+        dense_bytes=dense_bytes,
+    )  # fmt: skip
     topk_idx = np.asarray(topk_idx)
     ranks = math.prod(level_sizes)
     if topk_idx.ndim != 3 or topk_idx.shape[0] != ranks:
         raise ValueError(f"topk_idx must be [G={ranks}, T, K], got {topk_idx.shape}")
     if topk_idx.max(initial=-1) >= num_experts or topk_idx.min(initial=0) < -1:
         raise ValueError(f"topk_idx holds ids outside [-1, {num_experts})")
-    experts = _experts(expert_bytes, expert_matrices, ratio, value_bytes)
+    experts = expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes)
     groups = geometry.replica_placement(level_sizes, domains, num_experts)[0]
     dest = np.where(topk_idx >= 0, groups[np.maximum(topk_idx, 0)], -1)
     token_sizes = token_level_sizes(level_sizes, domains)
@@ -378,7 +332,7 @@ def routed_volumes(
     loads = np.stack([_to_full(level_sizes, domains, a) for a in per_group])
     return _build(
         level_sizes, domains, loads, local=num_experts // ranks, tokens=topk_idx.shape[1],
-        hidden=hidden, act_bytes=act_bytes, experts=experts, exact=True,
+        hidden=hidden, act_bytes=act_bytes, experts=experts, exact=True, dense_bytes=dense_bytes,
     )  # fmt: skip
 
 
@@ -392,14 +346,19 @@ def flat_volumes(
     act_bytes: int,
     dedup: bool = True,
     expert_bytes: int = 0,
+    dense_bytes: int = 0,
 ) -> Volumes:
     """Expected volumes of flat plain EP (one all-to-all over all ranks; the paper's baseline).
 
     A rank sends to every other rank directly; a copy travels over the slowest level at which
     the two ranks differ. `dedup` sends one copy per (token, destination rank) under uniform
     routing; otherwise one per (token, k) as capacity-style buffers (Tutel) do, `T K / G` per peer.
+    `dense_bytes` as in `expected_volumes`.
     """
-    level_sizes, _ = _check(level_sizes, (1,) * len(level_sizes), num_experts, top_k)
+    level_sizes, _ = _check(
+        level_sizes, (1,) * len(level_sizes), num_experts, top_k, tokens=tokens, hidden=hidden,
+        act_bytes=act_bytes, dense_bytes=dense_bytes,
+    )  # fmt: skip
     ranks = math.prod(level_sizes)
     local = num_experts // ranks
     if dedup:
@@ -412,6 +371,7 @@ def flat_volumes(
     for lvl, g in enumerate(level_sizes):
         site = math.prod(level_sizes[lvl + 1 :])
         copies = per_peer * site * (g - 1)
+        dense, dense_peers = _dense(level_sizes, lvl, dense_bytes)
         levels.append(
             LevelVolumes(
                 size=g,
@@ -423,6 +383,8 @@ def flat_volumes(
                 row_bytes=hidden * act_bytes,
                 token_peers=site * (g - 1),
                 site_ranks=site,
+                dense_sync_bytes=dense,
+                dense_peers=dense_peers if dense else 0,
             )
         )
     return Volumes(level_sizes, (1,) * len(level_sizes), tuple(levels), expert_bytes, "flat")

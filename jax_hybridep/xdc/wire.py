@@ -1,0 +1,75 @@
+"""What one expert costs on the wire, whole or SR-compressed (host-side numpy).
+
+Shared by the runtime (`compress`, which sends it) and the byte model (`volumes`, which counts
+it), so both follow one rule: a matrix of n entries compressed by `compression` (full bytes /
+bytes sent) travels as its top `k = max(1, floor(n vb / (compression (vb + 4))))` residual entries,
+k values of `vb` bytes and k int32 indices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+INDEX_BYTES = 4  # compressed experts carry int32 indices
+
+
+def compressed(compression: float | None) -> bool:
+    """Whether an SR compression setting compresses: None or <= 1 sends experts as they are.
+
+    Raises ValueError for a value that is not a positive number."""
+    if compression is None:
+        return False
+    if isinstance(compression, bool) or not isinstance(compression, int | float | np.number):
+        raise ValueError(f"compression must be None or a number > 0, got {compression!r}")
+    if not compression > 0 or not math.isfinite(compression):
+        raise ValueError(f"compression must be None or a finite number > 0, got {compression!r}")
+    return compression > 1
+
+
+def topk_count(elements: int, compression: float, value_bytes: int) -> int:
+    """Values kept of an `elements`-element matrix SR-compressed by `compression` (full bytes /
+    bytes sent) in value-index form."""
+    return max(1, math.floor(elements * value_bytes / (compression * (value_bytes + INDEX_BYTES))))
+
+
+def _sizes(matrices: Sequence) -> list[int]:
+    return [m if isinstance(m, int | np.integer) else math.prod(m) for m in matrices]
+
+
+def expert_wire_bytes(matrices: Sequence, compression: float | None, value_bytes: int) -> int:
+    """Bytes one expert takes on the wire: `P1`, or the sum of `k * (vb + ib)` when compressed.
+
+    Args:
+      matrices: per matrix, its element count or its shape.
+      compression: SR compression; None or <= 1 sends the matrices as they are.
+      value_bytes: bytes per parameter value.
+    """
+    sizes = _sizes(matrices)
+    if not compressed(compression):
+        return sum(sizes) * value_bytes
+    return sum(topk_count(n, compression, value_bytes) * (value_bytes + INDEX_BYTES) for n in sizes)
+
+
+def expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes) -> tuple:
+    """(P1, bytes one expert takes on the wire, bytes of each matrix, compressed?) from one of
+    `expert_bytes` (P1, one matrix) and `expert_matrices` (element counts or shapes)."""
+    if (expert_bytes is None) == (expert_matrices is None):
+        raise ValueError("give exactly one of expert_bytes and expert_matrices")
+    if value_bytes < 1:
+        raise ValueError(f"value_bytes must be >= 1, got {value_bytes}")
+    if expert_matrices is None:
+        if expert_bytes < 0 or expert_bytes % value_bytes:
+            raise ValueError(f"expert_bytes={expert_bytes} is not a multiple of {value_bytes=}")
+        # One matrix: compressed bytes are then approximate (the runtime rounds k per matrix).
+        expert_matrices = [expert_bytes // value_bytes]
+    if any(n < 0 for n in _sizes(expert_matrices)):
+        raise ValueError(f"expert_matrices must have no negative sizes, got {expert_matrices}")
+    return (
+        expert_wire_bytes(expert_matrices, None, value_bytes),
+        expert_wire_bytes(expert_matrices, compression, value_bytes),
+        [n * value_bytes for n in _sizes(expert_matrices)],
+        compressed(compression),
+    )
