@@ -120,7 +120,8 @@ class MoEBlock(nnx.Module):
         between domains (cross-datacenter EP, DESIGN §4). Parameters keep the plain-EP sharding,
         so checkpoints move freely between settings.
       domain_compression: SR compression ratio of the migrated experts (None: full experts).
-      dispatch: hep.DispatchConfig; num_experts defaults to the router's.
+      dispatch: hep.DispatchConfig; num_experts defaults to the router's. The block runs it with
+        zero_padding=False (its expert compute never reads rows past the groups).
       shared_expert_ff: hidden width of an always-on shared SwiGLU expert, or None.
       dtype: compute dtype of the experts (the rows travel in it).
       param_dtype: parameter dtype.
@@ -151,6 +152,9 @@ class MoEBlock(nnx.Module):
                 f"dispatch.num_experts={dispatch.num_experts} differs from "
                 f"router.num_experts={router.num_experts}"
             )
+        # Both expert paths (ragged_dot, the CPU capacity windows) ignore rows past the groups by a
+        # select, so the block never pays for writing them (DispatchConfig.zero_padding).
+        dispatch = dataclasses.replace(dispatch, zero_padding=False)
         self.mesh, self.topology, self.dispatch_config = mesh, topology, dispatch
         if isinstance(expert_domains, xdc.ExpertDomains):
             if domain_compression is not None:
