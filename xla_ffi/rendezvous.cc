@@ -177,8 +177,11 @@ void Watchdog() {
       registry.watchdog_wakeup.wait(lock);
       continue;
     }
-    if (Clock::now() < earliest->second->deadline) {
-      registry.watchdog_wakeup.wait_until(lock, earliest->second->deadline);
+    // A copy: wait_until reads its deadline again after waking, when the exchange may be gone
+    // (completed and freed by its last rank while the lock was released).
+    const Clock::time_point deadline = earliest->second->deadline;
+    if (Clock::now() < deadline) {
+      registry.watchdog_wakeup.wait_until(lock, deadline);
       continue;
     }
     std::unique_ptr<Exchange> ex = std::move(earliest->second);
