@@ -115,8 +115,8 @@ def restore(ckpt_dir: str, step: int, target, meta: dict, model_flags) -> object
             saved_shapes = mgr.item_metadata(step)["state"]
         except Exception as err:  # orbax raises many types for unreadable files
             raise ResumeError(
-                f"--resume: the checkpoint {step_dir} is corrupt: its metadata cannot be read "
-                f"({type(err).__name__}){fix}"
+                f"--resume: the checkpoint {step_dir} is corrupt: its metadata cannot be read"
+                f"{_kind(err)}{fix}"
             ) from err
         mismatch = _shape_mismatch(saved_shapes, abstract)
         if mismatch:
@@ -137,10 +137,16 @@ def restore(ckpt_dir: str, step: int, target, meta: dict, model_flags) -> object
             state = jax.block_until_ready(restored["state"])
         except Exception as err:
             raise ResumeError(
-                f"--resume: the checkpoint {step_dir} is corrupt: its arrays cannot be read "
-                f"({type(err).__name__}){fix}"
+                f"--resume: the checkpoint {step_dir} is corrupt: its arrays cannot be read"
+                f"{_kind(err)}{fix}"
             ) from err
     return state
+
+
+def _kind(err: Exception) -> str:
+    """The failure's kind for a message, e.g. " (JSONDecodeError)"; none for a bare Exception
+    (the array reader's), whose text is the reader's internals."""
+    return "" if type(err) is Exception else f" ({type(err).__name__})"
 
 
 def _leaves(tree) -> dict[str, object]:
