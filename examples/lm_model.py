@@ -43,6 +43,7 @@ class ModelConfig:
       expert_domains: per EP level, the cross-DC expert domain size, as ((axis, S), ...);
         None is plain EP (see `jax_hybridep.xdc`).
       domain_compression: SR compression ratio of the experts moved inside a domain (None: off).
+      wire_dtype: None (the model's dtype) or "float8_e4m3fn": FP8 on the wire for dispatch.
     """
 
     vocab_size: int = 256
@@ -58,6 +59,7 @@ class ModelConfig:
     z_loss_coef: float = 1e-3
     expert_domains: tuple[tuple[str, int], ...] | None = None
     domain_compression: float | None = None
+    wire_dtype: str | None = None
 
     def __post_init__(self):
         if self.d_model % self.heads or (self.d_model // self.heads) % 2:
@@ -116,6 +118,7 @@ class DecoderLayer(nnx.Module):
             num_experts=config.experts,
             capacity_factor=config.capacity_factor,
             backend=config.backend,
+            wire_dtype=config.wire_dtype,
         )
         self.moe = hnn.MoEBlock(
             config.d_model,

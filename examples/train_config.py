@@ -16,6 +16,8 @@ from absl import flags
 from lm_data import ByteData
 from lm_model import DATA_AXIS, make_mesh
 
+from jax_hybridep.fp8 import WIRE_DTYPES
+
 BACKENDS = ("auto", "xla", "ffi")
 DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and the default)
 
@@ -40,6 +42,8 @@ class TrainConfig:
       domain_compression: SR compression ratio (> 1) of the experts moved inside a domain
         (None: off).
       capacity_factor: per-expert capacity factor (> 0); None means dropless.
+      wire_dtype: None (tokens travel in the model's dtype) or "float8_e4m3fn" (FP8 dispatch:
+        one scale per 128 elements, dequantised at the receiver).
       lr: peak learning rate of the warmup + cosine schedule.
       seed: initialisation and data seed.
       output_dir: where metrics, plot and checkpoint go.
@@ -63,6 +67,7 @@ class TrainConfig:
     domains: str | None = None
     domain_compression: float | None = None
     capacity_factor: float | None = None
+    wire_dtype: str | None = None
     lr: float = 3e-3
     seed: int = 0
     output_dir: str = "/tmp/train_moe"
@@ -148,6 +153,11 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
     )
     if cfg.backend not in BACKENDS:
         raise FlagError(f"--backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
+    if cfg.wire_dtype not in (None, *WIRE_DTYPES):
+        raise FlagError(
+            f"--wire_dtype={cfg.wire_dtype!r} must be unset (the model's dtype) or one of "
+            f"{', '.join(WIRE_DTYPES)}"
+        )
     for name in ("resume", "progress"):
         if not isinstance(getattr(cfg, name), bool):
             raise FlagError(f"--{name}={getattr(cfg, name)!r} must be true or false")
@@ -243,6 +253,12 @@ def define_flags() -> None:
         "capacity_factor",
         DROPLESS,
         f"per-expert capacity factor, a number > 0; '{DROPLESS}' (the default): dropless",
+    )
+    flags.DEFINE_enum(
+        "wire_dtype",
+        None,
+        list(WIRE_DTYPES),
+        "FP8 dispatch (one scale per 128 elements); unset: the model's dtype",
     )
     flags.DEFINE_float("lr", d.lr, "peak learning rate")
     flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")

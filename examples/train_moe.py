@@ -189,6 +189,7 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         backend=cfg.backend,
         expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
         domain_compression=cfg.domain_compression,
+        wire_dtype=cfg.wire_dtype,
     )
 
 

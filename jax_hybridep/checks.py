@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_hybridep import compat
+from jax_hybridep import compat, fp8
 from jax_hybridep.config import DispatchPlan
 from jax_hybridep.topology import Topology
 
@@ -50,10 +50,35 @@ def check_context(op: str, topology: Topology, args) -> frozenset[str]:
     return manual
 
 
-def check_dispatch_inputs(x, topk_idx, topk_weights):
-    """(x, topk_idx, topk_weights) as arrays, checked: x [T, H] float, ids [T, K] integer,
-    weights [T, K] float, T, H, K >= 1."""
-    x, topk_idx, topk_weights = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weights)
+def _check_quantized(x, config):
+    """An already quantised x = (q [T, H] float8_e4m3fn, scales [T, ceil(H / 128)] float32)."""
+    if not config.fp8_rows:
+        raise ValueError(
+            "x given as (q, scales) (already quantised) needs DispatchConfig(wire_dtype="
+            "'float8_e4m3fn', fp8_rows=True): the rows then stay FP8 end to end"
+        )
+    if len(x) != 2:
+        raise ValueError(f"a quantised x must be (q, scales), got a tuple of {len(x)}")
+    q, scales = jnp.asarray(x[0]), jnp.asarray(x[1])
+    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
+        raise TypeError(f"quantised x: q must be [T, H] float8_e4m3fn, got {q.dtype}{q.shape}")
+    want = (q.shape[0], fp8.num_blocks(q.shape[1]))
+    if scales.shape != want or scales.dtype != jnp.float32:
+        raise ValueError(
+            f"quantised x: scales must be {list(want)} float32 (one per 128 elements of H="
+            f"{q.shape[1]}), got {scales.dtype}{list(scales.shape)}"
+        )
+    return q, scales
+
+
+def check_dispatch_inputs(x, topk_idx, topk_weights, config=None):
+    """(x, topk_idx, topk_weights) as arrays, checked: x [T, H] float (or, with fp8_rows, a
+    quantised (q, scales)), ids [T, K] integer, weights [T, K] float, T, H, K >= 1."""
+    quantized = _check_quantized(x, config) if isinstance(x, tuple) else None
+    rows = quantized[0] if quantized else x
+    rows, topk_idx, topk_weights = (jnp.asarray(rows), jnp.asarray(topk_idx),
+                                    jnp.asarray(topk_weights))  # fmt: skip
+    x = rows
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H], got shape {x.shape}")
     if topk_idx.ndim != 2:
@@ -72,13 +97,13 @@ def check_dispatch_inputs(x, topk_idx, topk_weights):
             f"dispatch needs T >= 1, H >= 1 and K >= 1, got x {x.shape} [T, H] and topk_idx "
             f"{topk_idx.shape} [T, K]"
         )
-    if x.dtype not in FLOAT_DTYPES:
+    if quantized is None and x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise TypeError(f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}")
     if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
         raise TypeError(f"topk_weights must be floating point, got dtype {topk_weights.dtype}")
-    return x, topk_idx, topk_weights
+    return (quantized or x), topk_idx, topk_weights
 
 
 def expert_ids_int32(topk_idx, num_experts: int):

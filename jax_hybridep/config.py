@@ -15,6 +15,7 @@ import warnings
 
 import numpy as np
 
+from jax_hybridep.fp8 import WIRE_DTYPES
 from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_bool, check_int, is_real
 
@@ -60,6 +61,15 @@ class DispatchConfig:
         Consumers must then use group_sizes (ragged_dot does) or mask with a select, never a
         multiply. Combine's row cotangents follow the same rule. (The xla backend may still
         write them.)
+      wire_dtype: None (default): tokens travel in x's dtype. "float8_e4m3fn": each token is
+        quantised once at the source to e4m3fn with one float32 scale per 128 elements of H
+        (DESIGN §2.1.8, jax_hybridep/fp8.py); payload and scales cross every level together,
+        never requantised, and the receiver dequantises them into the rows (x's dtype). Host
+        and xla backends; gradients are the 16-bit path's (straight-through).
+      fp8_rows: with wire_dtype: deliver the rows as FP8 payload (`d.tokens` float8_e4m3fn)
+        plus `d.scales [C, ceil(H / 128)]` float32, for an FP8 grouped GEMM, instead of
+        dequantising them. Such rows carry no gradient (differentiating raises); `dispatch`
+        then also takes an already quantised `x = (q [T, H] e4m3fn, scales [T, nb] float32)`.
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
@@ -78,6 +88,8 @@ class DispatchConfig:
     num_sms: int = 16
     gpu_stream: str | int | None = None
     zero_padding: bool = True
+    wire_dtype: str | None = None
+    fp8_rows: bool = False
 
     def __post_init__(self):
         self._set("num_experts", check_int("num_experts", self.num_experts, 1))
@@ -93,6 +105,16 @@ class DispatchConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         self._set("strict", check_bool("strict", self.strict))
         self._set("zero_padding", check_bool("zero_padding", self.zero_padding))
+        if self.wire_dtype is not None and not isinstance(self.wire_dtype, str):
+            self._set("wire_dtype", _dtype_name(self.wire_dtype))
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"wire_dtype must be None (x's dtype) or one of {WIRE_DTYPES}, got "
+                f"{self.wire_dtype!r}"
+            )
+        self._set("fp8_rows", check_bool("fp8_rows", self.fp8_rows))
+        if self.fp8_rows and self.wire_dtype is None:
+            raise ValueError("fp8_rows=True needs wire_dtype='float8_e4m3fn' (FP8 on the wire)")
         self._set("timeout_s", _timeout("timeout_s", self.timeout_s))
         if self.row_budget is not None:
             budget = check_int("row_budget", self.row_budget, 1, what="an int >= 1 or None")
@@ -191,6 +213,7 @@ class DispatchPlan:
     Attributes:
       topology, config: what the call was given.
       tokens, k: T and K per shard.
+      hidden, row_dtype: H and the dtype of the rows dispatch delivers (x's; None when not known).
       ep_size: R, the ranks of the EP group.
       num_slots: L, local expert slots per rank.
       capacity: rows kept per local expert, or None (dropless).
@@ -202,6 +225,8 @@ class DispatchPlan:
     config: DispatchConfig
     tokens: int
     k: int
+    hidden: int | None
+    row_dtype: str | None
     ep_size: int
     num_slots: int
     capacity: int | None
@@ -225,6 +250,14 @@ class DispatchPlan:
 _MAX_ROWS = 2**31 - 1
 
 
+def _dtype_name(dtype) -> str | object:
+    """A dtype-like's name (jnp.float8_e4m3fn -> "float8_e4m3fn"), else the value itself."""
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return dtype
+
+
 def _warn_clamped(setting: str, result: str) -> None:
     warnings.warn(
         f"jax_hybridep: {setting} asks for more rows than any expert or rank can receive; "
@@ -233,7 +266,14 @@ def _warn_clamped(setting: str, result: str) -> None:
     )
 
 
-def make_plan(topology: Topology, config: DispatchConfig, tokens: int, k: int) -> DispatchPlan:
+def make_plan(
+    topology: Topology,
+    config: DispatchConfig,
+    tokens: int,
+    k: int,
+    hidden: int | None = None,
+    row_dtype: str | None = None,
+) -> DispatchPlan:
     """Derives the static plan; raises ValueError naming the offending values."""
     num_ranks, num_experts = topology.ep_size, config.num_experts
     if k > num_experts:
@@ -298,6 +338,8 @@ def make_plan(topology: Topology, config: DispatchConfig, tokens: int, k: int) -
         config=config,
         tokens=tokens,
         k=k,
+        hidden=hidden,
+        row_dtype=row_dtype,
         ep_size=num_ranks,
         num_slots=num_slots,
         capacity=capacity,

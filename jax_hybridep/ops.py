@@ -37,8 +37,8 @@ class DispatchStats:
       invalid: [] int32, this shard's expert ids outside [-1, E).
       tokens_per_expert: [E] int32, rows routed to each expert over the EP group, before drops.
       level_rows: [levels] int32, token copies this shard sent to other ranks at each level
-        (slow -> fast): the payload rows that crossed that level, each H x itemsize bytes
-        (`jax_hybridep.traffic.level_bytes`).
+        (slow -> fast): the payload rows that crossed that level, each H x itemsize bytes, or
+        H + 4 * ceil(H / 128) with FP8 on the wire (`jax_hybridep.traffic.level_bytes`).
     """
 
     dropped: jax.Array
@@ -52,8 +52,11 @@ class Dispatched:
     """What `dispatch` returns (per shard).
 
     Attributes:
-      tokens: [C, H] expert-major rows, in x's dtype; rows past sum(group_sizes) are padding (0).
+      tokens: [C, H] expert-major rows, in x's dtype (float8_e4m3fn with fp8_rows); rows past
+        sum(group_sizes) are padding (0, or unspecified with zero_padding=False).
       weights: [C] float32 routing weight of each row (0 on padding rows).
+      scales: with DispatchConfig(fp8_rows=True), [C, ceil(H / 128)] float32 block scales of
+        the FP8 rows (tokens[c, h] * scales[c, h // 128] is the row); else None.
       group_sizes: [E_local] int32 rows per local expert slot, each a multiple of pad_multiple.
       kept: [T, K] bool, whether (t, k) got a row.
       stats: DispatchStats.
@@ -66,6 +69,7 @@ class Dispatched:
     kept: jax.Array
     stats: DispatchStats
     handle: Handle
+    scales: jax.Array | None = None
 
     @property
     def capacity(self) -> int | None:
@@ -80,7 +84,7 @@ jax.tree_util.register_dataclass(
 )
 jax.tree_util.register_dataclass(
     Dispatched,
-    data_fields=["tokens", "weights", "group_sizes", "kept", "stats", "handle"],
+    data_fields=["tokens", "weights", "group_sizes", "kept", "stats", "handle", "scales"],
     meta_fields=[],
 )
 
@@ -98,7 +102,9 @@ def dispatch(
     """Sends each token to the ranks of its top-k experts; returns expert-major rows.
 
     Args:
-      x: [T, H] this shard's tokens (float32, bfloat16 or float16).
+      x: [T, H] this shard's tokens (float32, bfloat16 or float16); with
+        DispatchConfig(fp8_rows=True) also already quantised: (q [T, H] float8_e4m3fn,
+        scales [T, ceil(H / 128)] float32).
       topk_idx: [T, K] integer global expert ids; -1 means "no expert", other ids outside [0, E)
         are invalid (counted in stats.invalid and ignored).
       topk_weights: [T, K] routing weights (float32); they reach each row as `weights`.
@@ -116,12 +122,14 @@ def dispatch_with_route(
 ) -> Dispatched:
     """`dispatch` along an explicit route (None: the one `config.backend` selects); tests use it
     to run step kinds the platform lacks, e.g. the CUDA bottom over a pure-JAX twin on CPU."""
-    manual = checks.check_context("dispatch", topology, (x, topk_idx, topk_weights))
-    x, topk_idx, topk_weights = checks.check_dispatch_inputs(x, topk_idx, topk_weights)
+    leaves = (*x, topk_idx, topk_weights) if isinstance(x, tuple) else (x, topk_idx, topk_weights)
+    manual = checks.check_context("dispatch", topology, leaves)
+    x, topk_idx, topk_weights = checks.check_dispatch_inputs(x, topk_idx, topk_weights, config)
     if route is None:
         route = routes.route(config, topology, manual)
     route.check(topology)
-    plan = make_plan(topology, config, *topk_idx.shape)
+    rows = x[0] if isinstance(x, tuple) else x
+    plan = make_plan(topology, config, *topk_idx.shape, rows.shape[1], rows.dtype.name)
     shard = _shard(topology, manual)
     topk_idx = checks.expert_ids_int32(topk_idx, plan.num_experts)
     lay = route.layout(plan, topk_idx, shard)
@@ -129,13 +137,14 @@ def dispatch_with_route(
     safe_idx = jnp.clip(topk_idx, 0, plan.num_experts - 1)
     dest = jnp.where(lay.row_pos >= 0, expert_rank[safe_idx], -1)
     row_end = jnp.sum(lay.group_sizes, dtype=jnp.int32)
-    tokens, row_weights, handle = _dispatch_rows(
+    tokens, scales, row_weights, handle = _dispatch_rows(
         route, plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, row_end, shard
     )
     if config.poison_padding:
         tokens = _poison_padding(tokens, row_end)
     stats = DispatchStats(lay.dropped, lay.invalid, lay.tokens_per_expert, walk.level_rows(handle))
-    return Dispatched(tokens, row_weights, lay.group_sizes, lay.row_pos >= 0, stats, handle)
+    kept = lay.row_pos >= 0
+    return Dispatched(tokens, row_weights, lay.group_sizes, kept, stats, handle, scales)
 
 
 def _poison_padding(rows, row_end):
@@ -151,11 +160,18 @@ def _dispatch_rows(route: Route, plan: DispatchPlan, x, weights, row_pos, dest, 
 
 def _dispatch_rows_fwd(route, plan, x, weights, row_pos, dest, row_end, shard):
     out = _dispatch_rows(route, plan, x, weights, row_pos, dest, row_end, shard)
-    return out, out[2]
+    return out, out[3]  # the handle
 
 
 def _dispatch_rows_bwd(route, plan, handle, cotangents):
-    ct_tokens, ct_weights, _ = cotangents
+    ct_tokens, _, ct_weights, _ = cotangents
+    if plan.config.fp8_rows:
+        raise TypeError(
+            "jax_hybridep.dispatch with DispatchConfig(fp8_rows=True) delivers FP8 rows, which "
+            "carry no gradient; to train through dispatch use the dequantised rows "
+            "(fp8_rows=False, the default: the gradient is the 16-bit path's)"
+        )
+    # FP8 on the wire is straight-through: the rows' cotangent is combined at 16 bits.
     grad_x = walk.combine(handle, ct_tokens, None)
     grad_weights = walk.return_row_values(handle, ct_weights)
     return grad_x, grad_weights, None, None, None, None

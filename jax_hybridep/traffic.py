@@ -22,12 +22,21 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jax_hybridep import fp8
 from jax_hybridep.topology import Topology
 
 
-def level_bytes(level_rows, hidden: int, dtype) -> np.ndarray:
-    """Payload bytes per level: rows x hidden x itemsize (int64, exact)."""
-    return np.asarray(level_rows, np.int64) * hidden * np.dtype(dtype).itemsize
+def copy_bytes(hidden: int, dtype, wire_dtype: str | None = None) -> int:
+    """Bytes one token copy carries: hidden x itemsize, or with FP8 on the wire its payload and
+    block scales (`jax_hybridep.fp8.wire_bytes`)."""
+    if wire_dtype is not None:
+        return fp8.wire_bytes(hidden)
+    return hidden * np.dtype(dtype).itemsize
+
+
+def level_bytes(level_rows, hidden: int, dtype, wire_dtype: str | None = None) -> np.ndarray:
+    """Payload bytes per level: copies x copy_bytes (int64, exact)."""
+    return np.asarray(level_rows, np.int64) * copy_bytes(hidden, dtype, wire_dtype)
 
 
 def routed_pairs(dest, topology: Topology) -> np.ndarray:

@@ -23,6 +23,7 @@ CASE_FIELDS = (
     "capacity",
     "variant",
     "zero_padding",
+    "wire_dtype",
     "capacity_factor",
     "row_budget_factor",
     "baseline_capacity",
@@ -126,6 +127,29 @@ def test_barrier_variant_and_unzeroed_padding_give_the_same_results():
     assert {c["variant"] for c in doc["cases"]} == {"fusible", "barrier"}
     assert all(c["zero_padding"] is False for c in doc["cases"])
     assert all(c["max_rel_err"] is not None and c["max_rel_err"] < 1e-2 for c in doc["cases"])
+
+
+def test_fp8_wire_cases_count_wire_bytes():
+    """--wire_dtype native,float8_e4m3fn times both side by side; an FP8 copy is counted at
+    H + 4 * ceil(H / 128) bytes (the tiny preset is float32: 4 H bytes otherwise)."""
+    args = bench_main.parser().parse_args(["--wire_dtype", "native,float8_e4m3fn"])
+    assert args.wire_dtype == ["native", "float8_e4m3fn"]
+    doc = bench_main.benchmark(
+        "tiny", jax.devices()[:4], routings=("uniform",), capacities=(None,),
+        methods=("hybridep",), topologies=("flat", "hierarchical"), directions=("fwd",),
+        wire_dtypes=(None, "float8_e4m3fn"), repeats=1, warmup=0, log=lambda _: None,
+    )  # fmt: skip
+    cases = {c["label"]: c for c in doc["cases"]}
+    hidden = workloads.PRESETS["tiny"].hidden
+    for backend in ("ffi", "xla"):
+        for topology in ("flat", "hierarchical"):
+            native = cases[f"hybridep-{backend}/{topology}"]
+            wire = cases[f"hybridep-{backend}/{topology}+fp8"]
+            assert wire["wire_dtype"] == "float8_e4m3fn" and native["wire_dtype"] is None
+            assert native["level_bytes"].keys() == wire["level_bytes"].keys()
+            for level, nbytes in native["level_bytes"].items():
+                assert wire["level_bytes"][level] * 4 * hidden == nbytes * (hidden + 4), level
+            assert native["max_rel_err"] < 1e-5 and 0 < wire["max_rel_err"] < 0.1
 
 
 def test_parse_capacities():

@@ -11,7 +11,7 @@ from jax_hybridep.exchange import cuda_bottom
 def test_handlers_registered():
     targets = set(_native.module().cpu_registrations())
     one_level = {"layout", "layout_gathered", "dispatch", "combine_vjp", "combine",
-                 "return_row_values"}  # fmt: skip
+                 "return_row_values", "fp8_quantize"}  # fmt: skip
     per_level = {"level_send", "level_pack", "expand_items", "expand_items_vjp",
                  "item_partials", "blocks_all_to_all", "level_reduce", "level_reduce_pull",
                  "level_pick"}  # fmt: skip

@@ -17,6 +17,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/exchange.h"
 #include "xla_ffi/ffi_support.h"
+#include "xla_ffi/fp8.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/rendezvous.h"
 
@@ -127,7 +128,7 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                          RowExchangeAttrs exchange, ffi::Result<ffi::AnyBuffer> tokens,
                          ffi::ResultBuffer<ffi::F32> row_weights) {
-  auto dtype = ToDtype(x.element_type(), "x");
+  auto dtype = ToRowsDtype(tokens->element_type(), exchange.wire_hidden, "the rows");
   if (dtype.has_error()) return Failed(dtype.error());
   const CallSite call = MakeCallSite(run_id, rank, group, exchange);
   const int64_t T = x.dimensions()[0];
@@ -144,6 +145,7 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     rows_out.tokens = out;
     rows_out.weights = out_weights;
     rows_out.sparse_pad_multiple = exchange.sparse_pad_multiple;
+    rows_out.wire_hidden = exchange.wire_hidden;
     PullRows(shape, call.rank, sources.data(), dtype.value(), rows_out);
     return Status::Ok();
   };
@@ -242,7 +244,28 @@ ffi::Future ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
   return Exchange("row values", call, std::move(p));
 }
 
+// FP8 on the wire: each token of x [T, H] into its wire row (xla_ffi/fp8.h), at the source.
+ffi::Error Fp8QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> wire) {
+  auto dtype = ToDtype(x.element_type(), "x");
+  if (dtype.has_error()) return dtype.error();
+  const int64_t tokens = x.dimensions()[0], hidden = x.dimensions()[1];
+  if (wire->dimensions()[0] != tokens || wire->dimensions()[1] != Fp8WireBytes(hidden)) {
+    return ffi::Error::InvalidArgument("jax_hybridep: fp8_quantize needs wire [T, H + 4 * nb]");
+  }
+  const int64_t row_bytes = hidden * DtypeBytes(dtype.value());
+  for (int64_t t = 0; t < tokens; ++t) {
+    QuantizeRow(static_cast<const char*>(x.untyped_data()) + t * row_bytes, hidden, dtype.value(),
+                wire->typed_data() + t * Fp8WireBytes(hidden));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kFp8Quantize, Fp8QuantizeImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()          // x [T, H]
+                           .Ret<ffi::Buffer<ffi::U8>>());  // wire [T, H + 4 * ceil(H / 128)]
 
 XLA_FFI_DEFINE_HANDLER(kLayout, LayoutImpl,
                        ffi::Ffi::Bind()
@@ -322,9 +345,13 @@ XLA_FFI_DEFINE_HANDLER(kReturnRowValues, ReturnRowValuesImpl,
 
 std::vector<HandlerEntry> CpuHandlers() {
   std::vector<HandlerEntry> handlers = {
-      {"jax_hybridep_layout", kLayout},     {"jax_hybridep_layout_gathered", kLayoutGathered},
-      {"jax_hybridep_dispatch", kDispatch}, {"jax_hybridep_combine_vjp", kCombineVjp},
-      {"jax_hybridep_combine", kCombine},   {"jax_hybridep_return_row_values", kReturnRowValues},
+      {"jax_hybridep_layout", kLayout},
+      {"jax_hybridep_layout_gathered", kLayoutGathered},
+      {"jax_hybridep_dispatch", kDispatch},
+      {"jax_hybridep_combine_vjp", kCombineVjp},
+      {"jax_hybridep_combine", kCombine},
+      {"jax_hybridep_return_row_values", kReturnRowValues},
+      {"jax_hybridep_fp8_quantize", kFp8Quantize},
   };
   for (const HandlerEntry& entry : CpuLevelHandlers()) handlers.push_back(entry);
   return handlers;

@@ -4,20 +4,8 @@
 #include <cstring>
 #include <vector>
 
-// The row kernels are memory-bound loops; wider vectors cut their instruction count severalfold.
-// Multiversioned so one portable build still uses AVX2 and AVX-512 where the CPU has them. GCC 12
-// takes the x86-64-v3/v4 levels: v4 includes AVX-512BW, which packing 16-bit floats in 512-bit
-// registers needs (with AVX-512F alone the scaling kernel stays on 256-bit vectors; the
-// skylake-avx512 target, which has BW too, measured a third slower on the CPU benchmark preset).
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(__clang__) && \
-    __GNUC__ >= 12
-#define JAX_HYBRIDEP_ROW_KERNEL \
-  __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#elif defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#define JAX_HYBRIDEP_ROW_KERNEL __attribute__((target_clones("default", "avx2", "avx512f")))
-#else
-#define JAX_HYBRIDEP_ROW_KERNEL
-#endif
+#include "xla_ffi/fp8.h"
+#include "xla_ffi/row_kernel.h"
 
 namespace jax_hybridep {
 namespace {
@@ -162,7 +150,14 @@ class RowWriter {
   void Fill(const RowSource& src) {
     const int64_t row = src.row;
     filled_[row] = 1;
-    if (out_.tokens != nullptr) std::memcpy(out_.tokens + row * row_bytes_, src.token, row_bytes_);
+    if (out_.tokens != nullptr) {
+      char* to = out_.tokens + row * row_bytes_;
+      if (out_.wire_hidden > 0) {
+        DequantizeRow(reinterpret_cast<const uint8_t*>(src.token), out_.wire_hidden, dtype_, to);
+      } else {
+        std::memcpy(to, src.token, row_bytes_);
+      }
+    }
     if (out_.weights != nullptr) out_.weights[row] = src.weight;
     if (out_.scaled != nullptr) {
       ScaleRow(out_.scaled + row * row_bytes_, src.token, hidden_, out_.scale[row], dtype_);
@@ -227,6 +222,10 @@ class RowWriter {
 };
 
 }  // namespace
+
+int64_t OutputRowBytes(const RowOutputs& out, int64_t row_bytes, Dtype dtype) {
+  return out.wire_hidden > 0 ? out.wire_hidden * DtypeBytes(dtype) : row_bytes;
+}
 
 void WriteRows(int64_t rows, int64_t row_bytes, Dtype dtype, const std::vector<RowSource>& sources,
                const RowOutputs& out) {
@@ -326,7 +325,7 @@ void PullRows(const ExchangeShape& shape, int64_t rank, const SourceRows* source
   pulls.erase(std::remove_if(pulls.begin(), pulls.end(),
                              [](const RowSource& pull) { return pull.row < 0; }),
               pulls.end());
-  WriteRows(shape.rows, rb, dtype, pulls, out);
+  WriteRows(shape.rows, OutputRowBytes(out, rb, dtype), dtype, pulls, out);
 }
 
 void PullCombine(const ExchangeShape& shape, Dtype dtype, const char* const* y,

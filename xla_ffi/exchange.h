@@ -76,7 +76,14 @@ struct RowOutputs {
   // multiple (the destination's sum(group_sizes)) are left as they are in tokens and scaled,
   // and their dot is 0; the padding inside that extent is still written. 0: every row written.
   int64_t sparse_pad_multiple = 0;
+  // > 0: the sources are FP8 wire rows of this many elements (xla_ffi/fp8.h), written to
+  // `tokens` dequantised to the dtype (row_bytes = wire_hidden * its size); 0: copied as they are.
+  int64_t wire_hidden = 0;
 };
+
+// The bytes of one output row: a dequantised row when the sources are FP8 wire rows, else the
+// source row's `row_bytes`.
+int64_t OutputRowBytes(const RowOutputs& out, int64_t row_bytes, Dtype dtype);
 
 // One row a destination writes: the token `token` [row_bytes] with routing weight `weight`.
 struct RowSource {

@@ -48,6 +48,15 @@ inline ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
   }
 }
 
+// The dtype rows are written in: the output's, or, for FP8 wire rows delivered as they travel
+// (a uint8 output and no dequantisation: DispatchConfig(fp8_rows=True)), none, as they are only
+// copied (the placeholder is never read).
+inline ffi::ErrorOr<Dtype> ToRowsDtype(ffi::DataType out_type, int64_t wire_hidden,
+                                       const char* what) {
+  if (out_type == ffi::DataType::U8 && wire_hidden == 0) return Dtype::kF32;
+  return ToDtype(out_type, what);
+}
+
 // combine's VJP reads y[row] beside each row of the output cotangent g it writes: y must be
 // [rows, H] in g's dtype (rows of row_bytes bytes).
 inline ffi::Error CheckVjpY(ffi::AnyBuffer y, ffi::DataType g_type, int64_t rows,
@@ -83,10 +92,18 @@ struct ExchangeAttrs {
   int64_t timeout_ms;  // how long each waits for the others before failing
 };
 
-// dispatch, combine_vjp (one in-process level): the exchange, and the rows left unwritten
-// (RowOutputs::sparse_pad_multiple; 0 unless DispatchConfig(zero_padding=False)).
+// How the row-writing handlers write rows (RowOutputs): the rows left unwritten
+// (sparse_pad_multiple; 0 unless DispatchConfig(zero_padding=False)) and whether the sources are
+// FP8 wire rows to dequantise (wire_hidden = H; 0 otherwise). expand_items(_vjp).
+struct RowAttrs {
+  int64_t sparse_pad_multiple;
+  int64_t wire_hidden;
+};
+
+// dispatch, combine_vjp (one in-process level): the exchange, and how rows are written.
 struct RowExchangeAttrs : ExchangeAttrs {
   int64_t sparse_pad_multiple;
+  int64_t wire_hidden;
 };
 
 // combine: the exchange, and whether the rows are weighted.
@@ -263,9 +280,11 @@ inline Status StrictCheck(const LayoutAttrs& attrs, const GroupPlan& plan, int32
       StructMember<Span<const int64_t>>("expert_slot"), StructMember<bool>("strict")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::ExchangeAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS);
+#define JAX_HYBRIDEP_ROW_MEMBERS \
+  StructMember<int64_t>("sparse_pad_multiple"), StructMember<int64_t>("wire_hidden")
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::RowAttrs, JAX_HYBRIDEP_ROW_MEMBERS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::RowExchangeAttrs,
-                                      JAX_HYBRIDEP_EXCHANGE_MEMBERS,
-                                      StructMember<int64_t>("sparse_pad_multiple"));
+                                      JAX_HYBRIDEP_EXCHANGE_MEMBERS, JAX_HYBRIDEP_ROW_MEMBERS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::CombineAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS,
                                       StructMember<bool>("weighted"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::LevelSendAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS,

@@ -53,7 +53,7 @@ void ExpandItems(const LevelShape& shape, const LevelItems& items, int64_t rows,
     sources.push_back({items.pos[i], items.rows + (i / shape.k) * shape.row_bytes,
                        items.weights != nullptr ? items.weights[i] : 0.0f});
   }
-  WriteRows(rows, shape.row_bytes, dtype, sources, out);
+  WriteRows(rows, OutputRowBytes(out, shape.row_bytes, dtype), dtype, sources, out);
 }
 
 void ItemPartials(int64_t items, int64_t k, int64_t row_bytes, Dtype dtype, const char* y,

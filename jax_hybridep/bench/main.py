@@ -10,11 +10,13 @@ import sys
 import jax
 
 import jax_hybridep as hep
+from jax_hybridep import fp8
 from jax_hybridep.bench import cli, metrics, report, runner
 from jax_hybridep.bench.workloads import PRESETS, ROUTINGS, make_inputs
 
 METHODS = ("hybridep", "gshard", "maxtext", "worst_case")
 DEFAULT_CAPACITIES = (None, 1.25, 2.0, runner.Budget(2.0))
+NATIVE = "native"  # --wire_dtype: tokens travel in the preset's dtype
 
 
 def parse_capacities(text: str):
@@ -78,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-padding", action=argparse.BooleanOptionalAction, default=True,
                    help="hybridep's DispatchConfig.zero_padding (--no-zero-padding: rows past "
                    "the groups unwritten)")  # fmt: skip
+    p.add_argument(
+        "--wire_dtype",
+        type=cli.choice_list((NATIVE, *fp8.WIRE_DTYPES)),
+        default=[NATIVE],
+        help=f"comma list of hybridep's DispatchConfig.wire_dtype, each run side by side: "
+        f"'{NATIVE}' (the preset's dtype) and/or {', '.join(fp8.WIRE_DTYPES)}",
+    )
     p.add_argument("--repeats", type=cli.positive_int, default=None,
                    help="timed calls (median reported)")  # fmt: skip
     p.add_argument("--warmup", type=cli.nonnegative_int, default=None,
@@ -107,6 +116,7 @@ def benchmark(
     directions=runner.DIRECTIONS,
     variants=("fusible",),
     zero_padding=True,
+    wire_dtypes=(None,),
     repeats=None,
     warmup=None,
     nodes=2,
@@ -136,7 +146,7 @@ def benchmark(
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     workloads = [make_inputs(preset, len(devices), r, seed) for r in routings]
     cases = runner.build_cases(capacities, methods, backends, topologies, platform_name == "gpu",
-                               variants, zero_padding)  # fmt: skip
+                               variants, zero_padding, wire_dtypes)  # fmt: skip
     res = runner.run(
         preset,
         devices,
@@ -177,6 +187,7 @@ def benchmark(
             "routings": list(routings),
             "variants": list(variants),
             "zero_padding": zero_padding,
+            "wire_dtypes": list(wire_dtypes),
         },
         "definitions": {"metrics": metrics.__doc__, "baselines": runner.baselines.__doc__},
         "cases": res["cases"],
@@ -201,6 +212,7 @@ def main(argv=None) -> dict:
         directions=args.directions,
         variants=args.variants,
         zero_padding=args.zero_padding,
+        wire_dtypes=[None if w == NATIVE else w for w in args.wire_dtype],
         repeats=args.repeats,
         warmup=args.warmup,
         nodes=args.nodes,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_hybridep import traffic
 from jax_hybridep.bench import baselines
 
 
@@ -56,9 +57,10 @@ def case_row(
     received = wl.received_tokens()
     per_node = ranks // nodes
     if case.method == "hybridep":
-        level = {str(name): int(r) * h * b for name, r in zip(axes, level_rows, strict=True)}
+        copy = traffic.copy_bytes(h, preset.dtype, case.wire_dtype)  # a copy on the wire
+        level = {str(name): int(r) * copy for name, r in zip(axes, level_rows, strict=True)}
         if case.topology == "flat":
-            level.update({n: c * h * b for n, c in wl.flat_copies(nodes).items()})
+            level.update({n: c * copy for n, c in wl.flat_copies(nodes).items()})
         buf_rows = recv_rows
     else:
         ragged = case.backend == "ragged"
@@ -90,6 +92,7 @@ def case_row(
         "capacity": case.capacity,
         "variant": case.variant if case.method == "hybridep" else None,
         "zero_padding": case.zero_padding if case.method == "hybridep" else None,
+        "wire_dtype": case.wire_dtype if case.method == "hybridep" else None,
         "capacity_factor": case.capacity_factor,
         "row_budget_factor": None if case.budget is None else case.budget.factor,
         "baseline_capacity": case.baseline_capacity,

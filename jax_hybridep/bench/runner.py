@@ -87,6 +87,7 @@ class Case:
     budget: Budget | None = None  # hybridep only: dropless with a row budget
     variant: str = "fusible"  # hybridep only: VARIANTS
     zero_padding: bool = True  # hybridep only: DispatchConfig.zero_padding
+    wire_dtype: str | None = None  # hybridep only: DispatchConfig.wire_dtype
 
     @property
     def capacity(self) -> str:
@@ -104,22 +105,33 @@ class Case:
         name = self.method if self.backend is None else f"{self.method}-{self.backend}"
         if self.method != "hybridep":
             return name
-        suffix = ("" if self.variant == "fusible" else f"+{self.variant}") + (
-            "" if self.zero_padding else "+nozero"
+        suffix = (
+            ("" if self.variant == "fusible" else f"+{self.variant}")
+            + ("" if self.zero_padding else "+nozero")
+            + ("" if self.wire_dtype is None else "+fp8")
         )
         return f"{name}/{self.topology}{suffix}"
 
 
-def build_cases(capacities, methods, backends, topologies, ragged: bool,
-                variants=("fusible",), zero_padding=True) -> list[Case]:  # fmt: skip
+def build_cases(
+    capacities,
+    methods,
+    backends,
+    topologies,
+    ragged: bool,
+    variants=("fusible",),
+    zero_padding=True,
+    wire_dtypes=(None,),
+) -> list[Case]:
     """hybridep at every capacity (each variant); baselines at their own: GShard at each factor
     f, MaxText and worst-case buffers dropless. A `Budget` capacity runs hybridep only (against
     the dropless baselines)."""
     cases = []
 
     def hybridep(f, budget=None):
-        return [Case("hybridep", b, t, f, budget, v, zero_padding)
-                for v in variants for t in topologies for b in backends]  # fmt: skip
+        return [Case("hybridep", b, t, f, budget, v, zero_padding, w)
+                for w in wire_dtypes for v in variants for t in topologies
+                for b in backends]  # fmt: skip
 
     for f in capacities:
         if isinstance(f, Budget):
@@ -162,6 +174,7 @@ def _shard_fn(case: Case, mesh, axes, experts: int):
                 backend=case.backend,
                 row_budget=budget,
                 zero_padding=case.zero_padding,
+                wire_dtype=case.wire_dtype,
             )
             d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
             rows = d.tokens

@@ -121,7 +121,7 @@ class CudaBottom:
         tokens, row_weights, recv_row_pos = self.exchanges.dispatch(
             plan, fast, held.rows, held.weights, held.pos, dest
         )
-        return tokens, row_weights, CudaRecord(dest, recv_row_pos)
+        return tokens, None, row_weights, CudaRecord(dest, recv_row_pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: CudaRecord, g):
         fast = fast_level(plan, shard)

@@ -66,8 +66,9 @@ def layout_attrs(plan: DispatchPlan) -> dict:
     )
 
 
-def row_attrs(plan: DispatchPlan) -> dict:
-    """How the row-writing handlers treat rows past sum(group_sizes): 0 zeroes them, a pad
-    multiple leaves them unwritten (DispatchConfig(zero_padding=False))."""
+def row_attrs(plan: DispatchPlan, wire_hidden: int = 0) -> dict:
+    """How the row-writing handlers write rows: rows past sum(group_sizes) zeroed (0) or left
+    unwritten (a pad multiple: DispatchConfig(zero_padding=False)); sources that are FP8 wire
+    rows of H elements dequantised (wire_hidden=H) or copied as they are (0)."""
     pad = 0 if plan.config.zero_padding else plan.config.pad_multiple
-    return dict(sparse_pad_multiple=np.int64(pad))
+    return dict(sparse_pad_multiple=np.int64(pad), wire_hidden=np.int64(wire_hidden))

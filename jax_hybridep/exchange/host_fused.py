@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange import wire
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, row_attrs
 from jax_hybridep.exchange.steps import (
     Items,
@@ -45,15 +46,16 @@ class HostFused:
                     **exchange_attrs(plan, fast.size), **attrs)  # fmt: skip
 
     def _rows(self, plan: DispatchPlan, shard: Shard, rows, weights, pos, dest):
-        out_types = (jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype),
-                     jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
+        out_type, wire_hidden = wire.host_rows(plan, rows)
+        out_types = (out_type, jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
         return self._call(plan, shard, "dispatch", out_types, rows, weights, pos, dest,
-                          like=(rows, weights, pos), **row_attrs(plan))  # fmt: skip
+                          like=(rows, weights, pos), **row_attrs(plan, wire_hidden))  # fmt: skip
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
         dest = fast_dest(fast_level(plan, shard), held.dest)
         tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest)
-        return tokens, row_weights, HostFusedRecord(dest, held.pos)
+        tokens, scales = wire.host_tokens(plan, tokens)
+        return tokens, scales, row_weights, HostFusedRecord(dest, held.pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g):
         zeros = jnp.zeros(record.pos.shape, jnp.float32)

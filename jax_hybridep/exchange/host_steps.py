@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange import wire
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32, row_attrs
 from jax_hybridep.exchange.steps import Items, LevelRecord, Shard, level_peer, pytree_record
 from jax_hybridep.exchange.xla_steps import item_row_values, level_all_to_all
@@ -149,9 +150,12 @@ def _row_types(plan: DispatchPlan, rows):
 
 
 def _expand_items(plan: DispatchPlan, rows, pos, weights):
-    """(tokens [C, H], row weights [C]) from held rows [M, H] and their rows/weights [M, K]."""
-    return call("expand_items", _row_types(plan, rows), rows, pos, weights, like=(rows, pos),
-                plan=plan, **row_attrs(plan))  # fmt: skip
+    """(tokens [C, ...], row weights [C]) from held rows [M, ...] and their rows/weights [M, K]
+    (FP8 wire rows dequantised on the way unless fp8_rows: exchange/wire.py)."""
+    out_type, wire_hidden = wire.host_rows(plan, rows)
+    out_types = (out_type, jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
+    return call("expand_items", out_types, rows, pos, weights, like=(rows, pos), plan=plan,
+                **row_attrs(plan, wire_hidden))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +166,8 @@ class HostRows:
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
         tokens, row_weights = _expand_items(plan, held.rows, held.pos, held.weights)
-        return tokens, row_weights, HostRowsRecord(held.pos)
+        tokens, scales = wire.host_tokens(plan, tokens)
+        return tokens, scales, row_weights, HostRowsRecord(held.pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g):
         zeros = jnp.zeros(record.held_pos.shape, jnp.float32)

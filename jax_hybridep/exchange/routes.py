@@ -41,12 +41,15 @@ class Route:
       levels: one level step per walked level, slow -> fast (all levels, or all but the fastest
         when the bottom spans it).
       bottom: where the items become expert-major rows.
+      fp8_wire: how FP8 payload and scales travel on this route ("split" or "bytes",
+        exchange/wire.py), None where FP8 on the wire is not built.
     """
 
     backend: str
     layout: LayoutStep
     levels: tuple[LevelStep, ...]
     bottom: Bottom
+    fp8_wire: str | None = None
 
     def check(self, topology: Topology) -> None:
         """Raises ValueError unless the route walks exactly the topology's levels."""
@@ -104,18 +107,18 @@ def route_for(backend: str, topology: Topology) -> Route:
     num_levels = len(topology.levels)
     if backend == "xla":
         return Route("xla", layouts.JnpLayout(), (xla_steps.XlaLevel(),) * num_levels,
-                     xla_steps.XlaRows())  # fmt: skip
+                     xla_steps.XlaRows(), fp8_wire="split")  # fmt: skip
     if topology.platform == "gpu":
         slow = (xla_steps.XlaLevel(),) * (num_levels - 1)
         return Route("ffi", layouts.CudaLayout(), slow, cuda_bottom.CudaBottom())
     layout = layouts.HostLayout() if topology.single_process else layouts.HostGatheredLayout()
     if num_levels == 1 and topology.level_local[0]:
-        return Route("ffi", layout, (), host_fused.HostFused())
+        return Route("ffi", layout, (), host_fused.HostFused(), fp8_wire="bytes")
     levels = tuple(
         host_steps.HostDirectLevel() if local else host_steps.HostPackedLevel()
         for local in topology.level_local
     )
-    return Route("ffi", layout, levels, host_steps.HostRows())
+    return Route("ffi", layout, levels, host_steps.HostRows(), fp8_wire="bytes")
 
 
 def route(config: DispatchConfig, topology: Topology, manual_axes) -> Route:

@@ -42,10 +42,11 @@ class Shard:
 class Items:
     """Items a rank holds between levels: M rows, each with K routing slots."""
 
-    rows: jax.Array  # [M, H]
+    rows: jax.Array  # [M, H] (FP8 wire: the payload, or whole wire rows; exchange/wire.py)
     dest: jax.Array  # [M, K] int32: destination EP rank of each k (-1: none in this subtree)
     pos: jax.Array  # [M, K] int32: destination row of each k (-1: none)
     weights: jax.Array  # [M, K] float32: routing weight of each k
+    scales: jax.Array | None = None  # [M, nb] float32: FP8 block scales travelling beside rows
 
 
 @pytree_record
@@ -100,7 +101,9 @@ class Bottom(Protocol):
     spans_level: bool
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
-        """(tokens [C, H], row weights [C], the bottom's record)."""
+        """(tokens [C, H], scales, row weights [C], the bottom's record). With FP8 on the wire
+        the tokens are dequantised to plan.row_dtype and scales is None, or, with fp8_rows, the
+        tokens are the e4m3fn payload and scales [C, nb] float32; otherwise scales is None."""
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record, g):
         """Rows [C, H] of the held g [M, H] along the dispatch (combine's VJP)."""

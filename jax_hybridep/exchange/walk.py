@@ -15,21 +15,24 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange import wire
 from jax_hybridep.exchange.steps import Items, Shard, copies_to_others
 from jax_hybridep.handle import Handle
 
 
 def dispatch(route, plan: DispatchPlan, x, weights, row_pos, dest, row_end, shard: Shard):
-    """(tokens [C, H], row weights [C], Handle) for x [T, H] with per-(t, k) weights, rows and
-    destination EP ranks from the layout (row_end: this rank's sum(group_sizes))."""
-    held = Items(x, dest, row_pos, weights)
+    """(tokens [C, H], FP8 scales or None, row weights [C], Handle) for x [T, H] (or FP8
+    (q, scales)) with per-(t, k) weights, rows and destination EP ranks from the layout
+    (row_end: this rank's sum(group_sizes))."""
+    rows, scales = wire.encode(route, plan, x)  # FP8: quantised once, here at the source
+    held = Items(rows, dest, row_pos, weights, scales)
     records = []
     for level, step in enumerate(route.levels):
         held, record = step.send(plan, level, shard, held)
         records.append(record)
-    tokens, row_weights, bottom = route.bottom.expand(plan, shard, held)
+    tokens, scales, row_weights, bottom = route.bottom.expand(plan, shard, held)
     handle = Handle(row_pos, dest, row_end, shard, tuple(records), bottom, plan, route)
-    return tokens, row_weights, handle
+    return tokens, scales, row_weights, handle
 
 
 def level_rows(handle: Handle):

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_hybridep import compat, weight_grad
+from jax_hybridep import compat, fp8, weight_grad
 from jax_hybridep.config import DispatchPlan
 from jax_hybridep.exchange.steps import Items, LevelRecord, Shard, pytree_record
 
@@ -98,7 +98,10 @@ class XlaLevel:
         meta = level_all_to_all(plan, level, meta)
         weights = level_all_to_all(plan, level, _pack_metadata(send_item, coord, held.weights, 0.0))
         rows = level_all_to_all(plan, level, _pack(send_item, held.rows))
-        nxt = Items(rows, meta[:, :k], meta[:, k:], weights)
+        scales = None  # FP8 block scales travel beside their payload rows
+        if held.scales is not None:
+            scales = level_all_to_all(plan, level, _pack(send_item, held.scales))
+        nxt = Items(rows, meta[:, :k], meta[:, k:], weights, scales)
         return nxt, XlaLevelRecord(send_slot, held.dest, send_item)
 
     def forward(self, plan: DispatchPlan, level: int, shard: Shard, record: XlaLevelRecord, g):
@@ -150,11 +153,16 @@ class XlaRows:
         items = held.pos.shape[0]
         item_ids = jnp.repeat(jnp.arange(items, dtype=jnp.int32), plan.k)
         row_src = jnp.full(plan.rows, items, jnp.int32).at[target].set(item_ids, mode="drop")
-        tokens = append_zero_row(held.rows)[row_src]
+        tokens, scales = append_zero_row(held.rows)[row_src], None
+        if held.scales is not None:  # FP8 on the wire: the payload's bytes and the scales
+            tokens = jax.lax.bitcast_convert_type(tokens, jnp.float8_e4m3fn)
+            scales = append_zero_row(held.scales)[row_src]
+            if not plan.config.fp8_rows:
+                tokens, scales = fp8.dequantize(tokens, scales, plan.row_dtype), None
         row_weights = (
             jnp.zeros(plan.rows, jnp.float32).at[target].set(held.weights.reshape(-1), mode="drop")
         )
-        return tokens, row_weights, XlaRowsRecord(held.pos, row_src)
+        return tokens, scales, row_weights, XlaRowsRecord(held.pos, row_src)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: XlaRowsRecord, g):
         return append_zero_row(g)[record.row_src]

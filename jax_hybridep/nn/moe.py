@@ -152,6 +152,11 @@ class MoEBlock(nnx.Module):
                 f"dispatch.num_experts={dispatch.num_experts} differs from "
                 f"router.num_experts={router.num_experts}"
             )
+        if dispatch.fp8_rows:
+            raise ValueError(
+                "MoEBlock trains through dispatch's rows, so it needs dequantised rows: use "
+                "DispatchConfig(wire_dtype='float8_e4m3fn') without fp8_rows=True"
+            )
         # Both expert paths (ragged_dot, the CPU capacity windows) ignore rows past the groups by a
         # select, so the block never pays for writing them (DispatchConfig.zero_padding).
         dispatch = dataclasses.replace(dispatch, zero_padding=False)

@@ -1,0 +1,59 @@
+"""What the walk carries for each token: x itself, or FP8 on the wire (DESIGN §2.1.8).
+
+With `DispatchConfig(wire_dtype="float8_e4m3fn")` each token is quantised once, at the source, and
+every level moves payload and scales together, never requantising them. How they travel is the
+route's `fp8_wire`: "split" (the xla steps: the e4m3fn payload's bytes as the items' rows and
+the float32 scales beside them; bytes because XLA:CPU widens f8 collectives to f16, which would
+double what crosses each level) or "bytes" (the host steps: one
+wire row of H payload bytes then the scales, which the row-moving handlers copy as they copy any
+row and the receiving handler dequantises while writing the expert-major rows). The CUDA
+transport does not carry FP8 yet (route.fp8_wire None).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_hybridep import fp8
+from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange.ffi_call import call
+
+
+def encode(route, plan: DispatchPlan, x):
+    """(rows, scales) the walk starts from: (x, None) in x's dtype, else x quantised (or the
+    given (q, scales)) in the route's FP8 wire form."""
+    if plan.config.wire_dtype is None:
+        return x, None
+    if route.fp8_wire is None:
+        raise ValueError(
+            "wire_dtype='float8_e4m3fn' is not built for the CUDA transport yet; use "
+            "backend='xla' on GPUs, or wire_dtype=None"
+        )
+    given = isinstance(x, tuple)
+    if route.fp8_wire == "split":
+        q, scales = x if given else fp8.quantize(x)
+        return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
+    if given:
+        return fp8.to_wire(*x), None
+    tokens, hidden = x.shape
+    wire = jax.ShapeDtypeStruct((tokens, fp8.wire_bytes(hidden)), jnp.uint8)
+    return call("fp8_quantize", wire, x, like=(x,), plan=plan), None
+
+
+def host_rows(plan: DispatchPlan, rows):
+    """(output type [C, ...], wire_hidden) of a host handler writing expert-major rows from held
+    rows: rows' own type (wire_hidden 0), dequantised FP8 wire rows in plan.row_dtype
+    (wire_hidden H), or the wire rows themselves with fp8_rows (wire_hidden 0)."""
+    config = plan.config
+    if config.wire_dtype is None or rows.dtype != jnp.uint8 or config.fp8_rows:
+        return jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype), 0
+    return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype), plan.hidden
+
+
+def host_tokens(plan: DispatchPlan, tokens):
+    """(tokens, scales) as dispatch returns them from a host handler's rows: split into the
+    e4m3fn payload and scales when they are FP8 wire rows (fp8_rows), else as they are."""
+    if plan.config.wire_dtype is not None and tokens.dtype == jnp.uint8:
+        return fp8.from_wire(tokens, plan.hidden)
+    return tokens, None
