@@ -163,6 +163,22 @@ def test_balance_table(kind, per_node):
     assert balance.imbalance(measured_rank_load(plain, skew, range(100, 104))) > 1.15
 
 
+def test_real_dispatch_drops_fewer_rows_and_evens_the_receive_counts():
+    """The benchmark's measurement (balance.bench) at a small size: on a held-out skewed batch
+    the planned copies drop fewer rows at capacity factor 1 and, dropless, lower the largest
+    number of rows a rank receives."""
+    from jax_hybridep.balance import bench
+
+    skew = Skew.make("zipf", 16, 4, 1.2, seed=0)
+    plan, _ = bench.planned(skew, 8, 64, 1, None)
+    held_out = skew.sample(8 * 64, seed=100).reshape(8, 64, 4)
+    plain = [bench.dispatch_counts(None, held_out, None, f, 16) for f in (1.0, None)]
+    ours = [bench.dispatch_counts(plan.placement, held_out, None, f, 16) for f in (1.0, None)]
+    assert plain[1][0] == ours[1][0] == 0  # dropless
+    assert ours[0][0] < plain[0][0]  # dropped rows at capacity factor 1
+    assert ours[1][1] < plain[1][1]  # the largest per-rank receive count
+
+
 # ----------------------------------------------------------------------------- exactness
 
 E, K, T, H, F = 16, 4, 8, 8, 6  # per shard: T tokens
@@ -268,8 +284,9 @@ def _plain_step(x, idx, w, experts, topo):
 
 
 def test_capacity_is_per_physical_slot():
-    """With a capacity, §2.1 applies to the physical slots: rows, group sizes and drops equal
-    the numpy model of §2.1 run on the physical ids."""
+    """With a capacity, §2.1 applies to the physical slots, each with a logical expert's
+    capacity: rows, group sizes and drops equal the numpy model of §2.1 on the physical ids,
+    and every expert drops no more rows than without copies."""
     mesh = make_mesh((8,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
     x, idx, w, _ = _inputs()
@@ -285,13 +302,25 @@ def test_capacity_is_per_physical_slot():
     sizes, kept, dropped, cap = jax.jit(jax.shard_map(
         step, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 4))(x, idx, w)  # fmt: skip
     phys = np.asarray(jax.vmap(rep.physical_ids)(idx.reshape(8, T, K), jnp.arange(8)))
-    view = PlanView(placement.num_slots, 8, T, K, capacity_factor=1.0)
+    physical = rep.physical_config(cfg, T, K).capacity_factor
+    view = PlanView(placement.num_slots, 8, T, K, capacity_factor=physical)
     want = reference_layout(phys, 8, view)
-    assert int(cap[0]) == view.capacity == int(np.ceil(T * 8 * K / placement.num_slots))
+    # Each physical slot has the capacity a logical expert has without copies.
+    assert int(cap[0]) == view.capacity == int(np.ceil(T * 8 * K / E))
     np.testing.assert_array_equal(sizes, want["group_sizes"])
     np.testing.assert_array_equal(np.asarray(dropped), want["dropped"])
     np.testing.assert_array_equal(np.asarray(kept).reshape(8, T, K), want["row_pos"] >= 0)
     assert want["dropped"].sum() > 0
+    # Per logical expert, no more drops than plain EP's (the same capacity on every copy).
+    logical = idx.reshape(8, T, K)
+    plain = reference_layout(logical, 8, PlanView(E, 8, T, K, capacity_factor=1.0))
+    valid = (logical >= 0) & (logical < E)
+
+    def drops(row_pos):
+        return np.bincount(logical[valid & (row_pos < 0)], minlength=E)
+
+    assert np.all(drops(want["row_pos"]) <= drops(plain["row_pos"]))
+    assert drops(want["row_pos"]).sum() < drops(plain["row_pos"]).sum()
 
 
 def test_moe_block_with_redundant_slots_equals_the_dense_moe():

@@ -8,8 +8,9 @@ before `dispatch`, and the replica weights fetched from their primaries.
     out = hep.combine(y, d.handle, weights=d.weights)
 
 The dispatch runs on the R * L physical slots with the default placement (slot p on rank
-p // L), so DESIGN §2.1 applies to them unchanged: capacity is per physical slot, and a dropless
-run gives every row the same expert output as without replicas. `d.stats.tokens_per_expert`
+p // L), so DESIGN §2.1 applies to them unchanged: capacity is per physical slot (each slot the
+capacity a logical expert has without copies), and a dropless run gives every row the same
+expert output as without replicas. `d.stats.tokens_per_expert`
 stays logical; `d.stats.tokens_per_slot` counts each physical slot.
 
 Exact gradients: the stored weights hold each logical expert once; `gather` copies a primary to
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -67,8 +69,11 @@ class Replicas:
 
     # -- ids --------------------------------------------------------------------------------
 
-    def physical_config(self, config: DispatchConfig) -> DispatchConfig:
-        """`config` (over logical experts) for the physical slots."""
+    def physical_config(self, config: DispatchConfig, tokens: int, top_k: int) -> DispatchConfig:
+        """`config` (over logical experts) for the physical slots of a dispatch of `tokens` x
+        `top_k` ids per shard. A capacity factor keeps its meaning: every physical slot gets
+        the capacity a logical expert has without copies, `ceil(f * T * EP * K / E)` (§2.1.3),
+        so a copied expert has a multiple of it and no expert has less (drops never rise)."""
         p = self.placement
         if config.num_experts != p.num_experts:
             raise ValueError(
@@ -81,7 +86,17 @@ class Replicas:
                 f"got expert_placement={config.expert_placement}, "
                 f"num_local_slots={config.num_local_slots}"
             )
-        return dataclasses.replace(config, num_experts=p.num_slots)
+        physical = dataclasses.replace(config, num_experts=p.num_slots)
+        f, rows = config.capacity_factor, tokens * p.num_ranks * top_k
+        if f is None or rows == 0:
+            return physical
+        wanted = f * rows / p.num_experts
+        if wanted > rows:  # clamped by the dispatch plan (which warns): scale the factor
+            return dataclasses.replace(physical, capacity_factor=f * p.num_slots / p.num_experts)
+        # The physical plan computes ceil(f' * rows / num_slots): half a row below the logical
+        # capacity, so float rounding cannot move the ceiling.
+        capacity = math.ceil(wanted)
+        return dataclasses.replace(physical, capacity_factor=(capacity - 0.5) * p.num_slots / rows)
 
     def physical_ids(self, topk_idx, rank) -> jax.Array:
         """[T, K] logical ids of source rank `rank` -> physical slots by the replica rule
@@ -123,7 +138,7 @@ class Replicas:
     def dispatch(self, x, topk_idx, topk_weights, *, config: DispatchConfig) -> ops.Dispatched:
         """`hep.dispatch` with logical `topk_idx` (config over the logical experts); the
         result's rows, group sizes and handle are the physical slots'."""
-        physical = self.physical_config(config)
+        physical = self.physical_config(config, *np.shape(topk_idx))
         ids = self.physical_ids(topk_idx, self._rank())
         d = ops.dispatch(x, ids, topk_weights, topology=self.topology, config=physical)
         per_slot = d.stats.tokens_per_expert
