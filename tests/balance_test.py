@@ -327,9 +327,11 @@ def test_moe_block_with_redundant_slots_equals_the_dense_moe():
     mesh = make_mesh((2, 4), ("node", "local"))
     topo = hep.Topology.from_mesh(mesh, ("node", "local"))
     router = hnn.RouterConfig(num_experts=E, top_k=K, aux_loss_coef=0.01)
+    # A capacity no expert reaches: the CPU capacity-window expert path over the L slots
+    # (the training tests cover the dropless one).
+    cfg = hep.DispatchConfig(num_experts=E, backend="ffi", capacity_factor=float(E))
     block = hnn.MoEBlock(16, 24, router=router, mesh=mesh, topology=topo, redundant_slots=1,
-                         dispatch=hep.DispatchConfig(num_experts=E, backend="ffi"),
-                         rngs=nnx.Rngs(0))  # fmt: skip
+                         dispatch=cfg, rngs=nnx.Rngs(0))  # fmt: skip
     logical = _block_params(block)  # plain EP's order to begin with
     load = np.arange(E, dtype=np.float64) ** 2
     block.set_placement(balance.plan_placement(load, 8, 2, 1, 4).placement)
@@ -346,6 +348,7 @@ def test_moe_block_with_redundant_slots_equals_the_dense_moe():
     routed = hnn.route(x.reshape(-1, 16) @ logical["gate"], logical["bias"], router).topk_idx
     np.testing.assert_array_equal(aux.tokens_per_expert, counts(routed, E))
     assert int(aux.tokens_per_slot.sum()) == 64 * K and aux.tokens_per_slot.shape == (24,)
+    assert int(aux.dropped) == 0
 
     def dense_loss(params, x):
         return jnp.sum(dense_block(params, x, router) * cot)
