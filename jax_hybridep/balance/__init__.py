@@ -9,6 +9,8 @@
   replicas' weights fetched from their primaries (gradients summed back exactly).
 * `move_experts` (`moves`): stored weights and optimiser state moved to a new placement.
 * `workloads`: skewed routings (Zipf, DeepSeek-V3-like group-limited) for the balance table.
+* `bench` (`python -m jax_hybridep.balance.bench`): the balance table and real-dispatch counts
+  of docs/balance.md.
 """
 
 from jax_hybridep.balance import moves, placement, planner, runtime, workloads
