@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jax_hybridep as hep
+from jax_hybridep import balance
 from jax_hybridep import nn as hnn
 
 DATA_AXIS = "data"  # the one mesh axis that is not part of the EP topology
@@ -44,6 +45,10 @@ class ModelConfig:
         None is plain EP (see `jax_hybridep.xdc`).
       domain_compression: SR compression ratio of the experts moved inside a domain (None: off).
       wire_dtype: None (the model's dtype) or "float8_e4m3fn": FP8 on the wire for dispatch.
+      redundant_slots: per EP rank, expert slots for copies of hot experts
+        (`jax_hybridep.balance`); 0: none.
+      rebalance: give the blocks a replica placement even without redundant slots (so
+        `examples/rebalance_hook.py` can move experts between ranks).
     """
 
     vocab_size: int = 256
@@ -60,6 +65,8 @@ class ModelConfig:
     expert_domains: tuple[tuple[str, int], ...] | None = None
     domain_compression: float | None = None
     wire_dtype: str | None = None
+    redundant_slots: int = 0
+    rebalance: bool = False
 
     def __post_init__(self):
         if self.d_model % self.heads or (self.d_model // self.heads) % 2:
@@ -129,6 +136,12 @@ class DecoderLayer(nnx.Module):
             dispatch=dispatch,
             expert_domains=dict(config.expert_domains) if config.expert_domains else None,
             domain_compression=config.domain_compression,
+            redundant_slots=config.redundant_slots,
+            placement=(
+                balance.Placement.for_topology(config.experts, topology, config.redundant_slots)
+                if config.rebalance
+                else None
+            ),
             rngs=rngs,
         )
 

@@ -98,9 +98,10 @@ def _fix(steps: list[int]) -> str:
     return f"; run without --resume to start afresh{older}"
 
 
-def restore(ckpt_dir: str, step: int, target, meta: dict, model_flags) -> object:
-    """The state of step `step` (from `latest`) restored onto `target`'s shapes, dtypes and
-    shardings; ResumeError when it cannot be read or does not fit.
+def restore(ckpt_dir: str, step: int, target, meta: dict, model_flags) -> tuple[object, dict]:
+    """(state, saved meta) of step `step` (from `latest`): the state restored onto `target`'s
+    shapes, dtypes and shardings, the meta as saved; ResumeError when either cannot be read or
+    the state does not fit.
 
     `meta` is this run's (as `save` gets it); `model_flags` are its keys that fix the state's
     shapes, named when the checkpoint's shapes differ from `target`'s.
@@ -140,7 +141,7 @@ def restore(ckpt_dir: str, step: int, target, meta: dict, model_flags) -> object
                 f"--resume: the checkpoint {step_dir} is corrupt: its arrays cannot be read"
                 f"{_kind(err)}{fix}"
             ) from err
-    return state
+    return state, saved_meta if isinstance(saved_meta, dict) else {}
 
 
 def _kind(err: Exception) -> str:

@@ -44,6 +44,11 @@ class TrainConfig:
       capacity_factor: per-expert capacity factor (> 0); None means dropless.
       wire_dtype: None (tokens travel in the model's dtype) or "float8_e4m3fn" (FP8 dispatch:
         one scale per 128 elements, dequantised at the receiver).
+      redundant_slots: per EP rank, expert slots for copies of hot experts (0: none).
+      rebalance_every: re-place the experts every this many steps from the measured load
+        (`rebalance_hook.py`; 0: never).
+      charge_sync: the balancer charges each remote replica's sync bytes (weights forward,
+        gradient back) against the rows it saves; False places replicas by load alone.
       lr: peak learning rate of the warmup + cosine schedule.
       seed: initialisation and data seed.
       output_dir: where metrics, plot and checkpoint go.
@@ -68,6 +73,9 @@ class TrainConfig:
     domain_compression: float | None = None
     capacity_factor: float | None = None
     wire_dtype: str | None = None
+    redundant_slots: int = 0
+    rebalance_every: int = 0
+    charge_sync: bool = True
     lr: float = 3e-3
     seed: int = 0
     output_dir: str = "/tmp/train_moe"
@@ -123,7 +131,8 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
     """
     for name, minimum in (("steps", 0), ("batch", 1), ("seq_len", 1), ("d_model", 1),
                           ("d_ff", 1), ("layers", 1), ("heads", 1), ("experts", 1), ("top_k", 1),
-                          ("seed", 0), ("eval_every", 1), ("eval_batches", 1)):  # fmt: skip
+                          ("seed", 0), ("eval_every", 1), ("eval_batches", 1),
+                          ("redundant_slots", 0), ("rebalance_every", 0)):  # fmt: skip
         _check_int(name, getattr(cfg, name), minimum)
     if cfg.top_k > cfg.experts:
         raise FlagError(
@@ -158,7 +167,7 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
             f"--wire_dtype={cfg.wire_dtype!r} must be unset (the model's dtype) or one of "
             f"{', '.join(WIRE_DTYPES)}"
         )
-    for name in ("resume", "progress"):
+    for name in ("resume", "progress", "charge_sync"):
         if not isinstance(getattr(cfg, name), bool):
             raise FlagError(f"--{name}={getattr(cfg, name)!r} must be true or false")
     _check_mesh(cfg, devices)
@@ -190,6 +199,12 @@ def _check_mesh(cfg: TrainConfig, devices) -> None:
         raise FlagError(
             f"--domain_compression={cfg.domain_compression} needs --domains (it compresses the "
             "experts moved inside a domain)"
+        )
+    if cfg.domains is not None and (cfg.redundant_slots or cfg.rebalance_every):
+        raise FlagError(
+            f"--redundant_slots={cfg.redundant_slots} / --rebalance_every={cfg.rebalance_every} "
+            f"cannot be combined with --domains={cfg.domains}: inside a domain every expert is "
+            "already copied to every member"
         )
     if cfg.domains is not None:
         from jax_hybridep import xdc  # noqa: PLC0415  (only runs with domains need it)
@@ -259,6 +274,19 @@ def define_flags() -> None:
         None,
         list(WIRE_DTYPES),
         "FP8 dispatch (one scale per 128 elements); unset: the model's dtype",
+    )
+    flags.DEFINE_integer(
+        "redundant_slots", d.redundant_slots, "expert slots per EP rank for copies of hot experts"
+    )
+    flags.DEFINE_integer(
+        "rebalance_every",
+        d.rebalance_every,
+        "re-place the experts every this many steps from the measured load (0: never)",
+    )
+    flags.DEFINE_bool(
+        "charge_sync",
+        d.charge_sync,
+        "the balancer charges each replica's sync bytes against the rows it saves",
     )
     flags.DEFINE_float("lr", d.lr, "peak learning rate")
     flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")

@@ -10,12 +10,14 @@ an EP level, slow -> fast.
 
     python examples/train_moe.py [--steps=500] [--mesh=data=2,ep=4] [--backend=xla] ...
     python examples/train_moe.py --resume --steps=1000  # continue from the saved checkpoint
+    python examples/train_moe.py --redundant_slots=1 --rebalance_every=50  # balance expert load
 
-Writes to --output_dir: metrics.json (losses per step), train_moe.png (loss curves and expert
-load), checkpoint/<step>/ (orbax: model and optimizer state, and the flags; committed atomically,
-see `train_checkpoint.py`). The last line printed is `eval loss: <value>`. Every flag is checked
-before a model is built (`train_config.py`); a bad flag or an unusable --resume checkpoint ends
-the run with one line naming it.
+Writes to --output_dir: metrics.json (losses per step), train_moe.png (loss curves, expert and
+per-rank load; `train_report.py`), checkpoint/<step>/ (orbax: model and optimizer state, and the
+flags; committed atomically, see `train_checkpoint.py`; with --rebalance_every also the expert
+placements, `rebalance_hook.py`). The last line printed is `eval loss: <value>`. Every flag is
+checked before a model is built (`train_config.py`); a bad flag or an unusable --resume
+checkpoint ends the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm_data import VOCAB_SIZE, ByteData
 from lm_model import DATA_AXIS, ModelConfig, MoETransformer, make_mesh
+from rebalance_hook import Rebalancer, rank_loads
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -56,9 +59,7 @@ from train_config import (
     define_flags,
     parse_sizes,
 )
-
-from jax_hybridep import traffic
-from jax_hybridep.xdc.domains import INNER_SUFFIX
+from train_report import imbalance, program_traffic, ran_backend, rebalance_line, save_plot
 
 # The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal).
 MODEL_FLAGS = ("d_model", "d_ff", "layers", "experts")
@@ -110,6 +111,7 @@ def build_steps(graphdef, tx, state_shardings, replicated):
             grad_norm=optax.tree.norm(grads),
             dropped=sum(a.dropped for a in auxes),
             tokens_per_expert=jnp.stack([a.tokens_per_expert for a in auxes]),
+            tokens_per_slot=jnp.stack([a.tokens_per_slot for a in auxes]),
             level_rows=sum(a.level_rows for a in auxes),
         )
         return params, rest, opt_state, metrics
@@ -121,58 +123,6 @@ def build_steps(graphdef, tx, state_shardings, replicated):
         train_step, donate_argnums=(0, 1, 2), out_shardings=(*state_shardings, replicated)
     )
     return train_step, jax.jit(eval_step, out_shardings=replicated)
-
-
-def ran_backend(hlo_text: str) -> str:
-    """Which dispatch backend a compiled program runs, read off its custom-call targets."""
-    if 'custom_call_target="jax_hybridep_' in hlo_text:
-        return "ffi (XLA FFI custom calls jax_hybridep_*)"
-    return "xla (jax.lax.all_to_all collectives)"
-
-
-def program_traffic(hlo_text: str, levels) -> dict[str, dict[str, int]] | None:
-    """Per EP level, per collective op: payload bytes one rank receives per step from peers
-    across that level in the MoE blocks' own collectives (split levels included), read off the
-    compiled step; None where XLA printed replica groups this cannot read."""
-    try:
-        return {
-            level: traffic.crossing_bytes(
-                hlo_text, {level, level + INNER_SUFFIX}, op_name="shard_map"
-            )
-            for level in levels
-        }
-    except ValueError:
-        return None
-
-
-def imbalance(tokens_per_expert: np.ndarray) -> float:
-    """Worst layer's max/mean tokens per expert (1.0 is perfectly balanced)."""
-    load = np.asarray(tokens_per_expert, np.float64)
-    return float(np.max(load.max(axis=-1) / np.maximum(load.mean(axis=-1), 1e-9)))
-
-
-def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert) -> None:
-    """Loss curves (train and eval) beside the last step's tokens per expert, per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_load) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in train], [r["ce"] for r in train], label="train", lw=0.8)
-    ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
-    ax_loss.set(xlabel="step", ylabel="next-byte cross-entropy (nats)", title="loss")
-    ax_loss.legend()
-    load = np.asarray(tokens_per_expert)
-    width = 0.8 / len(load)
-    for layer, counts in enumerate(load):
-        x = np.arange(len(counts)) + (layer - (len(load) - 1) / 2) * width
-        ax_load.bar(x, counts, width, label=f"layer {layer}")
-    ax_load.set(xlabel="expert", ylabel="tokens (last step)", title="expert load")
-    ax_load.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -190,6 +140,8 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
         domain_compression=cfg.domain_compression,
         wire_dtype=cfg.wire_dtype,
+        redundant_slots=cfg.redundant_slots,
+        rebalance=cfg.rebalance_every > 0,
     )
 
 
@@ -225,19 +177,27 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
         tx.init(params),
     )
 
-    history = dict(train=[], eval=[])
+    history = dict(train=[], eval=[], rebalances=[])
     meta = dataclasses.asdict(cfg)
+    balancer = Rebalancer(cfg, graphdef, params, rest, tx)
     if not cfg.resume:
         start = 0
     else:
         target = dict(params=params, rest=rest, opt_state=opt_state)
-        restored = train_checkpoint.restore(ckpt_dir, start, target, meta, MODEL_FLAGS)
+        restored, saved_meta = train_checkpoint.restore(ckpt_dir, start, target, meta, MODEL_FLAGS)
         params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
+        # The checkpoint is in plain EP's expert order: back to the placements it was saved with.
+        graphdef, params, rest, opt_state = balancer.restore(
+            saved_meta, graphdef, params, rest, opt_state
+        )
         if old_metrics is not None:
             history["train"] = [r for r in old_metrics["train"] if r["step"] < start]
             # The restored state is evaluated again at `start`: it must match the saved run.
             history["eval"] = [r for r in old_metrics["eval"] if r["step"] < start]
-            history["tokens_per_expert"] = old_metrics.get("tokens_per_expert")
+            for key in ("tokens_per_expert", "rank_load"):
+                history[key] = old_metrics.get(key)
+            old = old_metrics.get("rebalances") or []
+            history["rebalances"] = [r for r in old if r["step"] < start]
         console.print(f"resumed from step {start} ({ckpt_dir})")
     os.makedirs(cfg.output_dir, exist_ok=True)
 
@@ -254,10 +214,12 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
         history,
         console,
         on_compile,
+        balancer,
     )
     if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
+        params, opt_state = balancer.checkpoint_state(params, opt_state)
         state = dict(params=params, rest=rest, opt_state=opt_state)
-        train_checkpoint.save(ckpt_dir, cfg.steps, state, meta)
+        train_checkpoint.save(ckpt_dir, cfg.steps, state, dict(meta, balance=balancer.to_meta()))
 
     final_eval = history["eval"][-1]["loss"]
     result = dict(
@@ -275,6 +237,7 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
             history["train"],
             history["eval"],
             history["tokens_per_expert"],
+            history.get("rank_load"),
         )
     console.print(f"wrote {metrics_path}, train_moe.png and checkpoint/ to {cfg.output_dir}")
     console.print(f"eval loss: {final_eval:.4f}", highlight=False)
@@ -282,9 +245,22 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
 
 
 def _loop(
-    cfg, data, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile
+    cfg,
+    data,
+    mesh,
+    graphdef,
+    tx,
+    params,
+    rest,
+    opt_state,
+    start,
+    history,
+    console,
+    on_compile,
+    balancer,
 ):
-    """The training loop proper: compile once, step, evaluate, report progress."""
+    """The training loop proper: compile once (again when `balancer` changes a placement),
+    step, evaluate, report progress."""
     num_devices = mesh.devices.size
     # The batch is sharded over every mesh axis when it divides evenly, else replicated.
     batch_spec = P(tuple(mesh.axis_names)) if cfg.batch % num_devices == 0 else P()
@@ -294,18 +270,39 @@ def _loop(
         tuple(map(put, b)) for b in data.eval_batches(cfg.eval_batches, cfg.batch, cfg.seq_len)
     ]
     shardings = jax.tree.map(lambda a: a.sharding, (params, rest, opt_state))
-    train_step, eval_step = build_steps(graphdef, tx, shardings, NamedSharding(mesh, P()))
+
+    def compile_steps(graphdef):
+        train_step, eval_step = build_steps(graphdef, tx, shardings, NamedSharding(mesh, P()))
+        compiled = train_step.lower(params, rest, opt_state, inputs, targets).compile()
+        history["compiles"] = history.get("compiles", 0) + 1
+        return compiled, eval_step
 
     def evaluate(step):
         loss = float(np.mean([float(eval_step(params, rest, x, y)) for x, y in eval_set]))
         history["eval"].append(dict(step=step, loss=loss))
         return loss
 
+    def rebalance(step):
+        """Re-places the experts before `step` (a resumed run re-places at its first step as
+        the uninterrupted run would); whether a placement changed."""
+        nonlocal graphdef, params, rest, opt_state
+        changed, graphdef, params, rest, opt_state = balancer.rebalance(
+            step, graphdef, params, rest, opt_state
+        )
+        events = balancer.events[-len(balancer.placements) :]
+        history["rebalances"] += events
+        console.print(rebalance_line(step, events), highlight=False)
+        return changed
+
     inputs, targets = map(put, data.train_batch(cfg.seed, start, cfg.batch, cfg.seq_len))
     t0 = time.perf_counter()
-    compiled = train_step.lower(params, rest, opt_state, inputs, targets).compile()
+    if 0 < start < cfg.steps and balancer.due(start):
+        rebalance(start)
+    history["compiles"] = 0  # of the train step in this process: 1 + placement changes
+    compiled, eval_step = compile_steps(graphdef)
     backend = ran_backend(compiled.as_text())
     levels = [a for a in mesh.axis_names if a != DATA_AXIS]
+    ep_size = math.prod(mesh.shape[a] for a in levels)
     history["program_traffic"] = program_traffic(compiled.as_text(), levels)
     if on_compile is not None:
         on_compile(compiled.as_text())
@@ -316,7 +313,7 @@ def _loop(
     )
     console.print(f"backend: {backend}")
     evaluate(start)
-    tokens_per_expert = None
+    tokens_per_expert = rank_load = None
     progress = Progress(
         TextColumn("step"),
         MofNCompleteColumn(),
@@ -332,11 +329,15 @@ def _loop(
         for step in range(start, cfg.steps):
             if step > start:
                 inputs, targets = map(put, data.train_batch(cfg.seed, step, cfg.batch, cfg.seq_len))
+            if step > start and balancer.due(step) and rebalance(step):
+                compiled, eval_step = compile_steps(graphdef)  # a new static placement
             t = time.perf_counter()
             params, rest, opt_state, m = compiled(params, rest, opt_state, inputs, targets)
             m = jax.device_get(m)
             seconds = time.perf_counter() - t
             tokens_per_expert = m["tokens_per_expert"]
+            per_slot = np.asarray(m["tokens_per_slot"])
+            rank_load = rank_loads(per_slot, per_slot.shape[-1] // ep_size)
             record = dict(
                 step=step,
                 loss=float(m["loss"]),
@@ -345,6 +346,7 @@ def _loop(
                 grad_norm=float(m["grad_norm"]),
                 dropped=int(m["dropped"]),
                 imbalance=imbalance(tokens_per_expert),
+                rank_imbalance=imbalance(rank_load),
                 tokens_per_s=cfg.batch * cfg.seq_len / seconds,
                 level_rows=np.asarray(m["level_rows"]).tolist(),
             )
@@ -353,9 +355,12 @@ def _loop(
             history["train"].append(record)
             stats = (
                 f"loss {record['ce']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"dropped {record['dropped']} | imbalance {record['imbalance']:.2f}"
+                f"dropped {record['dropped']} | imbalance {record['imbalance']:.2f} "
+                f"(ranks {record['rank_imbalance']:.2f})"
             )
             progress.update(task, completed=step + 1, stats=stats)
+            if balancer.active:
+                balancer.observe(tokens_per_expert)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 eval_loss = evaluate(step + 1)
                 progress.console.print(
@@ -363,6 +368,7 @@ def _loop(
                 )
     if tokens_per_expert is not None:
         history["tokens_per_expert"] = np.asarray(tokens_per_expert).tolist()
+        history["rank_load"] = np.asarray(rank_load).tolist()
     return history, params, rest, opt_state, backend
 
 

@@ -4,7 +4,8 @@ Sharding model: the block takes global activations `x [..., d_model]` under `jax
 `jax.shard_map` over every mesh axis gives each device its slice of the tokens, the expert weights
 are sharded over the EP axes (expert dim) and replicated over the others (e.g. a "data" axis), and
 the gate and shared expert are replicated. The block does not care how many levels the topology
-has; only `dispatch`/`combine` do.
+has; only `dispatch`/`combine` do. With redundant slots (`jax_hybridep.balance`) the stored
+experts are in the placement's order and each shard fetches its replicas before dispatch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
-from jax_hybridep import xdc
+from jax_hybridep import balance, xdc
 from jax_hybridep.nn.experts import expert_swiglu, swiglu
 from jax_hybridep.nn.router import Router, RouterConfig, route
 from jax_hybridep.values import check_int
@@ -39,6 +40,8 @@ class MoEAux:
       dropped: [] int32 rows dropped over capacity, all shards.
       level_rows: [token levels] int32 token copies sent to other ranks at each level of the
         token exchange (`MoEBlock.token_levels`), all shards, one dispatch.
+      tokens_per_slot: [EP x slots per rank] int32 rows routed to each physical expert slot
+        (rank-major), before drops; without a replica placement, the experts themselves.
     """
 
     loss: jax.Array
@@ -47,11 +50,20 @@ class MoEAux:
     tokens_per_expert: jax.Array
     dropped: jax.Array
     level_rows: jax.Array
+    tokens_per_slot: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     MoEAux,
-    data_fields=["loss", "aux_loss", "z_loss", "tokens_per_expert", "dropped", "level_rows"],
+    data_fields=[
+        "loss",
+        "aux_loss",
+        "z_loss",
+        "tokens_per_expert",
+        "dropped",
+        "level_rows",
+        "tokens_per_slot",
+    ],  # fmt: skip
     meta_fields=[],
 )
 
@@ -123,9 +135,17 @@ class MoEBlock(nnx.Module):
       dispatch: hep.DispatchConfig; num_experts defaults to the router's. The block runs it with
         zero_padding=False (its expert compute never reads rows past the groups).
       shared_expert_ff: hidden width of an always-on shared SwiGLU expert, or None.
+      redundant_slots: extra expert slots per EP rank for copies of hot experts
+        (`jax_hybridep.balance`); the stored weights keep one copy of each expert, in the
+        placement's order. Exact: values and gradients equal the block without copies'
+        (dropless; with a capacity, it is per physical slot).
+      placement: a `balance.Placement` to start from (default: plain EP's order, redundant
+        slots empty); `set_placement` moves to another.
       dtype: compute dtype of the experts (the rows travel in it).
       param_dtype: parameter dtype.
     """
+
+    EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the stacked [E, ...] expert parameters
 
     def __init__(
         self,
@@ -139,6 +159,8 @@ class MoEBlock(nnx.Module):
         expert_domains: Mapping[str, int] | xdc.ExpertDomains | None = None,
         domain_compression: float | None = None,
         shared_expert_ff: int | None = None,
+        redundant_slots: int = 0,
+        placement: balance.Placement | None = None,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -182,6 +204,7 @@ class MoEBlock(nnx.Module):
                 "experts moved inside a domain)"
             )
         self.domains = expert_domains
+        self.placement = _check_placement(self, redundant_slots, placement)
         self.dtype = dtype
         self.router = Router(d_model, router, rngs=rngs, param_dtype=param_dtype)
         ep = topology.ep_axes  # the expert dim spans every EP axis
@@ -213,9 +236,9 @@ class MoEBlock(nnx.Module):
             self._per_shard,
             mesh=mesh,
             in_specs=(all_axes, P(), P(), expert_spec, expert_spec, expert_spec),
-            out_specs=(all_axes,) * 6,
+            out_specs=(all_axes,) * 7,
         )
-        y, aux_loss, z_loss, per_expert, dropped, level_rows = routed(
+        y, aux_loss, z_loss, per_expert, dropped, level_rows, per_slot = routed(
             tokens.astype(self.dtype),
             self.router.gate[...],
             self.router.bias[...],
@@ -237,6 +260,7 @@ class MoEBlock(nnx.Module):
             tokens_per_expert=jnp.sum(per_expert, axis=0, dtype=jnp.int32) // ep_size,
             dropped=jnp.sum(dropped, dtype=jnp.int32),
             level_rows=jnp.sum(level_rows, axis=0, dtype=jnp.int32),
+            tokens_per_slot=jnp.sum(per_slot, axis=0, dtype=jnp.int32) // ep_size,
         )
         return y.reshape(*lead, -1).astype(x.dtype), aux
 
@@ -259,13 +283,16 @@ class MoEBlock(nnx.Module):
         routing = route(
             jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32)), bias, self.router.config
         )
-        d = hep.dispatch(
-            x,
-            routing.topk_idx,
-            routing.topk_weights,
-            topology=topology,
-            config=config,
-        )
+        if self.placement is not None:  # logical ids -> physical slots, replicas fetched
+            replicas = balance.Replicas(self.placement, topology)
+            w_gate, w_up, w_down = replicas.gather((w_gate, w_up, w_down))
+            d = replicas.dispatch(x, routing.topk_idx, routing.topk_weights, config=config)
+            per_slot = d.stats.tokens_per_slot
+        else:
+            d = hep.dispatch(
+                x, routing.topk_idx, routing.topk_weights, topology=topology, config=config
+            )
+            per_slot = d.stats.tokens_per_expert
         rows = checkpoint_name(d.tokens, DISPATCH_NAME)
         y = expert_swiglu(
             rows,
@@ -284,8 +311,63 @@ class MoEBlock(nnx.Module):
             d.stats.tokens_per_expert[None],
             d.stats.dropped[None],
             d.stats.level_rows[None],
+            per_slot[None],
         )
+
+    @property
+    def slots_per_rank(self) -> int:
+        """Physical expert slots per EP rank (`MoEAux.tokens_per_slot` is rank-major)."""
+        if self.placement is not None:
+            return self.placement.slots
+        return self.router.config.num_experts // self.topology.ep_size
+
+    def set_placement(self, placement: balance.Placement) -> None:
+        """Moves the stored expert weights to `placement`'s order and runs with it from now
+        on (a new placement is a new static graph: jitted steps recompile). Optimiser state
+        shaped like the weights must move alike: `balance.move_experts`."""
+        if self.placement is None:
+            raise ValueError("set_placement needs a block built with redundant_slots or placement")
+        new = _check_placement(self, self.placement.redundant_per_rank, placement)
+        perm = balance.permutation(self.placement, new)
+        for name in self.EXPERT_WEIGHTS:
+            param = getattr(self, name)
+            param[...] = balance.moves.permute(param[...], perm)
+        self.placement = new
 
     def update_router_bias(self, tokens_per_expert):
         """Auxiliary-loss-free balancing step (no-op when router.bias_update_rate is 0)."""
         self.router.update_bias(tokens_per_expert)
+
+
+def _check_placement(block, redundant_slots, placement):
+    """The block's replica placement (None: plain EP), checked against its experts and mesh."""
+    check_int("redundant_slots", redundant_slots, 0)
+    if placement is None and redundant_slots == 0:
+        return None
+    if block.domains is not None:
+        raise ValueError(
+            "redundant_slots / placement cannot be combined with expert_domains: inside a "
+            "domain every expert is already replicated on every member (README: load balancing)"
+        )
+    cfg, topology = block.dispatch_config, block.topology
+    if cfg.expert_placement is not None or cfg.num_local_slots is not None:
+        raise ValueError(
+            "redundant_slots / placement replace DispatchConfig.expert_placement and "
+            "num_local_slots; leave those unset"
+        )
+    e, ranks = cfg.num_experts, topology.ep_size
+    if placement is None:
+        return balance.Placement.for_topology(e, topology, redundant_slots)
+    if not isinstance(placement, balance.Placement):
+        raise TypeError(f"placement must be a jax_hybridep.balance.Placement, got {placement!r}")
+    if (placement.num_experts, placement.num_ranks) != (e, ranks):
+        raise ValueError(
+            f"placement is for {placement.num_experts} experts on {placement.num_ranks} ranks; "
+            f"the block has {e} experts on EP size {ranks}"
+        )
+    if redundant_slots and placement.redundant_per_rank != redundant_slots:
+        raise ValueError(
+            f"placement has {placement.redundant_per_rank} redundant slots per rank, "
+            f"redundant_slots={redundant_slots}"
+        )
+    return placement

@@ -1,0 +1,87 @@
+"""What examples/train_moe.py reports besides losses: the backend and collectives its compiled
+step runs, load imbalance, the balancer's re-placements, and the PNG of losses and load."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_hybridep import traffic
+from jax_hybridep.xdc.domains import INNER_SUFFIX
+
+
+def ran_backend(hlo_text: str) -> str:
+    """Which dispatch backend a compiled program runs, read off its custom-call targets."""
+    if 'custom_call_target="jax_hybridep_' in hlo_text:
+        return "ffi (XLA FFI custom calls jax_hybridep_*)"
+    return "xla (jax.lax.all_to_all collectives)"
+
+
+def program_traffic(hlo_text: str, levels) -> dict[str, dict[str, int]] | None:
+    """Per EP level, per collective op: payload bytes one rank receives per step from peers
+    across that level in the MoE blocks' own collectives (split levels included), read off the
+    compiled step; None where XLA printed replica groups this cannot read."""
+    try:
+        return {
+            level: traffic.crossing_bytes(
+                hlo_text, {level, level + INNER_SUFFIX}, op_name="shard_map"
+            )
+            for level in levels
+        }
+    except ValueError:
+        return None
+
+
+def imbalance(tokens_per_expert: np.ndarray) -> float:
+    """Worst layer's max/mean tokens per expert (1.0 is perfectly balanced); given [layers,
+    ranks] rows per rank, the same per rank (what sets the step time)."""
+    load = np.asarray(tokens_per_expert, np.float64)
+    return float(np.max(load.max(axis=-1) / np.maximum(load.mean(axis=-1), 1e-9)))
+
+
+def rebalance_line(step: int, events: list[dict]) -> str:
+    """One line per re-placement: the predicted imbalance of each block, before -> after."""
+    changed = [e for e in events if e["changed"]]
+    if not changed:
+        return f"step {step:5d}: rebalance: placements kept (no block gains > 2%)"
+    parts = [
+        f"layer {e['layer']} {e['predicted_before']:.2f} -> {e['predicted_after']:.2f} "
+        f"({e['moved_experts']} moved, {e['remote_replicas']} replicas, "
+        f"{e['sync_bytes_per_step'] / 1e3:.0f} kB/step sync)"
+        for e in changed
+    ]
+    return f"step {step:5d}: rebalance (predicted rank imbalance): " + "; ".join(parts)
+
+
+def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert,
+              rank_load=None) -> None:  # fmt: skip
+    """Loss curves (train and eval) beside the last step's tokens per expert and, given
+    [layers, ranks] rows, per EP rank (with redundant slots: where the rows really went)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if rank_load is None else 3
+    fig, (ax_loss, ax_load, *ax_rank) = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    ax_loss.plot([r["step"] for r in train], [r["ce"] for r in train], label="train", lw=0.8)
+    ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+    ax_loss.set(xlabel="step", ylabel="next-byte cross-entropy (nats)", title="loss")
+    ax_loss.legend()
+    load = np.asarray(tokens_per_expert)
+    width = 0.8 / len(load)
+    for layer, counts in enumerate(load):
+        x = np.arange(len(counts)) + (layer - (len(load) - 1) / 2) * width
+        ax_load.bar(x, counts, width, label=f"layer {layer}")
+    ax_load.set(xlabel="expert", ylabel="tokens (last step)", title="expert load")
+    ax_load.legend()
+    for ax in ax_rank:
+        ranks = np.asarray(rank_load)
+        width = 0.8 / len(ranks)
+        for layer, counts in enumerate(ranks):
+            x = np.arange(len(counts)) + (layer - (len(ranks) - 1) / 2) * width
+            ax.bar(x, counts, width, label=f"layer {layer}")
+        ax.set(xlabel="EP rank", ylabel="rows received (last step)", title="per-rank load")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,39 @@
+"""Expert load balancing: redundant copies of hot experts placed from measured load (DESIGN
+§2.1.6), with exact training.
+
+* `Placement` (`placement`): each logical expert's physical slots (one primary, where its weights
+  are stored, and any redundant copies), the replica rule that spreads a hot expert's rows over
+  its copies (the sender's node first), and the loads and replica-sync bytes it predicts.
+* `plan_placement` (`planner`): the balancer, from a moving average of `tokens_per_expert`.
+* `Replicas` (`runtime`): per shard, logical ids -> physical slots before `dispatch` and the
+  replicas' weights fetched from their primaries (gradients summed back exactly).
+* `move_experts` (`moves`): stored weights and optimiser state moved to a new placement.
+* `workloads`: skewed routings (Zipf, DeepSeek-V3-like group-limited) for the balance table.
+* `bench` (`python -m jax_hybridep.balance.bench`): the balance table and real-dispatch counts
+  of docs/balance.md.
+"""
+
+from jax_hybridep.balance import moves, placement, planner, runtime, workloads
+from jax_hybridep.balance.moves import expert_tags, move_experts
+from jax_hybridep.balance.placement import EMPTY, Placement, imbalance, permutation
+from jax_hybridep.balance.planner import BalancePlan, moving_average, plan_placement
+from jax_hybridep.balance.runtime import Replicas, ReplicaStats
+
+__all__ = [
+    "EMPTY",
+    "BalancePlan",
+    "Placement",
+    "ReplicaStats",
+    "Replicas",
+    "expert_tags",
+    "imbalance",
+    "move_experts",
+    "moves",
+    "moving_average",
+    "permutation",
+    "placement",
+    "plan_placement",
+    "planner",
+    "runtime",
+    "workloads",
+]
