@@ -263,3 +263,14 @@ def test_moe_block_trains_with_fp8_dispatch():
         np.testing.assert_allclose(a, b, rtol=0.1, atol=0.05 * float(np.abs(b).max()))
     with pytest.raises(ValueError, match="fp8_rows"):
         block(wire_dtype=FP8, fp8_rows=True)
+
+
+def test_backend_selection_keeps_fp8_off_the_cuda_transport():
+    topo = dataclasses.replace(hep.Topology.from_mesh(make_mesh((4,), ("ep",)), ("ep",)),
+                               platform="gpu")  # fmt: skip
+    cfg = hep.DispatchConfig(num_experts=8, wire_dtype=FP8, backend="auto")
+    assert routes.backend_name(cfg, topo, frozenset({"ep"})) == "xla"
+    if "gpu" in _native.platforms():  # else the build's missing CUDA handlers are the reason
+        ffi = dataclasses.replace(cfg, backend="ffi")
+        with pytest.raises(ValueError, match="does not carry wire_dtype='float8_e4m3fn'"):
+            routes.backend_name(ffi, topo, frozenset({"ep"}))

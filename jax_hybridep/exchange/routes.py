@@ -61,7 +61,7 @@ class Route:
             )
 
 
-def unsupported_reason(topology: Topology, manual_axes) -> str | None:
+def unsupported_reason(config: DispatchConfig, topology: Topology, manual_axes) -> str | None:
     """Why the ffi backend cannot run this call, or None when it can (checked at trace time)."""
     from jax_hybridep import _native  # noqa: PLC0415  (import registers the targets)
 
@@ -80,6 +80,8 @@ def unsupported_reason(topology: Topology, manual_axes) -> str | None:
             "shard_map, so devices of different EP groups cannot be told apart; make every mesh "
             "axis manual (shard_map over all axes)"
         )
+    if config.wire_dtype is not None and topology.platform == "gpu":
+        return f"the CUDA transport does not carry wire_dtype={config.wire_dtype!r} yet"
     return None
 
 
@@ -92,7 +94,7 @@ def backend_name(config: DispatchConfig, topology: Topology, manual_axes) -> str
         return "xla"
     if requested == "auto" and topology.platform == "gpu" and not GPU_AUTO:
         return "xla"
-    reason = unsupported_reason(topology, manual_axes)
+    reason = unsupported_reason(config, topology, manual_axes)
     if reason is None:
         return "ffi"
     if requested == "ffi":
