@@ -64,8 +64,8 @@ class DispatchConfig:
       wire_dtype: None (default): tokens travel in x's dtype. "float8_e4m3fn": each token is
         quantised once at the source to e4m3fn with one float32 scale per 128 elements of H
         (DESIGN §2.1.8, jax_hybridep/fp8.py); payload and scales cross every level together,
-        never requantised, and the receiver dequantises them into the rows (x's dtype). Host
-        and xla backends; gradients are the 16-bit path's (straight-through).
+        never requantised, and the receiver dequantises them into the rows (x's dtype). Every
+        backend; gradients are the 16-bit path's (straight-through).
       fp8_rows: with wire_dtype: deliver the rows as FP8 payload (`d.tokens` float8_e4m3fn)
         plus `d.scales [C, ceil(H / 128)]` float32, for an FP8 grouped GEMM, instead of
         dequantising them. Such rows carry no gradient (differentiating raises); `dispatch`

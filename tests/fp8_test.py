@@ -15,11 +15,12 @@ import pytest
 from flax import nnx
 from harness import all_axes_spec, make_mesh, random_routing
 from jax.sharding import PartitionSpec as P
+from transport_twin import JaxExchanges
 
 import jax_hybridep as hep
 from jax_hybridep import _native, fp8, ops, traffic
 from jax_hybridep import nn as hnn
-from jax_hybridep.exchange import routes
+from jax_hybridep.exchange import cuda_bottom, layouts, routes
 
 MESHES = [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))]
 FP8 = "float8_e4m3fn"
@@ -228,13 +229,27 @@ def test_config_rejects_unknown_wire_dtypes():
         hep.DispatchConfig(num_experts=4, fp8_rows=True)
 
 
-def test_cuda_route_says_fp8_is_not_built_there():
-    mesh, topo, x, idx, w, kw = _setup((2, 4), ("node", "local"), 128)
+@pytest.mark.parametrize(
+    "shape,names,hidden", [(*MESHES[0], 200), (*MESHES[1], 256), (*MESHES[2], 198)]
+)
+def test_gpu_route_carries_fp8_like_the_xla_backend(shape, names, hidden):
+    """The GPU route (CUDA bottom over the pure-JAX twin of its exchanges, as in
+    gpu_composition_test.py): wire rows through the transport as float32 words, bitwise the xla
+    backend's values, scales and row weights; H = 198 pads each wire row with two zero bytes."""
+    mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=1.0)
     gpu_topo = dataclasses.replace(topo, platform="gpu")
-    route = routes.route_for("ffi", gpu_topo)
-    cfg = hep.DispatchConfig(backend="ffi", wire_dtype=FP8, **kw)
-    with pytest.raises(ValueError, match="CUDA transport"):
-        _dispatch_fn(mesh, gpu_topo, cfg, route=route).lower(x, idx, w)
+    gpu = routes.route_for("ffi", gpu_topo)
+    assert gpu.fp8_wire == "words"
+    twin = dataclasses.replace(gpu, layout=layouts.JnpLayout(),
+                               bottom=cuda_bottom.CudaBottom(exchanges=JaxExchanges()))  # fmt: skip
+    for rows in (False, True):
+        cfg = hep.DispatchConfig(backend="ffi", wire_dtype=FP8, fp8_rows=rows, **kw)
+        got = jax.device_get(_dispatch_fn(mesh, gpu_topo, cfg, route=twin)(x, idx, w))
+        xla = dataclasses.replace(cfg, backend="xla")
+        want = jax.device_get(_dispatch_fn(mesh, topo, xla)(x, idx, w))
+        for a, b in zip(got, want, strict=True):
+            if b is not None:
+                np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_moe_block_trains_with_fp8_dispatch():
@@ -263,14 +278,3 @@ def test_moe_block_trains_with_fp8_dispatch():
         np.testing.assert_allclose(a, b, rtol=0.1, atol=0.05 * float(np.abs(b).max()))
     with pytest.raises(ValueError, match="fp8_rows"):
         block(wire_dtype=FP8, fp8_rows=True)
-
-
-def test_backend_selection_keeps_fp8_off_the_cuda_transport():
-    topo = dataclasses.replace(hep.Topology.from_mesh(make_mesh((4,), ("ep",)), ("ep",)),
-                               platform="gpu")  # fmt: skip
-    cfg = hep.DispatchConfig(num_experts=8, wire_dtype=FP8, backend="auto")
-    assert routes.backend_name(cfg, topo, frozenset({"ep"})) == "xla"
-    if "gpu" in _native.platforms():  # else the build's missing CUDA handlers are the reason
-        ffi = dataclasses.replace(cfg, backend="ffi")
-        with pytest.raises(ValueError, match="does not carry wire_dtype='float8_e4m3fn'"):
-            routes.backend_name(ffi, topo, frozenset({"ep"}))

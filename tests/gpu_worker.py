@@ -39,9 +39,10 @@ def _global(mesh, a, spec):
     return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
 
 
-def _run(mesh, topo, backend, dtype, capacity, weighted, args):
+def _run(mesh, topo, backend, dtype, capacity, weighted, args, wire_dtype=None):
     E = args.experts_per_gpu * mesh.size
-    cfg = hep.DispatchConfig(num_experts=E, capacity_factor=capacity, backend=backend)
+    cfg = hep.DispatchConfig(num_experts=E, capacity_factor=capacity, backend=backend,
+                             wire_dtype=wire_dtype)  # fmt: skip
     fn = moe_fn(mesh, topo, cfg, weighted_combine=weighted)
     x, idx, w, experts = args.inputs(E, dtype)
     spec = all_axes_spec(mesh)
@@ -128,28 +129,36 @@ def main():
 
     args.inputs = inputs
     cases = {}
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for capacity in (None, 1.0):
-            for weighted in (True, False):
-                name = f"{jnp.dtype(dtype).name}_cap{capacity}_weighted{weighted}"
-                state = rng.bit_generator.state
-                ffi, ran_cuda = _run(mesh, topo, "ffi", dtype, capacity, weighted, args)
-                rng.bit_generator.state = state
-                again, _ = _run(mesh, topo, "ffi", dtype, capacity, weighted, args)
-                rng.bit_generator.state = state
-                ref, _ = _run(mesh, topo, "xla", dtype, capacity, weighted, args)
-                (out, stacked, grads), (ref_out, ref_stacked, ref_grads) = ffi, ref
-                cases[name] = dict(
-                    ran_cuda=ran_cuda,
-                    dispatch_bitwise=_bitwise(stacked, ref_stacked),
-                    rerun_bitwise=_bitwise(ffi, again),
-                    out_bitwise=_bitwise(out, ref_out),
-                    grads_bitwise=_bitwise(grads, ref_grads),
-                    out_max_diff=_max_diff(out, ref_out),
-                    grad_max_diff=_max_diff(grads, ref_grads),
-                    dropped=int(np.sum(np.asarray(stacked[4].dropped))),
-                    invalid=int(np.sum(np.asarray(stacked[4].invalid))),
-                )
+    variants = [
+        (dtype, capacity, weighted, None)
+        for dtype in (jnp.float32, jnp.bfloat16)
+        for capacity in (None, 1.0)
+        for weighted in (True, False)
+    ]
+    # FP8 on the wire: bf16 tokens, both capacity modes, weighted combine.
+    variants += [(jnp.bfloat16, capacity, True, "float8_e4m3fn") for capacity in (None, 1.0)]
+    for dtype, capacity, weighted, wire in variants:
+        name = f"{jnp.dtype(dtype).name}_cap{capacity}_weighted{weighted}"
+        name += "_fp8" if wire else ""
+        run = (dtype, capacity, weighted, args, wire)
+        state = rng.bit_generator.state
+        ffi, ran_cuda = _run(mesh, topo, "ffi", *run)
+        rng.bit_generator.state = state
+        again, _ = _run(mesh, topo, "ffi", *run)
+        rng.bit_generator.state = state
+        ref, _ = _run(mesh, topo, "xla", *run)
+        (out, stacked, grads), (ref_out, ref_stacked, ref_grads) = ffi, ref
+        cases[name] = dict(
+            ran_cuda=ran_cuda,
+            dispatch_bitwise=_bitwise(stacked, ref_stacked),
+            rerun_bitwise=_bitwise(ffi, again),
+            out_bitwise=_bitwise(out, ref_out),
+            grads_bitwise=_bitwise(grads, ref_grads),
+            out_max_diff=_max_diff(out, ref_out),
+            grad_max_diff=_max_diff(grads, ref_grads),
+            dropped=int(np.sum(np.asarray(stacked[4].dropped))),
+            invalid=int(np.sum(np.asarray(stacked[4].invalid))),
+        )
     train = _train(n, names) if args.train else None
     hep.check_errors()
     report = dict(

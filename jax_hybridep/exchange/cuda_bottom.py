@@ -21,6 +21,7 @@ import numpy as np
 
 from jax_hybridep import compat, weight_grad
 from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange import wire
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32
 from jax_hybridep.exchange.steps import (
     FastLevel,
@@ -118,10 +119,13 @@ class CudaBottom:
             )
         fast = fast_level(plan, shard)
         dest = fast_dest(fast, held.dest)
+        fp8_wire = plan.config.wire_dtype is not None  # the rows are FP8 wire rows (u8)
+        rows = wire.to_words(held.rows) if fp8_wire else held.rows
         tokens, row_weights, recv_row_pos = self.exchanges.dispatch(
-            plan, fast, held.rows, held.weights, held.pos, dest
+            plan, fast, rows, held.weights, held.pos, dest
         )
-        return tokens, None, row_weights, CudaRecord(dest, recv_row_pos)
+        tokens, scales = wire.word_tokens(plan, tokens) if fp8_wire else (tokens, None)
+        return tokens, scales, row_weights, CudaRecord(dest, recv_row_pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: CudaRecord, g):
         fast = fast_level(plan, shard)

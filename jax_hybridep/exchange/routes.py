@@ -41,7 +41,7 @@ class Route:
       levels: one level step per walked level, slow -> fast (all levels, or all but the fastest
         when the bottom spans it).
       bottom: where the items become expert-major rows.
-      fp8_wire: how FP8 payload and scales travel on this route ("split" or "bytes",
+      fp8_wire: how FP8 payload and scales travel on this route ("split", "bytes" or "words":
         exchange/wire.py), None where FP8 on the wire is not built.
     """
 
@@ -61,7 +61,7 @@ class Route:
             )
 
 
-def unsupported_reason(config: DispatchConfig, topology: Topology, manual_axes) -> str | None:
+def unsupported_reason(topology: Topology, manual_axes) -> str | None:
     """Why the ffi backend cannot run this call, or None when it can (checked at trace time)."""
     from jax_hybridep import _native  # noqa: PLC0415  (import registers the targets)
 
@@ -80,8 +80,6 @@ def unsupported_reason(config: DispatchConfig, topology: Topology, manual_axes) 
             "shard_map, so devices of different EP groups cannot be told apart; make every mesh "
             "axis manual (shard_map over all axes)"
         )
-    if config.wire_dtype is not None and topology.platform == "gpu":
-        return f"the CUDA transport does not carry wire_dtype={config.wire_dtype!r} yet"
     return None
 
 
@@ -94,7 +92,7 @@ def backend_name(config: DispatchConfig, topology: Topology, manual_axes) -> str
         return "xla"
     if requested == "auto" and topology.platform == "gpu" and not GPU_AUTO:
         return "xla"
-    reason = unsupported_reason(config, topology, manual_axes)
+    reason = unsupported_reason(topology, manual_axes)
     if reason is None:
         return "ffi"
     if requested == "ffi":
@@ -112,7 +110,7 @@ def route_for(backend: str, topology: Topology) -> Route:
                      xla_steps.XlaRows(), fp8_wire="split")  # fmt: skip
     if topology.platform == "gpu":
         slow = (xla_steps.XlaLevel(),) * (num_levels - 1)
-        return Route("ffi", layouts.CudaLayout(), slow, cuda_bottom.CudaBottom())
+        return Route("ffi", layouts.CudaLayout(), slow, cuda_bottom.CudaBottom(), fp8_wire="words")
     layout = layouts.HostLayout() if topology.single_process else layouts.HostGatheredLayout()
     if num_levels == 1 and topology.level_local[0]:
         return Route("ffi", layout, (), host_fused.HostFused(), fp8_wire="bytes")

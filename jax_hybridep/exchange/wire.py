@@ -2,12 +2,18 @@
 
 With `DispatchConfig(wire_dtype="float8_e4m3fn")` each token is quantised once, at the source, and
 every level moves payload and scales together, never requantising them. How they travel is the
-route's `fp8_wire`: "split" (the xla steps: the e4m3fn payload's bytes as the items' rows and
-the float32 scales beside them; bytes because XLA:CPU widens f8 collectives to f16, which would
-double what crosses each level) or "bytes" (the host steps: one
-wire row of H payload bytes then the scales, which the row-moving handlers copy as they copy any
-row and the receiving handler dequantises while writing the expert-major rows). The CUDA
-transport does not carry FP8 yet (route.fp8_wire None).
+route's `fp8_wire`:
+* "split" (the xla steps): the e4m3fn payload's bytes as the items' rows and the float32 scales
+  beside them; bytes because XLA:CPU widens f8 collectives to f16, which would double what
+  crosses each level.
+* "bytes" (the host steps): one wire row of H payload bytes then the scales, which the
+  row-moving handlers copy as they copy any row and the receiving handler dequantises while
+  writing the expert-major rows.
+* "words" (the GPU route): the same wire rows, quantised by XLA; the CUDA transport, which
+  copies rows of float words bit for bit, carries them as float32 words (zero bytes padding a
+  row to a multiple of 4), and XLA dequantises the received rows. Payload and scales cross in
+  one copy per (token, GPU); fusing the quantisation into the send kernel is left to the
+  transport.
 """
 
 from __future__ import annotations
@@ -27,15 +33,14 @@ def encode(route, plan: DispatchPlan, x):
         return x, None
     if route.fp8_wire is None:
         raise ValueError(
-            "wire_dtype='float8_e4m3fn' is not built for the CUDA transport yet; use "
-            "backend='xla' on GPUs, or wire_dtype=None"
+            f"route {route.backend!r} does not carry wire_dtype={plan.config.wire_dtype!r}"
         )
     given = isinstance(x, tuple)
     if route.fp8_wire == "split":
         q, scales = x if given else fp8.quantize(x)
         return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
-    if given:
-        return fp8.to_wire(*x), None
+    if given or route.fp8_wire == "words":
+        return fp8.to_wire(*(x if given else fp8.quantize(x))), None
     tokens, hidden = x.shape
     wire = jax.ShapeDtypeStruct((tokens, fp8.wire_bytes(hidden)), jnp.uint8)
     return call("fp8_quantize", wire, x, like=(x,), plan=plan), None
@@ -49,6 +54,22 @@ def host_rows(plan: DispatchPlan, rows):
     if config.wire_dtype is None or rows.dtype != jnp.uint8 or config.fp8_rows:
         return jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype), 0
     return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype), plan.hidden
+
+
+def to_words(rows):
+    """Wire rows u8 [M, W] as float32 words [M, ceil(W / 4)], bit for bit (zero bytes pad)."""
+    rows = jnp.pad(rows, ((0, 0), (0, -rows.shape[1] % 4)))
+    return jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, 4), jnp.float32)
+
+
+def word_tokens(plan: DispatchPlan, words):
+    """(tokens, scales) as dispatch returns them from received words [C, ceil(W / 4)]:
+    dequantised rows in plan.row_dtype, or with fp8_rows the e4m3fn payload and its scales."""
+    rows = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(words.shape[0], -1)
+    q, scales = fp8.from_wire(rows[:, : fp8.wire_bytes(plan.hidden)], plan.hidden)
+    if plan.config.fp8_rows:
+        return q, scales
+    return fp8.dequantize(q, scales, plan.row_dtype), None
 
 
 def host_tokens(plan: DispatchPlan, tokens):
