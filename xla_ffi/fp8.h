@@ -16,8 +16,8 @@
 namespace jax_hybridep {
 
 constexpr int64_t kFp8Block = 128;
-constexpr float kFp8Max = 448.0f;       // the largest finite e4m3fn value
-constexpr float kFp8MinAmax = 1e-4f;    // the smallest block amax a scale is taken from
+constexpr float kFp8Max = 448.0f;     // the largest finite e4m3fn value
+constexpr float kFp8MinAmax = 1e-4f;  // the smallest block amax a scale is taken from
 
 JAX_HYBRIDEP_HOST_DEVICE inline int64_t Fp8Blocks(int64_t hidden) {
   return (hidden + kFp8Block - 1) / kFp8Block;
