@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import replan_hook
 from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -45,6 +46,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from jax_hybridep import nn as hnn
 from jax_hybridep import traffic
 from jax_hybridep.xdc.domains import INNER_SUFFIX
 
@@ -63,6 +65,13 @@ class TrainConfig:
       domains: cross-DC expert domain sizes per EP level, e.g. "dc=2" (experts all-gathered
         inside each pair of "dc" coordinates, tokens only between domains); None is plain EP.
       domain_compression: SR compression ratio of the experts moved inside a domain (None: off).
+      domain_shared, domain_sync_every, grad_compression, prefetch: cross-DC migration settings
+        (`lm_model.ModelConfig`).
+      replan_every: re-plan the domains every this many steps from the measured routing and
+        `links` / `link_schedule` (0: never; `replan_hook.py`), recompiling when they change.
+      links: the links of the mesh levels for the planner, e.g. "dc=10:5:shared,node=100,
+        local=3600" (Gbps[:latency ms][:shared]); link_schedule: bandwidth changes by step,
+        e.g. "200:dc=1"; memory_limit_mb: per-device memory limit of the plan (0: none).
       capacity_factor: per-expert capacity factor; None or <= 0 means dropless.
       lr: peak learning rate of the warmup + cosine schedule.
       seed: initialisation and data seed.
@@ -86,6 +95,14 @@ class TrainConfig:
     backend: str = "auto"
     domains: str | None = None
     domain_compression: float | None = None
+    domain_shared: str = "persistent"
+    domain_sync_every: int = 1
+    grad_compression: float | None = None
+    prefetch: bool = False
+    replan_every: int = 0
+    links: str | None = None
+    link_schedule: str | None = None
+    memory_limit_mb: float = 0.0
     capacity_factor: float | None = None
     lr: float = 3e-3
     seed: int = 0
@@ -127,13 +144,14 @@ def build_steps(graphdef, tx, state_shardings, replicated):
         return ce + aux, (ce, aux, auxes)
 
     def train_step(params, rest, opt_state, inputs, targets):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (ce, aux, auxes)), grads = grad_fn(params, rest, inputs, targets)
+        # As jax.value_and_grad; gradient compression's error feedback comes back in `rest`.
+        grad_fn = hnn.value_and_grad(loss_fn, has_aux=True)
+        (loss, (ce, aux, auxes)), grads, rest = grad_fn(params, rest, inputs, targets)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         # The aux-loss-free router bias follows a rule, not the gradient: update it after.
         model = nnx.merge(graphdef, params, rest)
-        model.update_router_biases(auxes)
+        model.update_state(auxes)
         _, params, rest = nnx.split(model, nnx.Param, ...)
         metrics = dict(
             loss=loss,
@@ -230,19 +248,29 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         backend=cfg.backend,
         expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
         domain_compression=cfg.domain_compression,
+        domain_shared=cfg.domain_shared,
+        domain_sync_every=cfg.domain_sync_every,
+        grad_compression=cfg.grad_compression,
+        prefetch=cfg.prefetch,
     )
 
 
-def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> dict:
+def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hook=None) -> dict:
     """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict.
 
     `on_compile`, if given, is called with the compiled train step's HLO text (e.g. to read its
-    collectives, `jax_hybridep.traffic`)."""
+    collectives, `jax_hybridep.traffic`). `hook`: a `replan_hook.ReplanHook` (made from `cfg`
+    when `replan_every` is set), asked after every step whether to switch domains."""
     console = console or Console(soft_wrap=True)
     if cfg.steps < 0 or cfg.eval_every < 1:
         raise ValueError(f"need steps >= 0 and eval_every >= 1, got {cfg.steps}, {cfg.eval_every}")
     mesh, topology = make_mesh(cfg.mesh, jax.devices())
-    model = MoETransformer(model_config(cfg), mesh, topology, rngs=nnx.Rngs(cfg.seed))
+    model_cfg = model_config(cfg)
+    if hook is None and cfg.replan_every:
+        hook = replan_hook.ReplanHook.from_config(cfg, model_cfg, mesh, topology)
+    if hook is not None:
+        model_cfg = hook.model_config
+    model = MoETransformer(model_cfg, mesh, topology, rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # Dense parameters replicate; the MoE block's own sharding annotations place its experts.
     params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
@@ -287,8 +315,9 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
                 mgr.delete(old_step)
 
         history, params, rest, opt_state, backend = _loop(
-            cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile
-        )
+            cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile,
+            hook,
+        )  # fmt: skip
         if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
             state = dict(params=params, rest=rest, opt_state=opt_state)
             mgr.save(cfg.steps, args=ocp.args.StandardSave(state), force=True)
@@ -316,8 +345,11 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
     return result
 
 
-def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile):
-    """The training loop proper: compile once, step, evaluate, report progress."""
+def _loop(
+    cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile, hook
+):
+    """The training loop proper: compile once (again when `hook` switches domains), step,
+    evaluate, report progress."""
     data = ByteData.load()
     num_devices = mesh.devices.size
     # The batch is sharded over every mesh axis when it divides evenly, else replicated.
@@ -328,7 +360,8 @@ def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, cons
         tuple(map(put, b)) for b in data.eval_batches(cfg.eval_batches, cfg.batch, cfg.seq_len)
     ]
     shardings = jax.tree.map(lambda a: a.sharding, (params, rest, opt_state))
-    train_step, eval_step = build_steps(graphdef, tx, shardings, NamedSharding(mesh, P()))
+    replicated = NamedSharding(mesh, P())
+    train_step, eval_step = build_steps(graphdef, tx, shardings, replicated)
 
     def evaluate(step):
         loss = float(np.mean([float(eval_step(params, rest, x, y)) for x, y in eval_set]))
@@ -385,6 +418,17 @@ def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, cons
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss is {record['loss']} at step {step}")
             history["train"].append(record)
+            new = hook.after_step(step + 1, m, params, rest) if hook is not None else None
+            if new is not None:
+                new_graphdef, rest = new
+            if new is not None and new_graphdef is not None:
+                graphdef = new_graphdef  # new domains: one more compile, the state carried over
+                shardings = jax.tree.map(lambda a: a.sharding, (params, rest, opt_state))
+                train_step, eval_step = build_steps(graphdef, tx, shardings, replicated)
+                compiled = train_step.lower(params, rest, opt_state, inputs, targets).compile()
+                if on_compile is not None:
+                    on_compile(compiled.as_text())
+                progress.console.print(hook.describe(step + 1), highlight=False)
             stats = (
                 f"loss {record['ce']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
                 f"dropped {record['dropped']} | imbalance {record['imbalance']:.2f}"
@@ -397,6 +441,8 @@ def _loop(cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, cons
                 )
     if tokens_per_expert is not None:
         history["tokens_per_expert"] = np.asarray(tokens_per_expert).tolist()
+    if hook is not None:
+        history["replans"] = hook.history
     return history, params, rest, opt_state, backend
 
 
@@ -429,6 +475,16 @@ def define_flags() -> None:
     flags.DEFINE_float(
         "domain_compression", None, "SR compression ratio of experts moved inside a domain"
     )
+    flags.DEFINE_enum(
+        "domain_shared", d.domain_shared, ["persistent", "mean", "none"], "SR shared expert"
+    )
+    flags.DEFINE_integer("domain_sync_every", d.domain_sync_every, "SR shared-expert refresh")
+    flags.DEFINE_float("grad_compression", None, "top-k ratio of replica gradients (not exact)")
+    flags.DEFINE_bool("prefetch", False, "gather every layer's experts at step start")
+    flags.DEFINE_integer("replan_every", 0, "re-plan domains every N steps (needs --links)")
+    flags.DEFINE_string("links", None, "level links for re-planning, e.g. dc=10:5:shared,...")
+    flags.DEFINE_string("link_schedule", None, "bandwidth changes, e.g. '200:dc=1'")
+    flags.DEFINE_float("memory_limit_mb", 0.0, "per-device memory limit of re-plans (0: none)")
     flags.DEFINE_float(
         "capacity_factor", None, "per-expert capacity factor; unset or <= 0: dropless"
     )
