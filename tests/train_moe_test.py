@@ -138,8 +138,8 @@ def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(t
     assert dc["program_traffic"]["dc"]["reduce-scatter"] == expert
     k = math.floor(32 * 32 * 4 / (8.0 * 8))  # SR: k values + k int32 indices per matrix
     assert sr["program_traffic"]["dc"]["all-gather"] == 3 * k * 8
-    # The shared (mean) expert is kept in sync by one all-reduce per matrix across the pair; the
-    # block's other all-reduce across it is its router gate's gradient (32 x 8 float32, summed
-    # over the 8 ranks: 2 * 4 / 8 of it comes from the other DC).
+    # The persistent shared expert's refresh all-reduces one expert over the 8 ranks (2 * 4 / 8
+    # of it from the other DC); the block's other all-reduce across the pair is its router
+    # gate's gradient (32 x 8 float32, summed over the 8 ranks: 2 * 4 / 8 of it too).
     assert sr["program_traffic"]["dc"]["all-reduce"] == 3 * 32 * 32 * 4 + 32 * 8 * 4
     assert all(math.isfinite(r["loss"]) for r in sr["train"])
