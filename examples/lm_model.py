@@ -288,13 +288,8 @@ def rebuild(config: ModelConfig, mesh, topology, params, rest):
         and type(old[path]) is type(var)
         and np.shape(old[path][...]) == np.shape(var[...])
     ]
-    new_refs = [
-        layer.moe
-        for i, layer in enumerate(model.layers)
-        if hasattr(layer.moe, "sr_reference") and ("layers", i, "moe", "sr_reference", 0) not in old
-    ]
-    for block in new_refs:
-        block.reset_sr_reference()
+    for layer in model.layers:  # then overwritten where `rest` had one
+        layer.moe.reset_sr_reference()
     nnx.update(model, nnx.from_flat_state(keep))
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     return graphdef, rest
