@@ -155,6 +155,14 @@ def describe_cluster(s: Settings) -> xdc.cost.Cluster:
     return xdc.cost.Cluster(tuple(g for _, g in MESH), links, tuple(n for n, _ in MESH))
 
 
+def links_spec(s: Settings) -> str:
+    """`describe_cluster`'s links as `train_moe.py --links` spells them."""
+    return (
+        f"dc={s.wan_gbps:g}:{s.wan_latency_ms:g}:shared,node={s.node_gbps:g}:0.005,"
+        f"local={s.local_gbps:g}:0.002"
+    )
+
+
 def domains_spec(sizes) -> str | None:
     """(2, 1, 1) -> "dc=2"; plain EP -> None."""
     spec = ",".join(f"{n}={s}" for (n, _), s in zip(MESH, sizes, strict=True) if s > 1)
@@ -333,6 +341,7 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
     """One run re-planned every `--replan_every` steps (`xdc.Replanner`)."""
     cfg = dataclasses.replace(
         base, domains=s.domains, **migration_of(s), replan_every=s.replan_every,
+        links=links_spec(s), link_schedule=s.link_schedule,
         output_dir=os.path.join(s.output_dir, "replanning"),
     )  # fmt: skip
     mesh, topology = make_mesh(cfg.mesh, jax.devices())

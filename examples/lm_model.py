@@ -196,10 +196,6 @@ class MoETransformer(nnx.Module):
         for layer, aux in zip(self.layers, auxes, strict=True):
             layer.moe.update_state(aux)
 
-    def update_router_biases(self, auxes):
-        """`update_state` (the name it had when the bias was the only state)."""
-        self.update_state(auxes)
-
 
 def make_mesh(spec: str | None, devices) -> tuple[jax.sharding.Mesh, hep.Topology]:
     """Mesh and EP topology from "name=size,..." (e.g. "node=2,local=4", "ep=8", "data=2,ep=4").
@@ -217,6 +213,10 @@ def make_mesh(spec: str | None, devices) -> tuple[jax.sharding.Mesh, hep.Topolog
         names, sizes = [n.strip() for n, _ in pairs], [int(s) for _, s in pairs]
     except ValueError:
         raise ValueError(f"--mesh must look like 'ep=8' or 'data=2,ep=4', got {spec!r}") from None
+    if any(not n for n in names) or any(s < 1 for s in sizes):
+        raise ValueError(f"--mesh={spec} needs a name and a size >= 1 for every axis")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--mesh={spec} names an axis twice")
     if math.prod(sizes) > len(devices):
         raise ValueError(f"--mesh={spec} needs {math.prod(sizes)} devices, have {len(devices)}")
     if all(n == DATA_AXIS for n in names):

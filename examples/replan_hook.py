@@ -11,6 +11,8 @@ every domain setting, so switching moves no parameter; the other state is carrie
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from flax import nnx
@@ -63,6 +65,11 @@ class ReplanHook:
         workload = describe_workload(
             model_config, cfg.batch * cfg.seq_len // mesh.devices.size, dense
         )
+        # A rank's own parameters, their gradients and Adam's two moments (activations are not
+        # counted): what --memory_limit_mb must hold besides what the domains add.
+        own = model_config.layers * (model_config.experts // topology.ep_size)
+        resident = 4 * (dense + own * workload.expert_bytes_full())
+        workload = dataclasses.replace(workload, resident_bytes=resident)
         limit = round(cfg.memory_limit_mb * 1e6) if cfg.memory_limit_mb else None
         start = None
         if model_config.expert_domains or model_config.layer_domains:  # --domains: start there

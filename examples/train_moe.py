@@ -12,8 +12,10 @@ an EP level, slow -> fast.
     python examples/train_moe.py --resume --steps=1000  # continue from the saved checkpoint
 
 Writes to --output_dir: metrics.json (losses per step), train_moe.png (loss curves and expert
-load), checkpoint/ (orbax: model, optimizer state and step). The last line printed is
-`eval loss: <value>`.
+load), checkpoint/<step>/ (orbax: model and optimizer state, and the flags; committed atomically,
+see `train_checkpoint.py`). The last line printed is `eval loss: <value>`. Every flag is checked
+before a model is built (`train_config.py`); a bad flag or an unusable --resume checkpoint ends
+the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import replan_hook
-from absl import app, flags, logging
+import train_checkpoint
+from absl import app, logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -45,72 +48,26 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from train_checkpoint import ResumeError
+from train_config import (
+    FlagError,
+    TrainConfig,
+    check_config,
+    config_from_flags,
+    define_flags,
+    parse_sizes,
+)
 
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic
 from jax_hybridep.xdc.domains import INNER_SUFFIX
 
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on (the flags, as one value that tests can build directly).
-
-    Attributes:
-      steps: total optimizer steps (a resumed run continues up to this many).
-      batch, seq_len: sequences per step and bytes per sequence.
-      d_model, d_ff, layers, heads, experts, top_k: model sizes (see `lm_model.ModelConfig`).
-      mesh: mesh axis sizes, e.g. "node=2,local=4", "ep=8" or "data=2,ep=4"; None means
-        "node=2,local=<n/2>" on fake CPU devices and "ep=<all devices>" on accelerators.
-      backend: dispatch/combine backend, "auto", "xla" or "ffi".
-      domains: cross-DC expert domain sizes per EP level, e.g. "dc=2" (experts all-gathered
-        inside each pair of "dc" coordinates, tokens only between domains); None is plain EP.
-      domain_compression: SR compression ratio of the experts moved inside a domain (None: off).
-      domain_shared, domain_sync_every, grad_compression, prefetch: cross-DC migration settings
-        (`lm_model.ModelConfig`).
-      replan_every: re-plan the domains every this many steps from the measured routing and
-        `links` / `link_schedule` (0: never; `replan_hook.py`), recompiling when they change.
-      links: the links of the mesh levels for the planner, e.g. "dc=10:5:shared,node=100,
-        local=3600" (Gbps[:latency ms][:shared]); link_schedule: bandwidth changes by step,
-        e.g. "200:dc=1"; memory_limit_mb: per-device memory limit of the plan (0: none).
-      capacity_factor: per-expert capacity factor; None or <= 0 means dropless.
-      lr: peak learning rate of the warmup + cosine schedule.
-      seed: initialisation and data seed.
-      output_dir: where metrics, plot and checkpoint go.
-      eval_every: evaluate every this many steps (and at the end).
-      resume: restore the checkpoint in output_dir and continue from its step.
-      eval_batches: held-out batches per evaluation.
-      progress: show a live progress bar (only drawn on a terminal).
-    """
-
-    steps: int = 500
-    batch: int = 16
-    seq_len: int = 128
-    d_model: int = 128
-    d_ff: int = 256
-    layers: int = 2
-    heads: int = 4
-    experts: int = 8
-    top_k: int = 2
-    mesh: str | None = None
-    backend: str = "auto"
-    domains: str | None = None
-    domain_compression: float | None = None
-    domain_shared: str = "persistent"
-    domain_sync_every: int = 1
-    grad_compression: float | None = None
-    prefetch: bool = False
-    replan_every: int = 0
-    links: str | None = None
-    link_schedule: str | None = None
-    memory_limit_mb: float = 0.0
-    capacity_factor: float | None = None
-    lr: float = 3e-3
-    seed: int = 0
-    output_dir: str = "/tmp/train_moe"
-    eval_every: int = 50
-    resume: bool = False
-    eval_batches: int = 4
-    progress: bool = True
+# The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal;
+# the domain flags fix the shapes of the SR and error-feedback state).
+MODEL_FLAGS = (
+    "d_model", "d_ff", "layers", "experts", "domains", "domain_compression", "domain_shared",
+    "grad_compression",
+)  # fmt: skip
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -180,14 +137,6 @@ def ran_backend(hlo_text: str) -> str:
     return "xla (jax.lax.all_to_all collectives)"
 
 
-def parse_sizes(spec: str, what: str) -> tuple[tuple[str, int], ...]:
-    """ "a=2,b=4" -> (("a", 2), ("b", 4))."""
-    try:
-        return tuple((n.strip(), int(v)) for n, v in (item.split("=") for item in spec.split(",")))
-    except ValueError:
-        raise ValueError(f"{what} must look like 'dc=2' or 'dc=2,node=2', got {spec!r}") from None
-
-
 def program_traffic(hlo_text: str, levels) -> dict[str, dict[str, int]] | None:
     """Per EP level, per collective op: payload bytes one rank receives per step from peers
     across that level in the MoE blocks' own collectives (split levels included), read off the
@@ -235,7 +184,6 @@ def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
     """The model `cfg` trains."""
-    capacity = cfg.capacity_factor if cfg.capacity_factor and cfg.capacity_factor > 0 else None
     return ModelConfig(
         vocab_size=VOCAB_SIZE,
         d_model=cfg.d_model,
@@ -244,7 +192,7 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         heads=cfg.heads,
         experts=cfg.experts,
         top_k=cfg.top_k,
-        capacity_factor=capacity,
+        capacity_factor=cfg.capacity_factor,
         backend=cfg.backend,
         expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
         domain_compression=cfg.domain_compression,
@@ -258,13 +206,21 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hook=None) -> dict:
     """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict.
 
-    `on_compile`, if given, is called with the compiled train step's HLO text (e.g. to read its
-    collectives, `jax_hybridep.traffic`). `hook`: a `replan_hook.ReplanHook` (made from `cfg`
-    when `replan_every` is set), asked after every step whether to switch domains."""
+    Raises FlagError (a bad flag, before any model is built) or ResumeError (--resume cannot use
+    the checkpoint), each naming what is wrong. `on_compile`, if given, is called with the
+    compiled train step's HLO text (e.g. to read its collectives, `jax_hybridep.traffic`).
+    `hook`: a `replan_hook.ReplanHook` (made from `cfg` when `replan_every` is set), asked after
+    every step whether to switch domains.
+    """
     console = console or Console(soft_wrap=True)
-    if cfg.steps < 0 or cfg.eval_every < 1:
-        raise ValueError(f"need steps >= 0 and eval_every >= 1, got {cfg.steps}, {cfg.eval_every}")
+    data = ByteData.load()
+    check_config(cfg, jax.devices(), data)
     mesh, topology = make_mesh(cfg.mesh, jax.devices())
+    ckpt_dir = os.path.join(os.path.abspath(cfg.output_dir), "checkpoint")
+    metrics_path = os.path.join(cfg.output_dir, "metrics.json")
+    if cfg.resume:  # what can be checked on disk is, before the model is built
+        start = train_checkpoint.latest(ckpt_dir)
+        old_metrics = _read_metrics(metrics_path)
     model_cfg = model_config(cfg)
     if hook is None and cfg.replan_every:
         hook = replan_hook.ReplanHook.from_config(cfg, model_cfg, mesh, topology)
@@ -286,42 +242,40 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
         tx.init(params),
     )
 
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    ckpt_dir = os.path.join(os.path.abspath(cfg.output_dir), "checkpoint")
-    metrics_path = os.path.join(cfg.output_dir, "metrics.json")
-    start = 0
     history = dict(train=[], eval=[])
-    with ocp.CheckpointManager(
-        ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=1)
-    ) as mgr:
-        if cfg.resume:
-            if mgr.latest_step() is None:
-                raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
-            target = dict(params=params, rest=rest, opt_state=opt_state)
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-            start = mgr.latest_step()
-            restored = mgr.restore(start, args=ocp.args.StandardRestore(abstract))
-            params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
-            if os.path.exists(metrics_path):
-                with open(metrics_path) as f:
-                    old = json.load(f)
-                history["train"] = [r for r in old["train"] if r["step"] < start]
-                # The restored state is evaluated again at `start`: it must match the saved run.
-                history["eval"] = [r for r in old["eval"] if r["step"] < start]
-                history["tokens_per_expert"] = old.get("tokens_per_expert")
-            console.print(f"resumed from step {start} ({ckpt_dir})")
-        else:
-            for old_step in mgr.all_steps():  # a fresh run replaces what an earlier one left
-                mgr.delete(old_step)
+    meta = dataclasses.asdict(cfg)
+    if not cfg.resume:
+        start = 0
+    else:
+        target = dict(params=params, rest=rest, opt_state=opt_state)
+        restored = train_checkpoint.restore(ckpt_dir, start, target, meta, MODEL_FLAGS)
+        params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
+        if old_metrics is not None:
+            history["train"] = [r for r in old_metrics["train"] if r["step"] < start]
+            # The restored state is evaluated again at `start`: it must match the saved run.
+            history["eval"] = [r for r in old_metrics["eval"] if r["step"] < start]
+            history["tokens_per_expert"] = old_metrics.get("tokens_per_expert")
+        console.print(f"resumed from step {start} ({ckpt_dir})")
+    os.makedirs(cfg.output_dir, exist_ok=True)
 
-        history, params, rest, opt_state, backend = _loop(
-            cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile,
-            hook,
-        )  # fmt: skip
-        if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
-            state = dict(params=params, rest=rest, opt_state=opt_state)
-            mgr.save(cfg.steps, args=ocp.args.StandardSave(state), force=True)
-            mgr.wait_until_finished()
+    history, params, rest, opt_state, backend = _loop(
+        cfg,
+        data,
+        mesh,
+        graphdef,
+        tx,
+        params,
+        rest,
+        opt_state,
+        start,
+        history,
+        console,
+        on_compile,
+        hook,
+    )
+    if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
+        state = dict(params=params, rest=rest, opt_state=opt_state)
+        train_checkpoint.save(ckpt_dir, cfg.steps, state, meta)
 
     final_eval = history["eval"][-1]["loss"]
     result = dict(
@@ -346,11 +300,11 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
 
 
 def _loop(
-    cfg, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile, hook
-):
+    cfg, data, mesh, graphdef, tx, params, rest, opt_state, start, history, console, on_compile,
+    hook,
+):  # fmt: skip
     """The training loop proper: compile once (again when `hook` switches domains), step,
     evaluate, report progress."""
-    data = ByteData.load()
     num_devices = mesh.devices.size
     # The batch is sharded over every mesh axis when it divides evenly, else replicated.
     batch_spec = P(tuple(mesh.axis_names)) if cfg.batch % num_devices == 0 else P()
@@ -446,62 +400,35 @@ def _loop(
     return history, params, rest, opt_state, backend
 
 
-FLAGS = flags.FLAGS
-
-
-def define_flags() -> None:
-    """The command-line flags, one per TrainConfig field (defined only when run as a script, so
-    importing this module, e.g. from a test, leaves absl's global flag registry alone)."""
-    d = TrainConfig()
-    flags.DEFINE_integer("steps", d.steps, "total training steps (a resumed run continues to it)")
-    flags.DEFINE_integer("batch", d.batch, "sequences per step")
-    flags.DEFINE_integer("seq_len", d.seq_len, "bytes per sequence")
-    flags.DEFINE_integer("d_model", d.d_model, "model width")
-    flags.DEFINE_integer("d_ff", d.d_ff, "expert FFN hidden width")
-    flags.DEFINE_integer("layers", d.layers, "transformer layers")
-    flags.DEFINE_integer("heads", d.heads, "attention heads")
-    flags.DEFINE_integer("experts", d.experts, "routed experts per layer")
-    flags.DEFINE_integer("top_k", d.top_k, "experts per token")
-    flags.DEFINE_string(
-        "mesh",
-        None,
-        "mesh axis sizes, e.g. 'node=2,local=4', 'ep=8' or 'data=2,ep=4' "
-        "(default: node=2,local=n/2 on CPU, ep=all on GPUs)",
-    )
-    flags.DEFINE_enum("backend", d.backend, ["auto", "xla", "ffi"], "dispatch/combine backend")
-    flags.DEFINE_string(
-        "domains", None, "cross-DC expert domain sizes per EP level, e.g. 'dc=2' (unset: plain EP)"
-    )
-    flags.DEFINE_float(
-        "domain_compression", None, "SR compression ratio of experts moved inside a domain"
-    )
-    flags.DEFINE_enum(
-        "domain_shared", d.domain_shared, ["persistent", "mean", "none"], "SR shared expert"
-    )
-    flags.DEFINE_integer("domain_sync_every", d.domain_sync_every, "SR shared-expert refresh")
-    flags.DEFINE_float("grad_compression", None, "top-k ratio of replica gradients (not exact)")
-    flags.DEFINE_bool("prefetch", False, "gather every layer's experts at step start")
-    flags.DEFINE_integer("replan_every", 0, "re-plan domains every N steps (needs --links)")
-    flags.DEFINE_string("links", None, "level links for re-planning, e.g. dc=10:5:shared,...")
-    flags.DEFINE_string("link_schedule", None, "bandwidth changes, e.g. '200:dc=1'")
-    flags.DEFINE_float("memory_limit_mb", 0.0, "per-device memory limit of re-plans (0: none)")
-    flags.DEFINE_float(
-        "capacity_factor", None, "per-expert capacity factor; unset or <= 0: dropless"
-    )
-    flags.DEFINE_float("lr", d.lr, "peak learning rate")
-    flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")
-    flags.DEFINE_string("output_dir", d.output_dir, "metrics, plot and checkpoint go here")
-    flags.DEFINE_integer("eval_every", d.eval_every, "evaluate every this many steps")
-    flags.DEFINE_bool("resume", False, "restore the checkpoint in --output_dir and continue")
+def _read_metrics(path: str) -> dict | None:
+    """The metrics.json a resumed run extends (None when there is none); ResumeError when it
+    cannot be read."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        for key in ("train", "eval"):
+            if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in old[key]):
+                raise ValueError(f"{key} entries without a step")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ResumeError(
+            f"--resume: {path} cannot be read ({type(err).__name__}: {err}); delete it to resume "
+            "without the earlier run's history"
+        ) from None
+    return old
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
     logging.set_verbosity(logging.WARNING)
     # Fake CPU devices when there is no GPU; must precede any backend use (it is ignored on GPUs).
     jax.config.update("jax_num_cpu_devices", 8)
-    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name in FLAGS]
-    train(TrainConfig(**{n: FLAGS[n].value for n in names}))
+    try:
+        train(config_from_flags())
+    except (FlagError, ResumeError) as err:
+        sys.exit(f"train_moe.py: {err}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ from jax_hybridep.values import check_bool, check_int, is_real
 BACKENDS = ("auto", "xla", "ffi")
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
+# Test switch: with zero_padding=False, rows past sum(group_sizes) are filled with NaN (in the
+# dispatched rows and in combine's row cotangents), so a consumer that reads them fails loudly.
+POISON_ENV = "JAX_HYBRIDEP_POISON_PADDING"
 MAX_SMS = 256  # xla_ffi/limits.h: kMaxSendBlocks (tests/native_test.py checks it)
 
 
@@ -50,6 +53,13 @@ class DispatchConfig:
         case, which never overflows.
       num_sms: GPUs only: thread blocks (about one SM each) of every transport kernel of the
         ffi backend's CUDA path; the rest of the GPU stays free for compute running beside it.
+      zero_padding: True (default): rows past sum(group_sizes) are zero, like the padding inside
+        each group. False (opt-in): those rows are unspecified (may hold anything, NaN
+        included; their weights stay 0) and the ffi backend does not write them, so a dropless
+        buffer costs what moves, not its worst-case size; padding inside a group stays zero.
+        Consumers must then use group_sizes (ragged_dot does) or mask with a select, never a
+        multiply. Combine's row cotangents follow the same rule. (The xla backend may still
+        write them.)
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
@@ -67,6 +77,7 @@ class DispatchConfig:
     row_budget: int | None = None
     num_sms: int = 16
     gpu_stream: str | int | None = None
+    zero_padding: bool = True
 
     def __post_init__(self):
         self._set("num_experts", check_int("num_experts", self.num_experts, 1))
@@ -81,6 +92,7 @@ class DispatchConfig:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         self._set("strict", check_bool("strict", self.strict))
+        self._set("zero_padding", check_bool("zero_padding", self.zero_padding))
         self._set("timeout_s", _timeout("timeout_s", self.timeout_s))
         if self.row_budget is not None:
             budget = check_int("row_budget", self.row_budget, 1, what="an int >= 1 or None")
@@ -106,6 +118,15 @@ class DispatchConfig:
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
+
+    @property
+    def poison_padding(self) -> bool:
+        """Whether rows past sum(group_sizes) get NaN (zero_padding=False and the test switch
+        JAX_HYBRIDEP_POISON_PADDING=1)."""
+        raw = os.environ.get(POISON_ENV, "0")
+        if raw not in ("0", "1"):
+            raise ValueError(f"{POISON_ENV}={raw!r}; expected 0 or 1")
+        return not self.zero_padding and raw == "1"
 
     @property
     def resolved_timeout_s(self) -> float:

@@ -6,6 +6,7 @@ the dispatch that made it: `combine` checks that statically. Its arrays are per 
 * `row_pos [T, K]`: the destination row of each (t, k), -1 when invalid or dropped.
 * `dest [T, K]`: the destination EP rank of each kept (t, k), -1 otherwise.
 * `shard`: this shard's EP rank and EP-group id.
+* `row_end []`: sum(group_sizes) of this rank's rows: rows at or past it are padding.
 * `levels`: one record per walked level (slow -> fast), of that level step's kind.
 * `bottom`: the bottom's record (where each row came from).
 """
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 class Handle:
     row_pos: jax.Array
     dest: jax.Array
+    row_end: jax.Array
     shard: Shard
     levels: tuple[Any, ...]
     bottom: Any
@@ -37,6 +39,6 @@ class Handle:
 
 jax.tree_util.register_dataclass(
     Handle,
-    data_fields=["row_pos", "dest", "shard", "levels", "bottom"],
+    data_fields=["row_pos", "dest", "row_end", "shard", "levels", "bottom"],
     meta_fields=["plan", "route"],
 )

@@ -128,20 +128,29 @@ def dispatch_with_route(
     expert_rank = jnp.asarray(np.asarray(plan.expert_rank, np.int32))
     safe_idx = jnp.clip(topk_idx, 0, plan.num_experts - 1)
     dest = jnp.where(lay.row_pos >= 0, expert_rank[safe_idx], -1)
+    row_end = jnp.sum(lay.group_sizes, dtype=jnp.int32)
     tokens, row_weights, handle = _dispatch_rows(
-        route, plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, shard
+        route, plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, row_end, shard
     )
+    if config.poison_padding:
+        tokens = _poison_padding(tokens, row_end)
     stats = DispatchStats(lay.dropped, lay.invalid, lay.tokens_per_expert, walk.level_rows(handle))
     return Dispatched(tokens, row_weights, lay.group_sizes, lay.row_pos >= 0, stats, handle)
 
 
+def _poison_padding(rows, row_end):
+    """rows [C, H] with NaN at rows >= row_end (the JAX_HYBRIDEP_POISON_PADDING test switch)."""
+    padding = jnp.arange(rows.shape[0]) >= row_end
+    return jnp.where(padding[:, None], jnp.asarray(jnp.nan, rows.dtype), rows)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_rows(route: Route, plan: DispatchPlan, x, weights, row_pos, dest, shard):
-    return walk.dispatch(route, plan, x, weights, row_pos, dest, shard)
+def _dispatch_rows(route: Route, plan: DispatchPlan, x, weights, row_pos, dest, row_end, shard):
+    return walk.dispatch(route, plan, x, weights, row_pos, dest, row_end, shard)
 
 
-def _dispatch_rows_fwd(route, plan, x, weights, row_pos, dest, shard):
-    out = _dispatch_rows(route, plan, x, weights, row_pos, dest, shard)
+def _dispatch_rows_fwd(route, plan, x, weights, row_pos, dest, row_end, shard):
+    out = _dispatch_rows(route, plan, x, weights, row_pos, dest, row_end, shard)
     return out, out[2]
 
 
@@ -149,7 +158,7 @@ def _dispatch_rows_bwd(route, plan, handle, cotangents):
     ct_tokens, ct_weights, _ = cotangents
     grad_x = walk.combine(handle, ct_tokens, None)
     grad_weights = walk.return_row_values(handle, ct_weights)
-    return grad_x, grad_weights, None, None, None
+    return grad_x, grad_weights, None, None, None, None
 
 
 _dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
@@ -208,8 +217,11 @@ def _combine_rows_fwd(weighted, handle, y, weights):
 def _combine_rows_bwd(weighted, residuals, g):
     handle, y, weights = residuals
     if not weighted:
-        return None, walk.redispatch(handle, g), jnp.zeros_like(weights)
-    grad_y, grad_weights = walk.combine_vjp(handle, g, y, weights)
+        grad_y, grad_weights = walk.redispatch(handle, g), jnp.zeros_like(weights)
+    else:
+        grad_y, grad_weights = walk.combine_vjp(handle, g, y, weights)
+    if handle.plan.config.poison_padding:
+        grad_y = _poison_padding(grad_y, handle.row_end)
     return None, grad_y, grad_weights
 
 

@@ -12,7 +12,8 @@
 #              compute-sanitizer on the virtual-rank harness (R = 2, tiny sizes)
 #   layer      a whole MoE layer (dispatch -> grouped GEMM -> combine, fwd + bwd) against the same
 #              layer on ragged_all_to_all
-#   bench      the Hybrid-EP preset, both backends and the baselines
+#   bench      the Hybrid-EP preset, both backends (rows fusible and behind a barrier) and the
+#              baselines
 #   lowering   the CUDA lowering tests beside the real handlers
 #   profile    (on request) Nsight Compute on the transport kernels at 8 SMs
 #   sass       (on request) the module's SASS, to read sanitizer offsets against
@@ -158,8 +159,8 @@ run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 "${SANITI
 JAX_PLATFORMS=cuda run layer 120 "$PY" -m jax_hybridep.bench.layer --tokens 4096 --hidden 2048 \
   --ffn 1024 --experts_per_device 8 --k 8 --json "$LOGS/layer_gpu.json"
 JAX_PLATFORMS=cuda run bench 180 "$PY" -m jax_hybridep.bench --preset hybridep --routings uniform \
-  --capacities dropless,1.25 --directions fwd+bwd --topologies flat --repeats 10 --warmup 3 \
-  --json "$LOGS/bench_gpu.json" --png "$LOGS/bench_gpu.png"
+  --capacities dropless,1.25 --directions fwd+bwd --topologies flat --variants fusible,barrier \
+  --repeats 10 --warmup 3 --json "$LOGS/bench_gpu.json" --png "$LOGS/bench_gpu.png"
 # Lowering for CUDA is checked on CPU machines too; here it runs beside the real handlers.
 run lowering 60 "${PYTEST[@]}" $(per_test_limit 50) tests/cuda_lowering_test.py
 # Not in the default steps: Nsight Compute on the four transport kernels at 8 SMs (stall reasons,

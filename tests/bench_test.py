@@ -21,6 +21,8 @@ CASE_FIELDS = (
     "topology",
     "routing",
     "capacity",
+    "variant",
+    "zero_padding",
     "capacity_factor",
     "row_budget_factor",
     "baseline_capacity",
@@ -106,6 +108,24 @@ def test_row_budget_cases(doc):
         drops.setdefault((c["routing"], c["direction"]), set()).add(c["dropped"])
     assert all(len(v) == 1 for v in drops.values()), drops  # same drops on every backend/topology
     assert len(labels) == len(budget)
+
+
+def test_barrier_variant_and_unzeroed_padding_give_the_same_results():
+    """--variants barrier puts an optimization_barrier before combine; --no-zero-padding leaves
+    rows past the groups unwritten: values stay correct for both backends."""
+    doc = bench_main.benchmark(
+        "tiny", jax.devices()[:4], routings=("skewed",), capacities=(None,),
+        methods=("hybridep",), topologies=("flat",), directions=("fwd+bwd",),
+        variants=("fusible", "barrier"), zero_padding=False, repeats=1, warmup=0,
+        log=lambda _: None,
+    )  # fmt: skip
+    labels = {c["label"] for c in doc["cases"]}
+    assert labels == {
+        f"hybridep-{b}/flat{v}+nozero" for b in ("ffi", "xla") for v in ("", "+barrier")
+    }
+    assert {c["variant"] for c in doc["cases"]} == {"fusible", "barrier"}
+    assert all(c["zero_padding"] is False for c in doc["cases"])
+    assert all(c["max_rel_err"] is not None and c["max_rel_err"] < 1e-2 for c in doc["cases"])
 
 
 def test_parse_capacities():

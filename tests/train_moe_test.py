@@ -1,8 +1,12 @@
 """The main job, examples/train_moe.py, end to end at tiny sizes (in-process, first 8 devices).
 
 Covers: a short run writes its plot, checkpoint, metrics and `eval loss:` line with finite losses;
-`resume` restores that checkpoint exactly and continues from its step; and training gives the same
-losses bit for bit with the `xla` and `ffi` dispatch backends (DESIGN §2.1.4), drops included.
+`resume` restores that checkpoint exactly and continues from its step, also after a process died
+while committing a newer one; training gives the same losses bit for bit with the `xla` and `ffi`
+dispatch backends (DESIGN §2.1.4), drops included; `--replan_every` recompiles on new domains when
+the link schedule drops the bandwidth, and only then; every bad flag fails before a model is built
+with a message naming it; `--resume` from a missing, emptied, corrupt or incompatible checkpoint
+(or metrics file) names the directory and the problem.
 """
 
 from __future__ import annotations
@@ -12,14 +16,22 @@ import io
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
 from rich.console import Console
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
 
+import train_config  # noqa: E402
 import train_moe  # noqa: E402
+
+from jax_hybridep import traffic  # noqa: E402
+from jax_hybridep.xdc import migrate  # noqa: E402
+from jax_hybridep.xdc.domains import INNER_SUFFIX  # noqa: E402
 
 TINY = train_moe.TrainConfig(
     steps=3,
@@ -52,7 +64,17 @@ def _no_backend_override(monkeypatch):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     cfg = dataclasses.replace(TINY, output_dir=str(tmp_path_factory.mktemp("train_moe")))
-    return cfg, *_train(cfg)
+    metrics, text = _train(cfg)
+    # A copy as the run left it, for the tests that break it (the resume test extends the run).
+    shutil.copytree(cfg.output_dir, cfg.output_dir + "_pristine")
+    return cfg, metrics, text
+
+
+def _copy_of_first_run(first_run, tmp_path, **changes):
+    cfg = first_run[0]
+    out = tmp_path / "run"
+    shutil.copytree(cfg.output_dir + "_pristine", out)
+    return dataclasses.replace(cfg, output_dir=str(out), **changes)
 
 
 def test_short_run_writes_its_outputs(first_run):
@@ -74,10 +96,35 @@ def test_short_run_writes_its_outputs(first_run):
     assert os.listdir(os.path.join(cfg.output_dir, "checkpoint")) == ["3"]
 
 
-def test_resume_continues_from_the_saved_step(first_run):
+# Saves step 5 with train_moe's own save, in a process that dies just before the rename that
+# would commit it.
+CRASH_AT_COMMIT = """
+import os, sys
+sys.path.insert(0, {examples!r})
+import numpy as np
+import train_checkpoint
+rename = os.rename
+def crash(src, dst, *args, **kwargs):
+    if os.path.basename(os.fspath(dst)) == "5":
+        os._exit(17)
+    return rename(src, dst, *args, **kwargs)
+os.rename = crash
+train_checkpoint.save({ckpt!r}, 5, dict(w=np.ones(3, np.float32)), dict(steps=5))
+"""
+
+
+def test_resume_continues_from_the_saved_step_after_a_crashed_save(first_run):
     cfg, first, _ = first_run
     cfg = dataclasses.replace(cfg, steps=5, resume=True)
-    metrics, text = _train(cfg)
+    ckpt = os.path.join(cfg.output_dir, "checkpoint")
+    code = CRASH_AT_COMMIT.format(examples=EXAMPLES, ckpt=ckpt)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 17, proc.stderr  # it died at the commit, as arranged
+    entries = sorted(os.listdir(ckpt))
+    assert entries[0] == "3" and len(entries) == 2, entries  # step 3 and the unfinished save
+
+    metrics, text = _train(cfg)  # the previous checkpoint stands: resumed from step 3
     assert "resumed from step 3" in text
     assert metrics["start_step"] == 3
     assert [r["step"] for r in metrics["train"]] == [0, 1, 2, 3, 4]
@@ -86,7 +133,7 @@ def test_resume_continues_from_the_saved_step(first_run):
     restored_eval = [r["loss"] for r in metrics["eval"] if r["step"] == 3]
     assert restored_eval == [first["final_eval_loss"]]
     assert [r["step"] for r in metrics["eval"]] == [0, 2, 3, 4, 5]
-    assert os.listdir(os.path.join(cfg.output_dir, "checkpoint")) == ["5"]
+    assert os.listdir(ckpt) == ["5"]  # committed; step 3 and the crashed save's leftovers gone
 
 
 def test_xla_and_ffi_backends_train_identically(tmp_path):
@@ -143,3 +190,172 @@ def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(t
     # gate's gradient (32 x 8 float32, summed over the 8 ranks: 2 * 4 / 8 of it too).
     assert sr["program_traffic"]["dc"]["all-reduce"] == 3 * 32 * 32 * 4 + 32 * 8 * 4
     assert all(math.isfinite(r["loss"]) for r in sr["train"])
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was built before the flags were checked")
+
+
+def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidth(tmp_path):
+    # At 100 Gbps with 0.1 ms per message, replicating experts over domains of 4 beats 4 token
+    # exchanges (the plan at step 0); at 0.01 Gbps moving the experts costs more: fewer replicas.
+    cfg = dataclasses.replace(
+        TINY, steps=4, replan_every=2, links="ep=100:0.1", link_schedule="2:ep=0.01",
+        output_dir=str(tmp_path),
+    )  # fmt: skip
+    hlo = []
+    metrics = train_moe.train(cfg, Console(file=io.StringIO()), on_compile=hlo.append)
+    replans = metrics["replans"]
+    assert [(r["step"], r["changed"]) for r in replans] == [(2, True), (4, False)]
+    assert replans[0]["gbps"] == {"ep": 0.01}
+    (new,) = replans[0]["layer_domains"]
+    assert new[0] < 4 and replans[1]["layer_domains"] == [new]
+    assert len(hlo) == 2  # one more compile, for the one change
+    # What each compiled step all-gathers: the S - 1 other replicas of a rank's one expert.
+    expert = 3 * 32 * 32 * 4
+    axes = {"ep", "ep" + INNER_SUFFIX}
+    gathered = [
+        traffic.crossing_bytes(h, axes, op_name=migrate.GATHER_SCOPE)["all-gather"] for h in hlo
+    ]
+    assert gathered == [3 * expert, (new[0] - 1) * expert]
+    assert all(math.isfinite(r["loss"]) for r in metrics["train"])
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(mesh="ep=3"), r"--experts=8 is not divisible by the EP size 3 of --mesh=ep=3"),
+        (dict(mesh="ep=32"), r"--mesh=ep=32 needs 32 devices, have 16"),
+        (dict(mesh="ep"), r"--mesh must look like 'ep=8'"),
+        (dict(mesh="ep=0"), r"--mesh=ep=0 needs a name and a size >= 1 for every axis"),
+        (dict(mesh="ep=2,ep=4"), r"--mesh=ep=2,ep=4 names an axis twice"),
+        (dict(mesh="data=8"), r"--mesh=data=8 has no EP axis"),
+        (
+            dict(capacity_factor=0.0),
+            r"--capacity_factor=0.0 must be a finite number > 0, or .none.",
+        ),
+        (dict(capacity_factor=-1.0), r"--capacity_factor=-1.0 must be a finite number > 0"),
+        (dict(capacity_factor=math.inf), r"--capacity_factor=inf must be a finite number > 0"),
+        (dict(top_k=9), r"--top_k=9 exceeds --experts=8"),
+        (dict(heads=3), r"--d_model=32 must split into --heads=3 heads of even size"),
+        (dict(batch=0), r"--batch=0 must be an integer >= 1"),
+        (dict(steps=-1), r"--steps=-1 must be an integer >= 0"),
+        (dict(seed=-1), r"--seed=-1 must be an integer >= 0"),
+        (dict(eval_every=0), r"--eval_every=0 must be an integer >= 1"),
+        (dict(d_model=2.5), r"--d_model=2.5 must be an integer >= 1"),
+        (dict(lr=math.nan), r"--lr=nan must be a finite number > 0"),
+        (dict(backend="gpu"), r"--backend='gpu' must be one of auto, xla, ffi"),
+        (dict(batch=1, seq_len=31), r"--batch=1 x --seq_len=31 = 31 tokens per step do not split"),
+        (dict(seq_len=10**9), r"--seq_len=1000000000 is too long for the \d+-byte training text"),
+        (dict(eval_batches=10**6), r"--eval_batches=1000000 x --batch=8 = 8000000 held-out"),
+        (dict(domains="dc=2"), r"--domains=dc=2 on --mesh=ep=8: domain sizes name \['dc'\]"),
+        (dict(domains="ep=3"), r"--domains=ep=3 on --mesh=ep=8: domain size 3 at level"),
+        (dict(domains="ep"), r"--domains=ep must look like 'dc=2'"),
+        (dict(domain_compression=8.0), r"--domain_compression=8.0 needs --domains"),
+        (dict(domains="ep=2", domain_compression=0.5), r"--domain_compression=0.5 must be a"),
+        (dict(domain_shared="median"), r"--domain_shared='median' must be one of persistent, "),
+        (dict(domain_sync_every=0), r"--domain_sync_every=0 must be an integer >= 1"),
+        (dict(grad_compression=4.0), r"--grad_compression=4.0 needs --domains or --replan_"),
+        (dict(domains="ep=2", grad_compression=1.0), r"--grad_compression=1.0 must be a finite"),
+        (dict(memory_limit_mb=-1.0), r"--memory_limit_mb=-1.0 must be a finite number >= 0"),
+        (dict(prefetch="yes"), r"--prefetch='yes' must be true or false"),
+        (dict(links="ep=10"), r"--links=ep=10 is only used with --replan_every"),
+        (dict(replan_every=-1), r"--replan_every=-1 must be an integer >= 0"),
+        (dict(replan_every=2), r"--replan_every=2 needs --links"),
+        (dict(replan_every=2, links="dc=10"), r"--links=dc=10: .* must name one of the levels"),
+        (dict(replan_every=2, links="ep=10", link_schedule="2:dc=1"), r"--link_schedule=2:dc=1"),
+        (dict(replan_every=2, links="ep=10", resume=True), r"cannot be combined with --resume"),
+    ],
+)
+def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "out"), **changes)
+    with pytest.raises(train_moe.FlagError, match=message):
+        train_moe.train(cfg)
+    assert not os.path.exists(cfg.output_dir)  # nothing written either
+
+
+def test_output_dir_that_is_a_file_is_a_flag_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    (tmp_path / "file").write_text("")
+    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "file"))
+    with pytest.raises(train_moe.FlagError, match=r"--output_dir=.*file exists and is not a dir"):
+        train_moe.train(cfg)
+
+
+def test_dropless_is_spelled_none():
+    parse = train_config.parse_capacity_factor
+    assert TINY.capacity_factor is None and train_config.TrainConfig().capacity_factor is None
+    assert parse(None) is None and parse("none") is None and parse("None") is None
+    assert parse("1.25") == 1.25
+    with pytest.raises(train_moe.FlagError, match=r"--capacity_factor=x must be a number > 0"):
+        parse("x")
+
+
+def test_command_line_flag_error_is_one_line():
+    """The issue's example: --mesh=ep=3 on 8 devices ends with the library-style message."""
+    script = os.path.join(EXAMPLES, "train_moe.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, script, "--mesh=ep=3", "--output_dir=/nonexistent/never/made"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "train_moe.py: --experts=8 is not divisible by the EP size 3 of --mesh=ep=3 (EP axes "
+        "('ep',): every axis but 'data'); each EP rank holds experts / EP of them"
+    )
+
+
+def test_resume_without_a_checkpoint_names_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
+    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "never_ran"), resume=True)
+    ckpt = os.path.join(cfg.output_dir, "checkpoint")
+    with pytest.raises(train_moe.ResumeError, match=f"no checkpoint directory {ckpt} "):
+        train_moe.train(cfg)
+
+
+def test_resume_from_an_emptied_step_directory(first_run, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
+    cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5)
+    step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
+    shutil.rmtree(step_dir)
+    os.mkdir(step_dir)
+    with pytest.raises(train_moe.ResumeError, match=f"the checkpoint {step_dir} is empty"):
+        train_moe.train(cfg)
+
+
+def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
+    cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5)
+    step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
+    for root, _, files in os.walk(os.path.join(step_dir, "state")):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"\x00garbage")
+    with pytest.raises(train_moe.ResumeError, match=f"the checkpoint {step_dir} is corrupt"):
+        train_moe.train(cfg)
+
+
+def test_resume_with_a_changed_model_names_the_flags(first_run, tmp_path):
+    cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, d_model=64)
+    step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
+    with pytest.raises(train_moe.ResumeError) as excinfo:
+        train_moe.train(cfg)
+    message = str(excinfo.value)
+    assert message.startswith(f"--resume: the checkpoint {step_dir} does not fit this run's model")
+    assert "it was written with --d_model=32 (this run: 64)" in message
+
+
+def test_resume_with_a_corrupt_metrics_file(first_run, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
+    cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5)
+    path = os.path.join(cfg.output_dir, "metrics.json")
+    with open(path, "w") as f:
+        f.write('{"train": [')
+    with pytest.raises(train_moe.ResumeError, match=f"--resume: {path} cannot be read"):
+        train_moe.train(cfg)

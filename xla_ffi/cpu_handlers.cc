@@ -125,7 +125,7 @@ std::vector<SourceRows> Sources(const PeerInputs& in, bool with_weights) {
 ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weights,
                          ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> dest,
                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                         ExchangeAttrs exchange, ffi::Result<ffi::AnyBuffer> tokens,
+                         RowExchangeAttrs exchange, ffi::Result<ffi::AnyBuffer> tokens,
                          ffi::ResultBuffer<ffi::F32> row_weights) {
   auto dtype = ToDtype(x.element_type(), "x");
   if (dtype.has_error()) return Failed(dtype.error());
@@ -143,6 +143,7 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     RowOutputs rows_out;
     rows_out.tokens = out;
     rows_out.weights = out_weights;
+    rows_out.sparse_pad_multiple = exchange.sparse_pad_multiple;
     PullRows(shape, call.rank, sources.data(), dtype.value(), rows_out);
     return Status::Ok();
   };
@@ -155,7 +156,7 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
 ffi::Future CombineVjpImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
                            ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_pos,
                            ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
-                           ffi::Buffer<ffi::S32> group, ExchangeAttrs exchange,
+                           ffi::Buffer<ffi::S32> group, RowExchangeAttrs exchange,
                            ffi::Result<ffi::AnyBuffer> scaled, ffi::ResultBuffer<ffi::F32> dot) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return Failed(dtype.error());
@@ -176,6 +177,7 @@ ffi::Future CombineVjpImpl(ffi::RunId run_id, ffi::AnyBuffer g, ffi::Buffer<ffi:
   out.scaled = static_cast<char*>(scaled->untyped_data());
   out.y = static_cast<const char*>(y.untyped_data());
   out.dot = dot->typed_data();
+  out.sparse_pad_multiple = exchange.sparse_pad_multiple;
   p.read = [=]() {
     const std::vector<SourceRows> sources = Sources(*in, false);
     PullRows(shape, call.rank, sources.data(), dtype.value(), out);
@@ -277,7 +279,7 @@ XLA_FFI_DEFINE_HANDLER(kDispatch, DispatchImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attrs<ExchangeAttrs>()
+                           .Attrs<RowExchangeAttrs>()
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // row_weights [C]
 
@@ -291,7 +293,7 @@ XLA_FFI_DEFINE_HANDLER(kCombineVjp, CombineVjpImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attrs<ExchangeAttrs>()
+                           .Attrs<RowExchangeAttrs>()
                            .Ret<ffi::AnyBuffer>()           // scaled [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // dot [C]
 

@@ -86,7 +86,8 @@ ffi::Error LevelPackImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> dest, ffi::B
 
 // The last level's items into expert-major rows.
 ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
-                           ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::AnyBuffer> tokens,
+                           ffi::Buffer<ffi::F32> weights, int64_t sparse_pad_multiple,
+                           ffi::Result<ffi::AnyBuffer> tokens,
                            ffi::ResultBuffer<ffi::F32> row_weights) {
   auto dtype = ToDtype(rows.element_type(), "the rows");
   if (dtype.has_error()) return dtype.error();
@@ -96,6 +97,7 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
   RowOutputs out;
   out.tokens = static_cast<char*>(tokens->untyped_data());
   out.weights = row_weights->typed_data();
+  out.sparse_pad_multiple = sparse_pad_multiple;
   ExpandItems(shape, items, tokens->dimensions()[0], dtype.value(), out);
   return ffi::Error::Success();
 }
@@ -104,7 +106,8 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
 // dot = RowDot(y[row], row) per row (as the one-level combine_vjp), the rows never stored.
 ffi::Error ExpandItemsVjpImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
                               ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer y,
-                              ffi::Result<ffi::AnyBuffer> scaled, ffi::ResultBuffer<ffi::F32> dot) {
+                              int64_t sparse_pad_multiple, ffi::Result<ffi::AnyBuffer> scaled,
+                              ffi::ResultBuffer<ffi::F32> dot) {
   auto dtype = ToDtype(rows.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
@@ -120,6 +123,7 @@ ffi::Error ExpandItemsVjpImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
   out.scaled = static_cast<char*>(scaled->untyped_data());
   out.y = static_cast<const char*>(y.untyped_data());
   out.dot = dot->typed_data();
+  out.sparse_pad_multiple = sparse_pad_multiple;
   ExpandItems(shape, items, out_rows, dtype.value(), out);
   return ffi::Error::Success();
 }
@@ -259,18 +263,20 @@ XLA_FFI_DEFINE_HANDLER(kLevelPack, LevelPackImpl,
 
 XLA_FFI_DEFINE_HANDLER(kExpandItems, ExpandItemsImpl,
                        ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()           // rows [M, H]
-                           .Arg<ffi::Buffer<ffi::S32>>()    // pos [M, K]
-                           .Arg<ffi::Buffer<ffi::F32>>()    // weights [M, K]
+                           .Arg<ffi::AnyBuffer>()         // rows [M, H]
+                           .Arg<ffi::Buffer<ffi::S32>>()  // pos [M, K]
+                           .Arg<ffi::Buffer<ffi::F32>>()  // weights [M, K]
+                           .Attr<int64_t>("sparse_pad_multiple")
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // row_weights [C]
 
 XLA_FFI_DEFINE_HANDLER(kExpandItemsVjp, ExpandItemsVjpImpl,
                        ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()           // rows [M, H] (of g)
-                           .Arg<ffi::Buffer<ffi::S32>>()    // pos [M, K]
-                           .Arg<ffi::Buffer<ffi::F32>>()    // scale [C]
-                           .Arg<ffi::AnyBuffer>()           // y [C, H]
+                           .Arg<ffi::AnyBuffer>()         // rows [M, H] (of g)
+                           .Arg<ffi::Buffer<ffi::S32>>()  // pos [M, K]
+                           .Arg<ffi::Buffer<ffi::F32>>()  // scale [C]
+                           .Arg<ffi::AnyBuffer>()         // y [C, H]
+                           .Attr<int64_t>("sparse_pad_multiple")
                            .Ret<ffi::AnyBuffer>()           // scaled [C, H]
                            .Ret<ffi::Buffer<ffi::F32>>());  // dot [C]
 

@@ -183,12 +183,18 @@ class RowWriter {
 
   void Finish() {
     // Only the unfilled rows are written: a large, mostly empty buffer (dropless C) costs one
-    // pass over its empty part besides one copy per filled row.
-    if (out_.tokens != nullptr) ZeroUnfilledRows(rows_, row_bytes_, filled_.data(), out_.tokens);
-    if (out_.scaled != nullptr) ZeroUnfilledRows(rows_, row_bytes_, filled_.data(), out_.scaled);
+    // pass over its empty part besides one copy per filled row, or, with a sparse pad multiple,
+    // over the padding inside the filled extent only.
+    const int64_t end = WrittenRows();
+    if (out_.tokens != nullptr) ZeroUnfilledRows(end, row_bytes_, filled_.data(), out_.tokens);
+    if (out_.scaled != nullptr) ZeroUnfilledRows(end, row_bytes_, filled_.data(), out_.scaled);
     for (int64_t r = 0; r < rows_; ++r) {
       if (filled_[r]) continue;
       if (out_.weights != nullptr) out_.weights[r] = 0.0f;
+      if (r >= end) {
+        if (out_.dot != nullptr) out_.dot[r] = 0.0f;  // a padding row's gradient goes nowhere
+        continue;
+      }
       if (out_.scaled != nullptr) {
         const float v = 0.0f * out_.scale[r];  // what XLA computes for a zero row: -0, NaN too
         if (FloatToBits(v) != 0u) {
@@ -203,6 +209,16 @@ class RowWriter {
   }
 
  private:
+  // Rows [0, end) get written: all of them, or the filled extent rounded up to the pad multiple
+  // (group offsets are multiples of it, so this is the destination's sum(group_sizes)).
+  int64_t WrittenRows() const {
+    const int64_t pad = out_.sparse_pad_multiple;
+    if (pad <= 0) return rows_;
+    int64_t last = rows_;
+    while (last > 0 && !filled_[last - 1]) --last;
+    return std::min(rows_, (last + pad - 1) / pad * pad);
+  }
+
   int64_t rows_, row_bytes_, hidden_;
   Dtype dtype_;
   RowOutputs out_;

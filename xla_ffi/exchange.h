@@ -72,6 +72,10 @@ struct RowOutputs {
                                  // (unfilled: 0 * scale[row], as XLA computes it: -0 or NaN too)
   const char* y = nullptr;       // [C, row_bytes], used with `dot`
   float* dot = nullptr;          // [C]: RowDot(y[row], row) (numeric.h's order)
+  // > 0 (DispatchConfig(zero_padding=False)): rows at or past the filled extent rounded up to this
+  // multiple (the destination's sum(group_sizes)) are left as they are in tokens and scaled,
+  // and their dot is 0; the padding inside that extent is still written. 0: every row written.
+  int64_t sparse_pad_multiple = 0;
 };
 
 // One row a destination writes: the token `token` [row_bytes] with routing weight `weight`.

@@ -83,6 +83,12 @@ struct ExchangeAttrs {
   int64_t timeout_ms;  // how long each waits for the others before failing
 };
 
+// dispatch, combine_vjp (one in-process level): the exchange, and the rows left unwritten
+// (RowOutputs::sparse_pad_multiple; 0 unless DispatchConfig(zero_padding=False)).
+struct RowExchangeAttrs : ExchangeAttrs {
+  int64_t sparse_pad_multiple;
+};
+
 // combine: the exchange, and whether the rows are weighted.
 struct CombineAttrs : ExchangeAttrs {
   bool weighted;
@@ -257,6 +263,9 @@ inline Status StrictCheck(const LayoutAttrs& attrs, const GroupPlan& plan, int32
       StructMember<Span<const int64_t>>("expert_slot"), StructMember<bool>("strict")
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::ExchangeAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::RowExchangeAttrs,
+                                      JAX_HYBRIDEP_EXCHANGE_MEMBERS,
+                                      StructMember<int64_t>("sparse_pad_multiple"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::CombineAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS,
                                       StructMember<bool>("weighted"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::LevelSendAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS,

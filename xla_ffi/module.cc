@@ -88,6 +88,8 @@ NB_MODULE(_hybridep, m) {
       "FFI target name -> handler capsule, for platform 'cpu'.");
   m.def("open_exchange_count", &jax_hybridep::OpenExchangeCount,
         "Exchanges waiting for ranks in this process (0 when idle).");
+  m.def("call_site_state_count", &jax_hybridep::CallSiteStateCount,
+        "Per-(call site, EP group, rank) generation counters held in this process (0 when idle).");
   m.def("round_trip", &jax_hybridep::RoundTrip, nb::arg("dtype"), nb::arg("values"));
   m.def(
       "limits",

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -65,6 +67,8 @@ struct Registry {
   bool watchdog_started = false;
   std::map<Key, std::unique_ptr<Exchange>> open;
   // (site, group, rank) -> (run id, calls so far in that run): the generation of the next call.
+  // Call sites are trace-time ids, so a process that retraces makes new ones without end: an
+  // entry lives only while its site is busy (see ForgetQuiescentSite, ForgetFailedSite).
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<int64_t, int64_t>> calls;
   // Runs in which an exchange failed, with the first failure: the run's later exchanges fail at
   // once instead of each waiting out its timeout for ranks that have stopped.
@@ -163,6 +167,48 @@ void FailArrived(Exchange& ex, const Status& status) {
   }
 }
 
+// The generation of this rank's next call at (site, group) in run `run_id`.
+int64_t NextGeneration(Registry& registry, int64_t run_id, int64_t site, int64_t group,
+                       int64_t rank) {
+  auto& [last_run, calls] = registry.calls[{site, group, rank}];
+  if (last_run != run_id) {
+    last_run = run_id;
+    calls = 0;
+  }
+  return calls++;
+}
+
+// The counters of every rank at (site, group): a contiguous range of `calls`.
+auto SiteCounters(Registry& registry, int64_t site, int64_t group) {
+  constexpr int64_t kLowest = std::numeric_limits<int64_t>::min();
+  constexpr int64_t kHighest = std::numeric_limits<int64_t>::max();
+  return std::make_pair(registry.calls.lower_bound({site, group, kLowest}),
+                        registry.calls.upper_bound({site, group, kHighest}));
+}
+
+// Called when exchange `key` of `num_ranks` ranks has every rank: if no rank has called the site
+// since (every rank's count is key.generation + 1), no exchange of the site is open and its
+// counters go. A later call at the site, in this run or another, starts again at generation 0 on
+// every rank alike, so keys stay unique among the open exchanges and ranks agree on them.
+void ForgetQuiescentSite(Registry& registry, const Key& key, int64_t num_ranks) {
+  const std::pair<int64_t, int64_t> settled{key.run_id, key.generation + 1};
+  auto [first, last] = SiteCounters(registry, key.site, key.group);
+  int64_t count = 0;
+  for (auto it = first; it != last; ++it, ++count) {
+    if (it->second != settled) return;
+  }
+  if (count == num_ranks) registry.calls.erase(first, last);
+}
+
+// Called when exchange `key` failed: the rest of its run is skipped without counting calls, so
+// the site's counters for that run are of no further use.
+void ForgetFailedSite(Registry& registry, const Key& key) {
+  auto [it, last] = SiteCounters(registry, key.site, key.group);
+  while (it != last) {
+    it = it->second.first == key.run_id ? registry.calls.erase(it) : std::next(it);
+  }
+}
+
 void Watchdog() {
   Registry& registry = GetRegistry();
   std::unique_lock<std::mutex> lock(registry.mu);
@@ -177,8 +223,11 @@ void Watchdog() {
       registry.watchdog_wakeup.wait(lock);
       continue;
     }
-    if (Clock::now() < earliest->second->deadline) {
-      registry.watchdog_wakeup.wait_until(lock, earliest->second->deadline);
+    // A copy: wait_until reads its deadline again after waking, when the exchange may be gone
+    // (completed and freed by its last rank while the lock was released).
+    const Clock::time_point deadline = earliest->second->deadline;
+    if (Clock::now() < deadline) {
+      registry.watchdog_wakeup.wait_until(lock, deadline);
       continue;
     }
     std::unique_ptr<Exchange> ex = std::move(earliest->second);
@@ -195,6 +244,7 @@ void Watchdog() {
            "DispatchConfig(timeout_s=...) or JAX_HYBRIDEP_TIMEOUT_S.";
     const Status status{Status::Code::kDeadlineExceeded, msg.str()};
     RecordFailedRun(registry, ex->key.run_id, status.message);
+    ForgetFailedSite(registry, ex->key);
     lock.unlock();
     FailArrived(*ex, status);
     lock.lock();
@@ -290,17 +340,6 @@ void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   WorkerPool::Get().Run(n, fn);
 }
 
-// The generation of this rank's next call at (site, group) in run `run_id`.
-int64_t NextGeneration(Registry& registry, int64_t run_id, int64_t site, int64_t group,
-                       int64_t rank) {
-  auto& [last_run, calls] = registry.calls[{site, group, rank}];
-  if (last_run != run_id) {
-    last_run = run_id;
-    calls = 0;
-  }
-  return calls++;
-}
-
 }  // namespace
 
 void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t group,
@@ -314,7 +353,7 @@ void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t
   };
   Registry& registry = GetRegistry();
   std::unique_lock<std::mutex> lock(registry.mu);
-  const Key key{run_id, site, group, NextGeneration(registry, run_id, site, group, rank)};
+  // A failed run's calls are skipped before they are counted: they leave no state behind.
   if (const std::string* failure = FailedRun(registry, run_id)) {
     Status status{Status::Code::kAborted, "jax_hybridep: exchange '" + name +
                                               "' skipped: an earlier exchange of this "
@@ -324,6 +363,7 @@ void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t
     participant.done(status);
     return;
   }
+  const Key key{run_id, site, group, NextGeneration(registry, run_id, site, group, rank)};
   auto [it, inserted] = registry.open.try_emplace(key, nullptr);
   if (inserted) {
     it->second =
@@ -347,6 +387,7 @@ void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t
     std::unique_ptr<Exchange> failed = std::move(it->second);
     registry.open.erase(it);
     RecordFailedRun(registry, run_id, status.message);
+    ForgetFailedSite(registry, key);
     lock.unlock();
     FailArrived(*failed, status);
     participant.done(status);
@@ -358,6 +399,7 @@ void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t
   // Last to arrive: run the exchange for everyone, outside the lock.
   std::unique_ptr<Exchange> mine = std::move(it->second);
   registry.open.erase(it);
+  ForgetQuiescentSite(registry, key, num_ranks);
   lock.unlock();
   std::vector<Published> published(num_ranks);
   for (int64_t r = 0; r < num_ranks; ++r) published[r] = mine->ranks[r]->published;
@@ -381,6 +423,12 @@ int64_t OpenExchangeCount() {
   Registry& registry = GetRegistry();
   std::lock_guard<std::mutex> lock(registry.mu);
   return static_cast<int64_t>(registry.open.size());
+}
+
+int64_t CallSiteStateCount() {
+  Registry& registry = GetRegistry();
+  std::lock_guard<std::mutex> lock(registry.mu);
+  return static_cast<int64_t>(registry.calls.size());
 }
 
 }  // namespace jax_hybridep

@@ -12,9 +12,11 @@
 // A rendezvous is keyed by (execution, call site, EP group, generation) (DESIGN §2.1.7): the run
 // id is shared by all devices of one execution; the call site is a trace-time id; the group comes
 // from the non-EP mesh axes; the generation counts repeated executions of one call site within an
-// execution (scan, remat). A watchdog fails a rendezvous that is not complete by its deadline with
-// an error naming the ranks that did not arrive, and fails the rest of that execution's exchanges
-// at once; no state is left behind, so the process stays usable.
+// execution (scan, remat). A call site's generation counters are dropped once its exchanges have
+// completed (sites are trace-time ids, so a process that retraces makes new ones without end), and
+// a later call starts again at generation 0. A watchdog fails a rendezvous that is not complete by
+// its deadline with an error naming the ranks that did not arrive, and fails the rest of that
+// execution's exchanges at once; no state is left behind, so the process stays usable.
 #ifndef JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
 #define JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
 
@@ -62,6 +64,10 @@ void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t
 
 // Number of exchanges waiting for ranks (for tests: 0 when the process is idle).
 int64_t OpenExchangeCount();
+
+// Number of (call site, EP group, rank) generation counters held (for tests: a site's counters go
+// once its exchanges have completed, so this stays bounded however often a program is retraced).
+int64_t CallSiteStateCount();
 
 }  // namespace jax_hybridep
 

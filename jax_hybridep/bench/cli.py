@@ -8,24 +8,21 @@ import math
 from collections.abc import Sequence
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
-    return value
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = lo - 1
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int >= {lo}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 0")
-    return value
+positive_int = _int_at_least(1)
+nonnegative_int = _int_at_least(0)
 
 
 def positive_float(text: str) -> float:

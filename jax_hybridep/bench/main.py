@@ -71,6 +71,13 @@ def parser() -> argparse.ArgumentParser:
                    default=list(runner.TOPOLOGIES))  # fmt: skip
     p.add_argument("--directions", type=cli.choice_list(runner.DIRECTIONS),
                    default=list(runner.DIRECTIONS))  # fmt: skip
+    p.add_argument("--variants", type=cli.choice_list(runner.VARIANTS), default=["fusible"],
+                   help="hybridep rows straight into combine ('fusible'; XLA may fuse the xla "
+                   "backend's expansion away) and/or through an optimization_barrier "
+                   "('barrier'; every backend materialises them)")  # fmt: skip
+    p.add_argument("--zero-padding", action=argparse.BooleanOptionalAction, default=True,
+                   help="hybridep's DispatchConfig.zero_padding (--no-zero-padding: rows past "
+                   "the groups unwritten)")  # fmt: skip
     p.add_argument("--repeats", type=cli.positive_int, default=None,
                    help="timed calls (median reported)")  # fmt: skip
     p.add_argument("--warmup", type=cli.nonnegative_int, default=None,
@@ -98,6 +105,8 @@ def benchmark(
     backends=("ffi", "xla"),
     topologies=("flat", "hierarchical"),
     directions=runner.DIRECTIONS,
+    variants=("fusible",),
+    zero_padding=True,
     repeats=None,
     warmup=None,
     nodes=2,
@@ -126,7 +135,8 @@ def benchmark(
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     workloads = [make_inputs(preset, len(devices), r, seed) for r in routings]
-    cases = runner.build_cases(capacities, methods, backends, topologies, platform_name == "gpu")
+    cases = runner.build_cases(capacities, methods, backends, topologies, platform_name == "gpu",
+                               variants, zero_padding)  # fmt: skip
     res = runner.run(
         preset,
         devices,
@@ -165,6 +175,8 @@ def benchmark(
             "warmup": res["warmup"],
             "seed": seed,
             "routings": list(routings),
+            "variants": list(variants),
+            "zero_padding": zero_padding,
         },
         "definitions": {"metrics": metrics.__doc__, "baselines": runner.baselines.__doc__},
         "cases": res["cases"],
@@ -187,6 +199,8 @@ def main(argv=None) -> dict:
         backends=args.backends,
         topologies=args.topologies,
         directions=args.directions,
+        variants=args.variants,
+        zero_padding=args.zero_padding,
         repeats=args.repeats,
         warmup=args.warmup,
         nodes=args.nodes,

@@ -88,6 +88,8 @@ def case_row(
         "topology": case.topology,
         "routing": wl.routing,
         "capacity": case.capacity,
+        "variant": case.variant if case.method == "hybridep" else None,
+        "zero_padding": case.zero_padding if case.method == "hybridep" else None,
         "capacity_factor": case.capacity_factor,
         "row_budget_factor": None if case.budget is None else case.budget.factor,
         "baseline_capacity": case.baseline_capacity,

@@ -57,7 +57,13 @@ def aggregate(xplane_path: str, labels: dict[str, str]) -> dict[str, float]:
 
 
 def profile(
-    capacity=1.25, backend="ffi", topology="flat", routing="uniform", steps=3, preset_name="cpu"
+    capacity=1.25,
+    backend="ffi",
+    topology="flat",
+    routing="uniform",
+    steps=3,
+    preset_name="cpu",
+    zero_padding=True,
 ):
     """Returns (median step seconds, {label: seconds per step per device}, hlo text)."""
     import jax
@@ -72,7 +78,7 @@ def profile(
     args = runner.device_args(wl, mesh, axes, jnp.dtype(preset.dtype))
     budget = capacity if isinstance(capacity, runner.Budget) else None
     factor = None if budget is not None else capacity
-    case = runner.Case("hybridep", backend, topology, factor, budget)
+    case = runner.Case("hybridep", backend, topology, factor, budget, zero_padding=zero_padding)
     experts = preset.experts(len(devices))
     program, _ = runner.make_program(case, "fwd+bwd", mesh, axes, experts)
     compiled = program.lower(*args).compile()
@@ -96,6 +102,8 @@ def main(argv=None):
     p.add_argument("--routing", default="uniform", choices=("uniform", "deepseek", "skewed"))
     p.add_argument("--steps", type=cli.positive_int, default=3)
     p.add_argument("--hlo", default="", help="also write the compiled HLO here")
+    p.add_argument("--zero-padding", action=argparse.BooleanOptionalAction, default=True,
+                   help="DispatchConfig.zero_padding")  # fmt: skip
     p.add_argument(
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
@@ -114,8 +122,9 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     median, per_device, hlo = profile(
-        capacity, args.backend, args.topology, args.routing, args.steps
-    )
+        capacity, args.backend, args.topology, args.routing, args.steps,
+        zero_padding=args.zero_padding,
+    )  # fmt: skip
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(hlo)

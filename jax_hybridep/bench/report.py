@@ -16,8 +16,9 @@ def _ratio(v) -> str:
 
 def table(doc: dict) -> str:
     """Cases grouped by routing / capacity / direction, then the floors."""
+    width = max([24] + [len(r["label"]) for r in doc["cases"]])
     head = (
-        f"{'routing':9s} {'capacity':9s} {'dir':8s} {'method':24s} {'median ms':>10s} "
+        f"{'routing':9s} {'capacity':9s} {'dir':8s} {'method':{width}s} {'median ms':>10s} "
         f"{'algo GB/s':>9s} {'node MB':>8s} {'local MB':>8s} {'ep MB':>7s} {'buf MB':>7s} "
         f"{'dropped':>7s} {'vs best':>8s} {'x floor':>8s}"
     )
@@ -31,7 +32,7 @@ def table(doc: dict) -> str:
         last = group
         lb = r["level_bytes"]
         lines.append(
-            f"{r['routing']:9s} {r['capacity']:9s} {r['direction']:8s} {r['label']:24s} "
+            f"{r['routing']:9s} {r['capacity']:9s} {r['direction']:8s} {r['label']:{width}s} "
             f"{r['median_s'] * 1e3:10.3f} {r['algo_bw_GBps']:9.3f} {_mb(lb.get('node')):>8s} "
             f"{_mb(lb.get('local')):>8s} {_mb(lb.get('ep')):>7s} {_mb(r['buffer_bytes']):>7s} "
             f"{r['dropped']:7d} {_ratio(r['ratio_to_best_baseline']):>8s} "

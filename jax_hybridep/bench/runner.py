@@ -26,6 +26,10 @@ from jax_hybridep.bench.workloads import BenchInputs, Preset
 
 DIRECTIONS = ("fwd", "fwd+bwd")
 TOPOLOGIES = ("flat", "hierarchical")
+# hybridep's rows either go straight into combine, where XLA may fuse the xla backend's
+# expansion away ("fusible"), or pass an optimization_barrier first, so every backend
+# materialises them as a real expert layer would ("barrier").
+VARIANTS = ("fusible", "barrier")
 
 
 def keep_freed_memory() -> bool:
@@ -81,6 +85,8 @@ class Case:
     topology: str  # "flat" | "hierarchical"
     capacity_factor: float | None  # None = dropless
     budget: Budget | None = None  # hybridep only: dropless with a row budget
+    variant: str = "fusible"  # hybridep only: VARIANTS
+    zero_padding: bool = True  # hybridep only: DispatchConfig.zero_padding
 
     @property
     def capacity(self) -> str:
@@ -96,21 +102,32 @@ class Case:
     @property
     def label(self) -> str:
         name = self.method if self.backend is None else f"{self.method}-{self.backend}"
-        return f"{name}/{self.topology}" if self.method == "hybridep" else name
+        if self.method != "hybridep":
+            return name
+        suffix = ("" if self.variant == "fusible" else f"+{self.variant}") + (
+            "" if self.zero_padding else "+nozero"
+        )
+        return f"{name}/{self.topology}{suffix}"
 
 
-def build_cases(capacities, methods, backends, topologies, ragged: bool) -> list[Case]:
-    """hybridep at every capacity; baselines at their own: GShard at each factor f, MaxText and
-    worst-case buffers dropless. A `Budget` capacity runs hybridep only (against the dropless
-    baselines)."""
+def build_cases(capacities, methods, backends, topologies, ragged: bool,
+                variants=("fusible",), zero_padding=True) -> list[Case]:  # fmt: skip
+    """hybridep at every capacity (each variant); baselines at their own: GShard at each factor
+    f, MaxText and worst-case buffers dropless. A `Budget` capacity runs hybridep only (against
+    the dropless baselines)."""
     cases = []
+
+    def hybridep(f, budget=None):
+        return [Case("hybridep", b, t, f, budget, v, zero_padding)
+                for v in variants for t in topologies for b in backends]  # fmt: skip
+
     for f in capacities:
         if isinstance(f, Budget):
             if "hybridep" in methods:
-                cases += [Case("hybridep", b, t, None, f) for t in topologies for b in backends]
+                cases += hybridep(None, f)
             continue
         if "hybridep" in methods:
-            cases += [Case("hybridep", b, t, f) for t in topologies for b in backends]
+            cases += hybridep(f)
         if f is not None and "gshard" in methods:
             cases.append(Case("gshard", None, "flat", f))
         if f is None and "maxtext" in methods:
@@ -144,9 +161,13 @@ def _shard_fn(case: Case, mesh, axes, experts: int):
                 capacity_factor=case.capacity_factor,
                 backend=case.backend,
                 row_budget=budget,
+                zero_padding=case.zero_padding,
             )
             d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
-            out = hep.combine(d.tokens, d.handle, weights=d.weights)
+            rows = d.tokens
+            if case.variant == "barrier":
+                rows = jax.lax.optimization_barrier(rows)
+            out = hep.combine(rows, d.handle, weights=d.weights)
             return out, d.stats.dropped, d.stats.level_rows, d.tokens
 
         return fn

@@ -64,3 +64,10 @@ def layout_attrs(plan: DispatchPlan) -> dict:
         expert_slot=np.asarray(plan.expert_slot, np.int64),
         strict=np.bool_(plan.config.strict),
     )
+
+
+def row_attrs(plan: DispatchPlan) -> dict:
+    """How the row-writing handlers treat rows past sum(group_sizes): 0 zeroes them, a pad
+    multiple leaves them unwritten (DispatchConfig(zero_padding=False))."""
+    pad = 0 if plan.config.zero_padding else plan.config.pad_multiple
+    return dict(sparse_pad_multiple=np.int64(pad))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange.ffi_call import call, exchange_attrs
+from jax_hybridep.exchange.ffi_call import call, exchange_attrs, row_attrs
 from jax_hybridep.exchange.steps import (
     Items,
     Shard,
@@ -48,7 +48,7 @@ class HostFused:
         out_types = (jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype),
                      jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
         return self._call(plan, shard, "dispatch", out_types, rows, weights, pos, dest,
-                          like=(rows, weights, pos))  # fmt: skip
+                          like=(rows, weights, pos), **row_attrs(plan))  # fmt: skip
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
         dest = fast_dest(fast_level(plan, shard), held.dest)
@@ -64,7 +64,7 @@ class HostFused:
         out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),
                      jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
         return self._call(plan, shard, "combine_vjp", out_types, g, weights, y, record.pos,
-                          record.dest, like=(g, record.pos))  # fmt: skip
+                          record.dest, like=(g, record.pos), **row_attrs(plan))  # fmt: skip
 
     def partials(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, y, weights):
         weighted = weights is not None

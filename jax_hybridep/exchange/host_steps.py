@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32
+from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32, row_attrs
 from jax_hybridep.exchange.steps import Items, LevelRecord, Shard, level_peer, pytree_record
 from jax_hybridep.exchange.xla_steps import item_row_values, level_all_to_all
 
@@ -151,7 +151,7 @@ def _row_types(plan: DispatchPlan, rows):
 def _expand_items(plan: DispatchPlan, rows, pos, weights):
     """(tokens [C, H], row weights [C]) from held rows [M, H] and their rows/weights [M, K]."""
     return call("expand_items", _row_types(plan, rows), rows, pos, weights, like=(rows, pos),
-                plan=plan)  # fmt: skip
+                plan=plan, **row_attrs(plan))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,7 @@ class HostRows:
     def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g, y,
                     weights):  # fmt: skip
         return call("expand_items_vjp", _row_types(plan, g), g, record.held_pos, weights, y,
-                    like=(g, record.held_pos), plan=plan)  # fmt: skip
+                    like=(g, record.held_pos), plan=plan, **row_attrs(plan))  # fmt: skip
 
     def partials(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, y, weights):
         weighted = weights is not None

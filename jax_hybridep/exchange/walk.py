@@ -19,16 +19,16 @@ from jax_hybridep.exchange.steps import Items, Shard, copies_to_others
 from jax_hybridep.handle import Handle
 
 
-def dispatch(route, plan: DispatchPlan, x, weights, row_pos, dest, shard: Shard):
+def dispatch(route, plan: DispatchPlan, x, weights, row_pos, dest, row_end, shard: Shard):
     """(tokens [C, H], row weights [C], Handle) for x [T, H] with per-(t, k) weights, rows and
-    destination EP ranks from the layout."""
+    destination EP ranks from the layout (row_end: this rank's sum(group_sizes))."""
     held = Items(x, dest, row_pos, weights)
     records = []
     for level, step in enumerate(route.levels):
         held, record = step.send(plan, level, shard, held)
         records.append(record)
     tokens, row_weights, bottom = route.bottom.expand(plan, shard, held)
-    handle = Handle(row_pos, dest, shard, tuple(records), bottom, plan, route)
+    handle = Handle(row_pos, dest, row_end, shard, tuple(records), bottom, plan, route)
     return tokens, row_weights, handle
 
 

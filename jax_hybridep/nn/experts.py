@@ -37,9 +37,12 @@ def _windowed_swiglu(rows, group_sizes, w_gate, w_up, w_down, capacity):
 
     def one_expert(out, per_expert):
         start, size, wg, wu, wd = per_expert
-        window = jax.lax.dynamic_slice_in_dim(padded, start, capacity)
-        y = swiglu(window, wg, wu, wd)
-        y = jnp.where((jnp.arange(capacity) < size)[:, None], y, 0).astype(out.dtype)
+        mine = (jnp.arange(capacity) < size)[:, None]
+        # Rows past the group (the next group's, or unspecified padding that may be NaN) are
+        # selected away before and after the expert, so neither its output nor its gradient
+        # ever reads them.
+        window = jnp.where(mine, jax.lax.dynamic_slice_in_dim(padded, start, capacity), 0)
+        y = jnp.where(mine, swiglu(window, wg, wu, wd), 0).astype(out.dtype)
         # Experts go in ascending order and each group starts where the previous one ends, so a
         # window's tail (zeros) is overwritten by the next expert's rows.
         return jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=0), None

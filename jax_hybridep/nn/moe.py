@@ -139,7 +139,8 @@ class MoEBlock(nnx.Module):
       grad_compression: top-k ratio of the replicas' gradient reduce-scatter, with error
         feedback held in `GradFeedback` variables (train with `nn.value_and_grad`). Opt-in and
         not exact.
-      dispatch: hep.DispatchConfig; num_experts defaults to the router's.
+      dispatch: hep.DispatchConfig; num_experts defaults to the router's. The block runs it with
+        zero_padding=False (its expert compute never reads rows past the groups).
       shared_expert_ff: hidden width of an always-on shared SwiGLU expert, or None.
       dtype: compute dtype of the experts (the rows travel in it).
       param_dtype: parameter dtype.
@@ -173,6 +174,9 @@ class MoEBlock(nnx.Module):
                 f"dispatch.num_experts={dispatch.num_experts} differs from "
                 f"router.num_experts={router.num_experts}"
             )
+        # Both expert paths (ragged_dot, the CPU capacity windows) ignore rows past the groups by a
+        # select, so the block never pays for writing them (DispatchConfig.zero_padding).
+        dispatch = dataclasses.replace(dispatch, zero_padding=False)
         self.mesh, self.topology, self.dispatch_config = mesh, topology, dispatch
         if isinstance(expert_domains, xdc.ExpertDomains):
             if domain_compression is not None or grad_compression is not None:

@@ -1,0 +1,352 @@
+"""What a run of examples/train_moe.py depends on: its config, its flags, and their validation.
+
+`TrainConfig` holds the flags as one value (tests build it directly); `check_config` validates every
+field before any model is built and raises `FlagError` naming the flag, its value and what is
+wrong, in the library's own words where the library has a rule (e.g. experts per EP rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from numbers import Integral, Real
+
+from absl import flags
+from lm_data import ByteData
+from lm_model import DATA_AXIS, make_mesh
+
+from jax_hybridep.xdc.compress import SHARED_VARIANTS
+
+BACKENDS = ("auto", "xla", "ffi")
+DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and the default)
+
+
+class FlagError(ValueError):
+    """A flag (TrainConfig field) has a value the run cannot use; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on (the flags, as one value that tests can build directly).
+
+    Attributes:
+      steps: total optimizer steps (a resumed run continues up to this many).
+      batch, seq_len: sequences per step and bytes per sequence.
+      d_model, d_ff, layers, heads, experts, top_k: model sizes (see `lm_model.ModelConfig`).
+      mesh: mesh axis sizes, e.g. "node=2,local=4", "ep=8" or "data=2,ep=4"; None means
+        "node=2,local=<n/2>" on fake CPU devices and "ep=<all devices>" on accelerators.
+      backend: dispatch/combine backend, "auto", "xla" or "ffi".
+      domains: cross-DC expert domain sizes per EP level, e.g. "dc=2" (experts all-gathered
+        inside each pair of "dc" coordinates, tokens only between domains); None is plain EP.
+      domain_compression: SR compression ratio (> 1) of the experts moved inside a domain
+        (None: off).
+      domain_shared: the SR reference, "persistent" (a shared expert kept as state), "mean"
+        (the domain's mean every step) or "none"; domain_sync_every: steps between refreshes of
+        the persistent one.
+      grad_compression: top-k ratio (> 1) of the replicas' gradient reduce-scatter, with error
+        feedback (opt-in, not exact; None: off).
+      prefetch: gather every layer's experts at step start instead of inside each layer.
+      replan_every: re-plan the domains every this many steps from the measured routing and
+        `links` / `link_schedule` (0: never; `replan_hook.py`), recompiling when they change.
+      links: the links of the mesh's EP levels for the planner, e.g. "dc=10:5:shared,node=100,
+        local=3600" (Gbps[:latency ms][:shared]); link_schedule: bandwidth changes by step,
+        e.g. "200:dc=1"; memory_limit_mb: per-device memory limit of the plans (0: none).
+      capacity_factor: per-expert capacity factor (> 0); None means dropless.
+      lr: peak learning rate of the warmup + cosine schedule.
+      seed: initialisation and data seed.
+      output_dir: where metrics, plot and checkpoint go.
+      eval_every: evaluate every this many steps (and at the end).
+      resume: restore the checkpoint in output_dir and continue from its step.
+      eval_batches: held-out batches per evaluation.
+      progress: show a live progress bar (only drawn on a terminal).
+    """
+
+    steps: int = 500
+    batch: int = 16
+    seq_len: int = 128
+    d_model: int = 128
+    d_ff: int = 256
+    layers: int = 2
+    heads: int = 4
+    experts: int = 8
+    top_k: int = 2
+    mesh: str | None = None
+    backend: str = "auto"
+    domains: str | None = None
+    domain_compression: float | None = None
+    domain_shared: str = "persistent"
+    domain_sync_every: int = 1
+    grad_compression: float | None = None
+    prefetch: bool = False
+    replan_every: int = 0
+    links: str | None = None
+    link_schedule: str | None = None
+    memory_limit_mb: float = 0.0
+    capacity_factor: float | None = None
+    lr: float = 3e-3
+    seed: int = 0
+    output_dir: str = "/tmp/train_moe"
+    eval_every: int = 50
+    resume: bool = False
+    eval_batches: int = 4
+    progress: bool = True
+
+
+def parse_sizes(spec: str, what: str) -> tuple[tuple[str, int], ...]:
+    """ "a=2,b=4" -> (("a", 2), ("b", 4)); FlagError naming `what` when it does not parse."""
+    try:
+        pairs = tuple((n.strip(), int(v)) for n, v in (item.split("=") for item in spec.split(",")))
+    except ValueError:
+        pairs = ()
+    if not pairs or any(not name for name, _ in pairs):
+        raise FlagError(f"{what}={spec} must look like 'dc=2' or 'dc=2,node=2'")
+    return pairs
+
+
+def parse_capacity_factor(value: str | None) -> float | None:
+    """The --capacity_factor flag: a number > 0, or 'none' (also the default) for dropless."""
+    if value is None or value.strip().lower() == DROPLESS:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise FlagError(
+            f"--capacity_factor={value} must be a number > 0, or '{DROPLESS}' (the default) for "
+            "dropless"
+        ) from None
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < minimum:
+        raise FlagError(f"--{name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_number(name: str, value, *, above: float, optional: bool, hint: str = "") -> None:
+    if value is None and optional:
+        return
+    real = isinstance(value, Real) and not isinstance(value, bool)
+    if not real or not math.isfinite(value) or not value > above:
+        raise FlagError(f"--{name}={value!r} must be a finite number > {above:g}{hint}")
+
+
+def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> None:
+    """Raises FlagError naming the first flag of `cfg` that the run cannot use on `devices`.
+
+    Covers every field: types and ranges, the model's shape rules, the mesh (axes, device count,
+    experts per EP rank, tokens per device), the expert domains, the eval and train text's length
+    (`data`, loaded when not given) and the output directory. Builds no model.
+    """
+    for name, minimum in (("steps", 0), ("batch", 1), ("seq_len", 1), ("d_model", 1),
+                          ("d_ff", 1), ("layers", 1), ("heads", 1), ("experts", 1), ("top_k", 1),
+                          ("seed", 0), ("eval_every", 1), ("eval_batches", 1),
+                          ("domain_sync_every", 1), ("replan_every", 0)):  # fmt: skip
+        _check_int(name, getattr(cfg, name), minimum)
+    if cfg.top_k > cfg.experts:
+        raise FlagError(
+            f"--top_k={cfg.top_k} exceeds --experts={cfg.experts}: each token picks top_k "
+            "distinct experts"
+        )
+    head_dim, rest = divmod(cfg.d_model, cfg.heads)
+    if rest or head_dim % 2:
+        raise FlagError(
+            f"--d_model={cfg.d_model} must split into --heads={cfg.heads} heads of even size "
+            "(rotary embeddings rotate pairs of features)"
+        )
+    _check_number("lr", cfg.lr, above=0, optional=False)
+    _check_number(
+        "capacity_factor",
+        cfg.capacity_factor,
+        above=0,
+        optional=True,
+        hint=f", or '{DROPLESS}' (the default) for dropless",
+    )
+    _check_number(
+        "domain_compression",
+        cfg.domain_compression,
+        above=1,
+        optional=True,
+        hint=" (a compression ratio; leave it unset for none)",
+    )
+    _check_number(
+        "grad_compression",
+        cfg.grad_compression,
+        above=1,
+        optional=True,
+        hint=" (a top-k ratio of the gradients; leave it unset for none)",
+    )
+    limit = cfg.memory_limit_mb
+    if (
+        not isinstance(limit, Real)
+        or isinstance(limit, bool)
+        or not math.isfinite(limit)
+        or limit < 0
+    ):
+        raise FlagError(f"--memory_limit_mb={limit!r} must be a finite number >= 0 (0: no limit)")
+    if cfg.domain_shared not in SHARED_VARIANTS:
+        raise FlagError(
+            f"--domain_shared={cfg.domain_shared!r} must be one of {', '.join(SHARED_VARIANTS)}"
+        )
+    if cfg.backend not in BACKENDS:
+        raise FlagError(f"--backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
+    for name in ("resume", "progress", "prefetch"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise FlagError(f"--{name}={getattr(cfg, name)!r} must be true or false")
+    _check_mesh(cfg, devices)
+    _check_data(cfg, data or ByteData.load())
+    _check_output_dir(cfg.output_dir)
+
+
+def _check_mesh(cfg: TrainConfig, devices) -> None:
+    """The mesh and domains flags against the devices, the experts and the tokens per step."""
+    try:
+        mesh, topology = make_mesh(cfg.mesh, devices)
+    except ValueError as err:
+        raise FlagError(str(err)) from None
+    spec = cfg.mesh or ",".join(f"{n}={s}" for n, s in mesh.shape.items())
+    ep = topology.ep_size
+    if cfg.experts % ep:
+        raise FlagError(
+            f"--experts={cfg.experts} is not divisible by the EP size {ep} of --mesh={spec} "
+            f"(EP axes {topology.ep_axes}: every axis but '{DATA_AXIS}'); each EP rank holds "
+            "experts / EP of them"
+        )
+    tokens, shards = cfg.batch * cfg.seq_len, mesh.devices.size
+    if tokens % shards:
+        raise FlagError(
+            f"--batch={cfg.batch} x --seq_len={cfg.seq_len} = {tokens} tokens per step do not "
+            f"split evenly over the {shards} devices of --mesh={spec}"
+        )
+    if cfg.domain_compression is not None and cfg.domains is None:
+        raise FlagError(
+            f"--domain_compression={cfg.domain_compression} needs --domains (it compresses the "
+            "experts moved inside a domain)"
+        )
+    if cfg.grad_compression is not None and cfg.domains is None and not cfg.replan_every:
+        raise FlagError(
+            f"--grad_compression={cfg.grad_compression} needs --domains or --replan_every (it "
+            "compresses the gradients of experts moved inside a domain)"
+        )
+    if cfg.domains is not None:
+        from jax_hybridep import xdc  # noqa: PLC0415  (only runs with domains need it)
+
+        sizes = dict(parse_sizes(cfg.domains, "--domains"))
+        try:
+            xdc.ExpertDomains.from_mesh(
+                mesh, topology, sizes, cfg.domain_compression, shared=cfg.domain_shared,
+                sync_every=cfg.domain_sync_every, grad_compression=cfg.grad_compression,
+            )  # fmt: skip
+        except ValueError as err:
+            raise FlagError(f"--domains={cfg.domains} on --mesh={spec}: {err}") from None
+    _check_replanning(cfg, topology)
+
+
+def _check_replanning(cfg: TrainConfig, topology) -> None:
+    """--replan_every's companions: the links it plans for and their schedule."""
+    if not cfg.replan_every:
+        for name in ("links", "link_schedule"):
+            if getattr(cfg, name) is not None:
+                raise FlagError(f"--{name}={getattr(cfg, name)} is only used with --replan_every")
+        return
+    if cfg.resume:
+        # The checkpoint does not record the plan in force, so the restored state's shapes
+        # (error-feedback residuals per domain) could not be matched.
+        raise FlagError(f"--replan_every={cfg.replan_every} cannot be combined with --resume")
+    if not cfg.links:
+        raise FlagError(
+            f"--replan_every={cfg.replan_every} needs --links (e.g. "
+            "dc=10:5:shared,node=100,local=3600), the links to plan for"
+        )
+    from jax_hybridep import xdc  # noqa: PLC0415
+
+    levels = dict(zip((lv[0] for lv in topology.levels), topology.level_sizes, strict=True))
+    try:
+        xdc.parse_links(cfg.links, levels)
+    except ValueError as err:
+        raise FlagError(f"--links={cfg.links}: {err}") from None
+    try:
+        xdc.LinkSchedule.parse(cfg.link_schedule, list(levels))
+    except ValueError as err:
+        raise FlagError(f"--link_schedule={cfg.link_schedule}: {err}") from None
+
+
+def _check_data(cfg: TrainConfig, data: ByteData) -> None:
+    """Enough train and held-out text for one window of seq_len + 1 bytes per sequence."""
+    if len(data.train) <= cfg.seq_len + 1:
+        raise FlagError(
+            f"--seq_len={cfg.seq_len} is too long for the {len(data.train)}-byte training text"
+        )
+    windows, room = cfg.eval_batches * cfg.batch, len(data.eval) - cfg.seq_len - 1
+    if room < windows:
+        raise FlagError(
+            f"--eval_batches={cfg.eval_batches} x --batch={cfg.batch} = {windows} held-out "
+            f"windows of --seq_len={cfg.seq_len} need more than the {len(data.eval)}-byte "
+            "held-out text"
+        )
+
+
+def _check_output_dir(path) -> None:
+    if not isinstance(path, str) or not path:
+        raise FlagError(f"--output_dir={path!r} must name a directory")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FlagError(f"--output_dir={path} exists and is not a directory")
+
+
+def define_flags() -> None:
+    """The command-line flags, one per TrainConfig field (defined only when run as a script, so
+    importing this module, e.g. from a test, leaves absl's global flag registry alone)."""
+    d = TrainConfig()
+    flags.DEFINE_integer("steps", d.steps, "total training steps (a resumed run continues to it)")
+    flags.DEFINE_integer("batch", d.batch, "sequences per step")
+    flags.DEFINE_integer("seq_len", d.seq_len, "bytes per sequence")
+    flags.DEFINE_integer("d_model", d.d_model, "model width")
+    flags.DEFINE_integer("d_ff", d.d_ff, "expert FFN hidden width")
+    flags.DEFINE_integer("layers", d.layers, "transformer layers")
+    flags.DEFINE_integer("heads", d.heads, "attention heads")
+    flags.DEFINE_integer("experts", d.experts, "routed experts per layer")
+    flags.DEFINE_integer("top_k", d.top_k, "experts per token")
+    flags.DEFINE_string(
+        "mesh",
+        None,
+        "mesh axis sizes, e.g. 'node=2,local=4', 'ep=8' or 'data=2,ep=4' "
+        "(default: node=2,local=n/2 on CPU, ep=all on GPUs)",
+    )
+    flags.DEFINE_enum("backend", d.backend, list(BACKENDS), "dispatch/combine backend")
+    flags.DEFINE_string(
+        "domains", None, "cross-DC expert domain sizes per EP level, e.g. 'dc=2' (unset: plain EP)"
+    )
+    flags.DEFINE_float(
+        "domain_compression", None, "SR compression ratio (> 1) of experts moved inside a domain"
+    )
+    flags.DEFINE_enum(
+        "domain_shared", d.domain_shared, list(SHARED_VARIANTS), "SR shared expert (reference)"
+    )
+    flags.DEFINE_integer(
+        "domain_sync_every", d.domain_sync_every, "steps between SR shared-expert refreshes"
+    )
+    flags.DEFINE_float(
+        "grad_compression", None, "top-k ratio (> 1) of replica gradients, error feedback (lossy)"
+    )
+    flags.DEFINE_bool("prefetch", False, "gather every layer's experts at step start")
+    flags.DEFINE_integer("replan_every", 0, "re-plan the domains every N steps (needs --links)")
+    flags.DEFINE_string("links", None, "EP level links to plan for, e.g. dc=10:5:shared,...")
+    flags.DEFINE_string("link_schedule", None, "link bandwidth changes by step, e.g. '200:dc=1'")
+    flags.DEFINE_float("memory_limit_mb", 0.0, "per-device memory limit of re-plans (0: none)")
+    flags.DEFINE_string(
+        "capacity_factor",
+        DROPLESS,
+        f"per-expert capacity factor, a number > 0; '{DROPLESS}' (the default): dropless",
+    )
+    flags.DEFINE_float("lr", d.lr, "peak learning rate")
+    flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")
+    flags.DEFINE_string("output_dir", d.output_dir, "metrics, plot and checkpoint go here")
+    flags.DEFINE_integer("eval_every", d.eval_every, "evaluate every this many steps")
+    flags.DEFINE_bool("resume", False, "restore the checkpoint in --output_dir and continue")
+
+
+def config_from_flags() -> TrainConfig:
+    """The TrainConfig the parsed command-line flags describe (FlagError for a bad value)."""
+    values = {f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)
+              if f.name in flags.FLAGS}  # fmt: skip
+    values["capacity_factor"] = parse_capacity_factor(values["capacity_factor"])
+    return TrainConfig(**values)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds the host native module with AddressSanitizer + UndefinedBehaviorSanitizer (CPU only, no
+# CUDA) into build/sanitize and runs the host handlers' test cases under it; scripts/test.sh runs
+# it after the suite. Any ASan report or undefined behaviour fails the run.
+#   bash scripts/sanitize.sh                 # the default selection below
+#   bash scripts/sanitize.sh -k scan -x      # other pytest arguments instead of the selection
+# The selection (12 cases, chosen to fit CI's time: under ASan each compile takes ~5x longer):
+# tests/native_test.py; from tests/dispatch_combine_test.py the ffi cases of
+# test_rows_follow_the_contract (fused one-level layout, dispatch and combine: dropless, padding,
+# capacity, placement), test_inside_scan_and_checkpoint (the VJPs, several generations per call
+# site, remat) and test_two_ep_groups_beside_a_data_axis; from tests/hierarchical_test.py the ffi
+# cases of test_a_level_spanning_two_mesh_axes and test_values_and_gradients[1.0-dc2_node2_local2]
+# (the per-level steps and their VJPs over three levels). Not selected: the cross-process pack
+# path and the cases that compile the xla backend too (`-k "not xla"` runs them all, ~9 min).
+# The normal .venv build is untouched: the sanitized module is loaded in its place inside this
+# one Python process only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+
+build=build/sanitize
+cxx=${CXX:-g++}  # GCC: its runtime libraries are found with -print-file-name below
+asan=$("$cxx" -print-file-name=libasan.so 2>/dev/null || true)
+if [ ! -f "$asan" ]; then
+  echo "sanitize: $cxx has no AddressSanitizer runtime (libasan.so); install GCC's or set CXX" >&2
+  exit 1
+fi
+mkdir -p "$build"
+.venv/bin/cmake -S . -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$PWD/.venv/bin/ninja" \
+  -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O0 -g" -DJAX_HYBRIDEP_SANITIZE=ON -DJAX_HYBRIDEP_CUDA=OFF \
+  -DPython_EXECUTABLE="$PWD/.venv/bin/python" >"$build.log" 2>&1 ||
+  { cat "$build.log" >&2; exit 1; }
+.venv/bin/cmake --build "$build" --target _hybridep >>"$build.log" 2>&1 ||
+  { cat "$build.log" >&2; exit 1; }
+module=$(ls "$build"/_hybridep*.so)
+
+if [ $# -eq 0 ]; then
+  set -- tests/native_test.py tests/dispatch_combine_test.py tests/hierarchical_test.py -k \
+    "native or (ffi and (rows_follow or scan or two_ep_groups or a_level_spanning or 1.0-dc2_node2_local2))"
+fi
+# Python is not instrumented, so the ASan runtime must be the first library loaded, and libstdc++
+# right after it (ASan intercepts C++ throws, and finds the real __cxa_throw only if libstdc++ is
+# there when it starts). Leak checking is off: the interpreter and XLA keep allocations until exit
+# by design.
+export LD_PRELOAD="$asan $("$cxx" -print-file-name=libstdc++.so.6)"
+export ASAN_OPTIONS="${ASAN_EXTRA:-}detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=0"
+export UBSAN_OPTIONS="${UBSAN_EXTRA:-}print_stacktrace=1:halt_on_error=1"
+echo "sanitize: $module (ASan + UBSan) on: $*"
+exec .venv/bin/python - "$module" "$@" <<'EOF'
+import importlib.machinery
+import importlib.util
+import sys
+
+import pytest
+
+# Load the sanitized build as jax_hybridep._hybridep before the package imports its own.
+path, args = sys.argv[1], sys.argv[2:]
+loader = importlib.machinery.ExtensionFileLoader("jax_hybridep._hybridep", path)
+spec = importlib.util.spec_from_file_location("jax_hybridep._hybridep", path, loader=loader)
+module = importlib.util.module_from_spec(spec)
+sys.modules["jax_hybridep._hybridep"] = module
+spec.loader.exec_module(module)
+
+import jax_hybridep  # noqa: E402
+
+assert jax_hybridep._native._hybridep is module, "the sanitized module was not the one loaded"
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *args]))
+EOF
