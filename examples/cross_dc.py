@@ -10,7 +10,7 @@ rank and step, the bytes that cross the DC level beside the model's prediction f
 
     python examples/cross_dc.py [--steps=150] [--wan_gbps=10] [--domain_compression=10]
     python examples/cross_dc.py --sr_table [--domains=dc=2]   # SR variants side by side
-    python examples/cross_dc.py --replan_every=25 --link_schedule=50:dc=0.5 --skew_at=100
+    python examples/cross_dc.py --replan_every=15 --steps=90 --link_schedule=30:dc=0.65 --skew_at=45
 
 `--sr_table` trains plain EP, full-expert domains, SR with the persistent shared expert, with the
 recomputed mean, without a shared expert, and SR with gradient compression, the same steps each.
