@@ -4,18 +4,19 @@ The cluster: 2 datacenters x 2 nodes x 2 GPUs, played by 8 fake CPU devices as t
 (dc=2, node=2, local=2). Links are described by flags (WAN bandwidth shared by a DC's GPUs and
 its latency, the inter-node and intra-node bandwidths). `jax_hybridep.xdc.plan` evaluates every
 per-level domain size for the training example's model and picks the fastest; the example then
-trains that model (`train_moe.py`) with the planned domains (SR-compressed with
-`--domain_compression`) and with plain EP, and reports, per rank and step, the bytes that cross
-the DC level beside the model's prediction for the same run:
-
-* experts: the all-gather and the gradient reduce-scatter, read off the compiled step;
-* all-reduce: the shared expert's sync (SR compression) and the dense data-parallel gradients,
-  read off the compiled step (the scalar losses and integer counters, a few hundred bytes, are
-  reported apart and not modelled);
-* tokens: the first step's run-time copy counts, predicted from that step's routing (replayed
-  from the initial model and batch, so the prediction uses the run's routing, not a uniform one).
+trains that model (`train_moe.py`) with the planned domains and with plain EP and reports, per
+rank and step, the bytes that cross the DC level beside the model's prediction for the same run
+(`cross_dc_bytes.py`). Three modes:
 
     python examples/cross_dc.py [--steps=150] [--wan_gbps=10] [--domain_compression=10]
+    python examples/cross_dc.py --sr_table [--domains=dc=2]   # SR variants side by side
+    python examples/cross_dc.py --replan_every=15 --steps=90 --link_schedule=30:dc=0.65 --skew_at=45
+
+`--sr_table` trains plain EP, full-expert domains, SR with the persistent shared expert, with the
+recomputed mean, without a shared expert, and SR with gradient compression, the same steps each.
+`--replan_every` trains once with `xdc.Replanner` re-planning from the measured routing and the
+link schedule, recompiling only when the plan changes; `--skew_at` skews the routing at that
+step (a router bias towards experts 0 and 1, the experts of one node of DC 0).
 """
 
 from __future__ import annotations
@@ -26,25 +27,27 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+from cross_dc_bytes import first_step, measure, predict, program_bytes
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from lm_data import ByteData
-from lm_model import MoETransformer, make_mesh
+from lm_model import describe_workload, make_mesh
+from replan_hook import ReplanHook
 from rich.console import Console
 from rich.table import Table
 from train_moe import TrainConfig, model_config, train
 
-from jax_hybridep import nn as hnn
-from jax_hybridep import traffic, xdc
-from jax_hybridep.nn.router import route
+from jax_hybridep import xdc
 
 MESH = (("dc", 2), ("node", 2), ("local", 2))
 RANKS = math.prod(s for _, s in MESH)
-ACT_BYTES = 4  # the example model's float32 activations and parameters
+SR_TABLE = (  # name, (SR ratio, shared expert, gradient compression) or None (full experts)
+    ("full experts", None),
+    ("SR, persistent shared expert", ("c", "persistent", None)),
+    ("SR, per-step domain mean", ("c", "mean", None)),
+    ("SR, no shared expert", ("c", "none", None)),
+    ("SR persistent + gradient compression", ("c", "persistent", "g")),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,16 @@ class Settings:
     node_gbps: float = 100.0
     local_gbps: float = 3600.0
     domain_compression: float | None = None
+    domain_shared: str = "persistent"
+    domain_sync_every: int = 10
+    grad_compression: float | None = None
+    prefetch: bool = True
     domains: str | None = None
+    sr_table: bool = False
+    replan_every: int = 0
+    link_schedule: str | None = None
+    skew_at: int = 0
+    min_gain: float = 0.02
     backend: str = "auto"
     output_dir: str = "/tmp/cross_dc"
 
@@ -71,8 +83,12 @@ class Settings:
         def number(value) -> bool:
             return isinstance(value, int | float) and not isinstance(value, bool)
 
-        if not isinstance(self.steps, int) or self.steps < 1:
-            bad("steps", "must be an integer >= 1")
+        def integer(flag, low):
+            value = getattr(self, flag)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                bad(flag, f"must be an integer >= {low}")
+
+        integer("steps", 1)
         if not isinstance(self.batch, int) or self.batch < 1 or self.batch % RANKS:
             bad("batch", f"must be a positive multiple of the {RANKS} devices")
         for flag in ("wan_gbps", "node_gbps", "local_gbps"):
@@ -81,15 +97,28 @@ class Settings:
                 bad(flag, "must be a finite bandwidth > 0")
         if not number(self.wan_latency_ms) or not 0 <= self.wan_latency_ms < math.inf:
             bad("wan_latency_ms", "must be a finite latency >= 0")
-        c = self.domain_compression
-        if c is not None and (not number(c) or not 1 < c < math.inf):
-            bad("domain_compression", "must be > 1 (full bytes / bytes sent), or unset")
+        for flag in ("domain_compression", "grad_compression"):
+            c = getattr(self, flag)
+            if c is not None and (not number(c) or not 1 < c < math.inf):
+                bad(flag, "must be > 1 (full bytes / bytes sent), or unset")
+        if self.domain_shared not in xdc.compress.SHARED_VARIANTS:
+            bad("domain_shared", f"must be one of {', '.join(xdc.compress.SHARED_VARIANTS)}")
+        integer("domain_sync_every", 1)
+        integer("replan_every", 0)
+        integer("skew_at", 0)
+        if not number(self.min_gain) or not 0 <= self.min_gain < 1:
+            bad("min_gain", "must be a fraction in [0, 1)")
+        if self.sr_table and self.replan_every:
+            bad("sr_table", "is a mode of its own: leave --replan_every unset")
+        if (self.link_schedule or self.skew_at) and not self.replan_every:
+            bad("replan_every", "must be set for --link_schedule and --skew_at")
         if self.backend not in ("auto", "xla", "ffi"):
             bad("backend", "must be one of auto, xla, ffi")
         if not self.output_dir:
             bad("output_dir", "must name a directory")
         if self.domains is not None:
             self.domain_sizes()
+        xdc.LinkSchedule.parse(self.link_schedule, [n for n, _ in MESH])
 
     def domain_sizes(self) -> tuple[int, ...] | None:
         """`--domains` as one size per mesh level (None: use the plan)."""
@@ -126,22 +155,11 @@ def describe_cluster(s: Settings) -> xdc.cost.Cluster:
     return xdc.cost.Cluster(tuple(g for _, g in MESH), links, tuple(n for n, _ in MESH))
 
 
-def describe_workload(
-    cfg: TrainConfig, compression: float | None, dense_bytes: int
-) -> xdc.Workload:
-    """One training step of the example model, per rank (float32 activations and experts)."""
-    d, f = cfg.d_model, cfg.d_ff
-    return xdc.Workload(
-        tokens=cfg.batch * cfg.seq_len // RANKS,
-        top_k=cfg.top_k,
-        num_experts=cfg.experts,
-        hidden=d,
-        act_bytes=ACT_BYTES,
-        expert_matrices=((d, f), (d, f), (f, d)),
-        value_bytes=ACT_BYTES,
-        compression=compression,
-        layers=cfg.layers,
-        dense_bytes=dense_bytes,
+def links_spec(s: Settings) -> str:
+    """`describe_cluster`'s links as `train_moe.py --links` spells them."""
+    return (
+        f"dc={s.wan_gbps:g}:{s.wan_latency_ms:g}:shared,node={s.node_gbps:g}:0.005,"
+        f"local={s.local_gbps:g}:0.002"
     )
 
 
@@ -151,115 +169,46 @@ def domains_spec(sizes) -> str | None:
     return spec or None
 
 
-def first_step(cfg: TrainConfig) -> tuple[int, list[np.ndarray]]:
-    """(dense parameter bytes, per MoE layer the [ranks, T, K] routing of the first step).
-
-    Replays the first training step's forward pass from the same initial model and batch as
-    `train(cfg)` and routes each MoE block's input as the block does. Values with domains equal
-    plain EP's, so every run of the example routes its first step alike."""
-    mesh, topology = make_mesh(cfg.mesh, jax.devices())
-    model = MoETransformer(model_config(cfg), mesh, topology, rngs=nnx.Rngs(cfg.seed))
-    params = nnx.state(model, nnx.Param)
-    specs = jax.tree.leaves(nnx.get_partition_spec(params), is_leaf=lambda x: isinstance(x, P))
-    # Replicated parameters (no mesh axis named) are the ones data parallelism all-reduces.
-    dense = sum(
-        leaf.size * leaf.dtype.itemsize
-        for leaf, spec in zip(jax.tree.leaves(params), specs, strict=True)
-        if all(axis is None for axis in spec)
-    )
-    inputs, _ = ByteData.load().train_batch(cfg.seed, 0, cfg.batch, cfg.seq_len)
-    inputs = jax.device_put(inputs, NamedSharding(mesh, P(tuple(mesh.axis_names))))
-    graphdef, state = nnx.split(model)
-    call = hnn.MoEBlock.__call__
-
-    @jax.jit
-    def routing(state, inputs):
-        seen = []
-
-        def recording(block, x):  # routes the block's input as the block does
-            tokens = x.reshape(-1, x.shape[-1]).astype(block.dtype).astype(jnp.float32)
-            logits = jnp.dot(tokens, block.router.gate[...].astype(jnp.float32))
-            seen.append(route(logits, block.router.bias[...], block.router.config).topk_idx)
-            return call(block, x)
-
-        hnn.MoEBlock.__call__ = recording
-        try:
-            nnx.merge(graphdef, state)(inputs)
-        finally:
-            hnn.MoEBlock.__call__ = call
-        return seen
-
-    per_layer = [np.asarray(idx) for idx in routing(state, inputs)]
-    return dense, [idx.reshape(RANKS, -1, idx.shape[-1]) for idx in per_layer]
-
-
-def _parameter_array(kind: str, shape) -> bool:
-    """Float arrays of rank >= 1: gradients and expert weights, not the scalar losses."""
-    return kind.startswith(("f", "bf")) and len(shape) >= 1
-
-
-def measure(hlo_text: str, result: dict, sizes, hidden: int) -> dict[str, float]:
-    """Bytes one rank receives across the DC level per step, measured (see the module doc)."""
-    axes = {"dc", "dc" + xdc.domains.INNER_SUFFIX}
-    every = traffic.crossing_bytes(hlo_text, axes)
-    params = traffic.crossing_bytes(hlo_text, axes, operands=_parameter_array)
-    token_levels = [n for (n, g), s in zip(MESH, sizes, strict=True) if g // s > 1]
-    tokens = mean = 0.0
-    if "dc" in token_levels:
-        level = token_levels.index("dc")
-        rows = [r["level_rows"][level] for r in result["train"]]
-        per_copy = 4 * hidden * ACT_BYTES / RANKS  # 4 exchanges a step, mean over ranks
-        tokens, mean = rows[0] * per_copy, float(np.mean(rows)) * per_copy
-    experts = every["all-gather"] + every["reduce-scatter"]
+def migration_of(s: Settings) -> dict:
+    """The migration flags as `TrainConfig` fields."""
     return dict(
-        experts=experts,
-        all_reduce=params["all-reduce"],
-        tokens=tokens,
-        total=experts + params["all-reduce"] + tokens,
-        metrics=every["all-reduce"] - params["all-reduce"],
-        tokens_mean=mean,
+        domain_compression=s.domain_compression,
+        domain_shared=s.domain_shared,
+        domain_sync_every=s.domain_sync_every,
+        grad_compression=s.grad_compression,
+        prefetch=s.prefetch,
     )
 
 
-def predict(cluster, workload: xdc.Workload, sizes, routing: list[np.ndarray]) -> dict:
-    """The same bytes from `xdc.volumes` fed each layer's first-step routing."""
-    layers = [
-        workload.volumes(cluster.level_sizes, sizes, idx).levels[0] for idx in routing
-    ]  # one layer's volumes per routing
-    v = layers[0]
-    exchanges = 4
-    experts = len(layers) * (v.gather_bytes + v.reduce_scatter_bytes)
-    all_reduce = len(layers) * v.shared_sync_bytes + v.dense_sync_bytes
-    tokens = sum(exchanges * x.token_bytes for x in layers)
-    return dict(
-        experts=experts,
-        all_reduce=all_reduce,
-        dense=v.dense_sync_bytes,
-        tokens=tokens,
-        total=experts + all_reduce + tokens,
-    )
+def workload_of(cfg: TrainConfig, dense: int) -> xdc.Workload:
+    """The planner's view of one training step of `cfg`."""
+    return describe_workload(model_config(cfg), cfg.batch * cfg.seq_len // RANKS, dense)
 
 
-def run_one(s: Settings, base: TrainConfig, sizes, compression, routing, dense, console) -> dict:
+def run_one(s: Settings, base: TrainConfig, sizes, migration: dict, routing, dense, console,
+            name: str | None = None) -> dict:  # fmt: skip
     """Trains one configuration and returns its measured and predicted DC bytes and losses."""
+    spec = domains_spec(sizes)
+    if spec is None:  # nothing migrates: no compression either
+        migration = dict(migration, domain_compression=None, grad_compression=None)
     cfg = dataclasses.replace(
-        base,
-        domains=domains_spec(sizes),
-        domain_compression=compression if domains_spec(sizes) else None,
-        output_dir=os.path.join(s.output_dir, domains_spec(sizes) or "plain_ep"),
-    )
-    console.rule(f"--domains={cfg.domains} --domain_compression={cfg.domain_compression}")
+        base, domains=spec, **migration,
+        output_dir=os.path.join(s.output_dir, name or spec or "plain_ep"),
+    )  # fmt: skip
+    console.rule(f"{name or ''} --domains={cfg.domains} {migration}")
     hlo = []
     result = train(cfg, console, on_compile=hlo.append)
-    cluster = describe_cluster(s)
-    workload = describe_workload(base, cfg.domain_compression, dense)
+    workload = workload_of(cfg, dense)
+    token_levels = [n for (n, g), size in zip(MESH, sizes, strict=True) if g // size > 1]
     return dict(
         domains=list(sizes),
+        migration=migration,
         compression=cfg.domain_compression,
-        measured=measure(hlo[0], result, sizes, base.d_model),
-        predicted=predict(cluster, workload, tuple(sizes), routing),
+        measured=measure(hlo[0], result, token_levels, base.d_model, RANKS, workload.sync_every),
+        predicted=predict(describe_cluster(s), workload, tuple(sizes), routing),
         train_loss=float(np.mean([r["ce"] for r in result["train"][-10:]])),
         eval_loss=result["final_eval_loss"],
+        train=result["train"],
     )
 
 
@@ -275,14 +224,46 @@ def base_config(s: Settings) -> TrainConfig:
     )
 
 
+def _bytes_table(title: str, runs: dict) -> Table:
+    table = Table(title=title)
+    for col in ("run", "experts B", "all-reduce B", "tokens B", "total B", "predicted B",
+                "of which dense", "train loss", "eval"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for name, r in runs.items():
+        m, p = r["measured"], r["predicted"]
+        table.add_row(
+            name, f"{m['experts']:,.0f}", f"{m['all_reduce']:,.0f}", f"{m['tokens']:,.0f}",
+            f"{m['total']:,.0f}", f"{p['total']:,.0f}", f"{p['dense']:,.0f}",
+            f"{r['train_loss']:.3f}", f"{r['eval_loss']:.3f}",
+        )  # fmt: skip
+    return table
+
+
 def run(s: Settings, console: Console, first=None) -> dict:
-    """Plans, trains plain EP and the plan, prints the table; returns the summary. `first` is
+    """Runs the mode the flags ask for, prints its tables; returns the summary. `first` is
     `first_step(base_config(s))` if already computed."""
     s.check()
     base = base_config(s)
     dense, routing = first or first_step(base)
+    if s.replan_every:
+        summary = run_replanning(s, base, dense, console)
+    elif s.sr_table:
+        summary = run_sr_table(s, base, dense, routing, console)
+    else:
+        summary = run_plan(s, base, dense, routing, console)
+    path = os.path.join(s.output_dir, "summary.json")
+    os.makedirs(s.output_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    console.print(f"wrote {path}")
+    return summary
+
+
+def run_plan(s: Settings, base, dense, routing, console) -> dict:
+    """Plans for the described cluster, trains plain EP and the plan (or `--domains`)."""
     cluster = describe_cluster(s)
-    plan = xdc.plan(cluster, describe_workload(base, s.domain_compression, dense))
+    migration = migration_of(s)
+    plan = xdc.plan(cluster, workload_of(dataclasses.replace(base, **migration), dense))
     console.print(f"planner: every per-level domain size {cluster.names}, fastest first")
     console.print(plan.table(), highlight=False)
     planned = s.domain_sizes() or plan.domains
@@ -295,40 +276,106 @@ def run(s: Settings, console: Console, first=None) -> dict:
     runs = {"plain EP": (1, 1, 1)}
     if planned != (1, 1, 1):
         runs[f"{'planned' if s.domains is None else '--domains'} {planned}"] = planned
-    elif s.domain_compression:
-        console.print(
-            "the plan is plain EP, so there is nothing to compress: --domains=dc=2 runs domains "
-            "with SR compression"
-        )
     summary = dict(cluster=str(cluster), plan=plan.table(), dense_bytes=dense, runs={})
     for name, sizes in runs.items():
-        summary["runs"][name] = run_one(
-            s, base, sizes, s.domain_compression, routing, dense, console
-        )
-    table = Table(title="bytes across the DC level per rank per step (first step), and loss")
-    for col in ("run", "experts B", "all-reduce B", "tokens B", "total B", "predicted B",
-                "of which dense", "train loss", "eval"):  # fmt: skip
-        table.add_column(col, justify="right")
-    for name, r in summary["runs"].items():
-        m, p = r["measured"], r["predicted"]
+        r = run_one(s, base, sizes, migration, routing, dense, console)
         label = name + (f", SR {r['compression']:g}" if r["compression"] else "")
-        table.add_row(
-            label, f"{m['experts']:,.0f}", f"{m['all_reduce']:,.0f}", f"{m['tokens']:,.0f}",
-            f"{m['total']:,.0f}", f"{p['total']:,.0f}", f"{p['dense']:,.0f}",
-            f"{r['train_loss']:.3f}", f"{r['eval_loss']:.3f}",
-        )  # fmt: skip
-    console.print(table)
+        summary["runs"][label] = r
+    console.print(_bytes_table("bytes across the DC level per rank per step, and loss",
+                               summary["runs"]))  # fmt: skip
     for name, r in summary["runs"].items():
         console.print(
             f"{name}: tokens over all steps {r['measured']['tokens_mean']:,.0f} B/step on average; "
             f"scalar losses and counters {r['measured']['metrics']:,.0f} B (not modelled)"
         )
-    path = os.path.join(s.output_dir, "summary.json")
-    os.makedirs(s.output_dir, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
-    console.print(f"wrote {path}")
     return summary
+
+
+def run_sr_table(s: Settings, base, dense, routing, console) -> dict:
+    """Plain EP, full-expert domains and the SR variants at `--domains` (default dc=2)."""
+    sizes = s.domain_sizes() or (2, 1, 1)
+    ratio, grad = s.domain_compression or 10.0, s.grad_compression or 10.0
+    summary = dict(domains=list(sizes), compression=ratio, grad_compression=grad,
+                   sync_every=s.domain_sync_every, dense_bytes=dense, runs={})  # fmt: skip
+    plain = dict(migration_of(s), domain_compression=None, grad_compression=None)
+    summary["runs"]["plain EP"] = run_one(s, base, (1, 1, 1), plain, routing, dense, console,
+                                          "plain_ep")  # fmt: skip
+    for i, (name, sr) in enumerate(SR_TABLE):
+        m = dict(plain)
+        if sr is not None:
+            _, shared, g = sr
+            m.update(domain_compression=ratio, domain_shared=shared,
+                     grad_compression=grad if g else None)  # fmt: skip
+        summary["runs"][f"{name} {sizes}"] = run_one(
+            s, base, sizes, m, routing, dense, console, f"sr_table_{i}"
+        )
+    console.print(_bytes_table(
+        f"bytes across the DC level per rank per step and loss after {s.steps} steps (SR "
+        f"{ratio:g}x, gradients {grad:g}x, persistent refresh every {s.domain_sync_every})",
+        summary["runs"],
+    ))  # fmt: skip
+    return summary
+
+
+class SkewingHook(ReplanHook):
+    """The re-planning hook, also skewing the routing at `skew_at` (a router bias of +1 on
+    experts 0 and 1 in every layer: softmax scores lie in (0, 1), so every token picks them)."""
+
+    skew_at = 0
+
+    def after_step(self, step, metrics, params, rest):
+        out = super().after_step(step, metrics, params, rest)
+        if step != self.skew_at:
+            return out
+        graphdef, rest = out if out is not None else (None, rest)
+
+        def skew(path, var):
+            if path[-2:] == ("router", "bias"):
+                return var.replace(var[...].at[:2].add(1.0))
+            return var
+
+        return graphdef, nnx.map_state(skew, rest)
+
+
+def run_replanning(s: Settings, base, dense, console) -> dict:
+    """One run re-planned every `--replan_every` steps (`xdc.Replanner`)."""
+    cfg = dataclasses.replace(
+        base, domains=s.domains, **migration_of(s), replan_every=s.replan_every,
+        links=links_spec(s), link_schedule=s.link_schedule,
+        output_dir=os.path.join(s.output_dir, "replanning"),
+    )  # fmt: skip
+    mesh, topology = make_mesh(cfg.mesh, jax.devices())
+    schedule = xdc.LinkSchedule.parse(s.link_schedule, [n for n, _ in MESH])
+    replanner = xdc.Replanner(
+        describe_cluster(s), workload_of(cfg, dense), every=s.replan_every, schedule=schedule,
+        min_gain=s.min_gain, layer_domains=s.domain_sizes(),
+    )  # fmt: skip
+    hook = SkewingHook(replanner, model_config(cfg), mesh, topology)
+    hook.skew_at = s.skew_at
+    hlo = []
+    result = train(cfg, console, on_compile=hlo.append, hook=hook)
+    programs = [program_bytes(text, cfg.domain_sync_every) for text in hlo]
+    table = Table(title="re-plans (predicted seconds per step under that step's links and routing)")
+    for col in ("step", "WAN Gbps", "skew", "domains per layer", "changed", "current ms",
+                "chosen ms"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for h in replanner.history:
+        table.add_row(
+            str(h["step"]), f"{h['gbps']['dc']:g}", f"{h['skew']:.2f}", str(h["layer_domains"]),
+            "yes" if h["changed"] else "", f"{h['current_s'] * 1e3:.1f}",
+            f"{h['chosen_s'] * 1e3:.1f}",
+        )  # fmt: skip
+    console.print(table)
+    changes = sum(h["changed"] for h in replanner.history)
+    console.print(f"compiles: {len(hlo)} (1 + {changes} plan changes)")
+    for i, p in enumerate(programs):
+        console.print(
+            f"compiled step {i + 1}: {p['experts']:,.0f} B of experts and {p['all_reduce']:,.0f} B "
+            "of all-reduce across the DC level per rank and step"
+        )
+    console.print(f"eval loss {result['final_eval_loss']:.3f}")
+    return dict(history=replanner.history, compiles=len(hlo), programs=programs,
+                eval_loss=result["final_eval_loss"], train=result["train"])  # fmt: skip
 
 
 def define_flags() -> None:
@@ -341,7 +388,16 @@ def define_flags() -> None:
     flags.DEFINE_float("node_gbps", d.node_gbps, "per-GPU bandwidth between nodes of a DC")
     flags.DEFINE_float("local_gbps", d.local_gbps, "per-GPU bandwidth inside a node (NVLink)")
     flags.DEFINE_float("domain_compression", None, "SR compression of migrated experts (> 1)")
+    flags.DEFINE_string("domain_shared", d.domain_shared, "SR shared expert: persistent|mean|none")
+    flags.DEFINE_integer("domain_sync_every", d.domain_sync_every, "persistent SR refresh period")
+    flags.DEFINE_float("grad_compression", None, "top-k ratio of replica gradients (> 1)")
+    flags.DEFINE_bool("prefetch", d.prefetch, "gather every layer's experts at step start")
     flags.DEFINE_string("domains", None, "override the plan, e.g. 'dc=2' (default: planned)")
+    flags.DEFINE_bool("sr_table", False, "train plain EP, domains and the SR variants")
+    flags.DEFINE_integer("replan_every", 0, "re-plan every N steps (one run)")
+    flags.DEFINE_string("link_schedule", None, "bandwidth changes by step, e.g. '50:dc=0.5'")
+    flags.DEFINE_integer("skew_at", 0, "skew the routing at this step (re-planning run)")
+    flags.DEFINE_float("min_gain", d.min_gain, "predicted gain a re-plan needs to switch")
     flags.DEFINE_string("backend", d.backend, "dispatch/combine backend: auto, xla or ffi")
     flags.DEFINE_string("output_dir", d.output_dir, "where runs, metrics and summary go")
 

@@ -9,6 +9,11 @@ sharded over every mesh axis, dense parameters are replicated); each MoE block s
 over all mesh axes itself and places its experts over the EP axes (the mesh axes other than
 "data"), dispatching and combining inside its own `shard_map`. `make_mesh` builds that mesh and
 topology from a "data=2,ep=4"-style spec.
+
+Cross-DC EP (`jax_hybridep.xdc`): with expert domains (for all layers, or per layer) each block
+gathers its experts inside its domain; with `prefetch` the model gathers every layer's experts at
+step start, before the first layer (`nn.prefetch_experts`). `describe_workload` states the model
+step for the planner; `rebuild` carries a running model's state over to new domains (re-planning).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jax_hybridep as hep
-from jax_hybridep import balance
+from jax_hybridep import balance, xdc
 from jax_hybridep import nn as hnn
 
 DATA_AXIS = "data"  # the one mesh axis that is not part of the EP topology
@@ -49,6 +54,12 @@ class ModelConfig:
         (`jax_hybridep.balance`); 0: none.
       rebalance: give the blocks a replica placement even without redundant slots (so
         `examples/rebalance_hook.py` can move experts between ranks).
+      domain_shared, domain_sync_every: the SR reference ("persistent", "mean" or "none") and
+        the persistent one's refresh period (`xdc.compress`).
+      grad_compression: top-k ratio, with error feedback, of the replicas' gradients (None: off).
+      prefetch: gather every layer's experts at step start, before the first layer.
+      layer_domains: per layer, its domain sizes ((axis, S), ...) (() for plain EP); overrides
+        expert_domains.
     """
 
     vocab_size: int = 256
@@ -67,8 +78,23 @@ class ModelConfig:
     wire_dtype: str | None = None
     redundant_slots: int = 0
     rebalance: bool = False
+    domain_shared: str = "persistent"
+    domain_sync_every: int = 1
+    grad_compression: float | None = None
+    prefetch: bool = False
+    layer_domains: tuple[tuple[tuple[str, int], ...], ...] | None = None
+
+    def domains_of(self, layer: int) -> tuple[tuple[str, int], ...] | None:
+        """The domain sizes of MoE layer `layer` (None: plain EP)."""
+        if self.layer_domains is not None:
+            return self.layer_domains[layer] or None
+        return self.expert_domains
 
     def __post_init__(self):
+        if self.layer_domains is not None and len(self.layer_domains) != self.layers:
+            raise ValueError(
+                f"layer_domains gives {len(self.layer_domains)} layers, the model has {self.layers}"
+            )
         if self.d_model % self.heads or (self.d_model // self.heads) % 2:
             raise ValueError(
                 f"d_model={self.d_model} must split into heads={self.heads} heads of even size "
@@ -109,7 +135,7 @@ class CausalSelfAttention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MoE sublayers, each with a residual."""
 
-    def __init__(self, config: ModelConfig, mesh, topology, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, mesh, topology, *, rngs: nnx.Rngs, index: int = 0):
         self.attn_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         self.attn = CausalSelfAttention(config.d_model, config.heads, rngs=rngs)
         self.moe_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
@@ -134,21 +160,24 @@ class DecoderLayer(nnx.Module):
             mesh=mesh,
             topology=topology,
             dispatch=dispatch,
-            expert_domains=dict(config.expert_domains) if config.expert_domains else None,
-            domain_compression=config.domain_compression,
             redundant_slots=config.redundant_slots,
             placement=(
                 balance.Placement.for_topology(config.experts, topology, config.redundant_slots)
                 if config.rebalance
                 else None
             ),
+            expert_domains=dict(domains) if (domains := config.domains_of(index)) else None,
+            domain_compression=config.domain_compression if domains else None,
+            domain_shared=config.domain_shared,
+            domain_sync_every=config.domain_sync_every,
+            grad_compression=config.grad_compression if domains else None,
             rngs=rngs,
         )
 
-    def __call__(self, x):
-        """x [B, S, D] -> (x [B, S, D], MoEAux)."""
+    def __call__(self, x, experts=None):
+        """x [B, S, D] -> (x [B, S, D], MoEAux); `experts`: the MoE block's prefetched gather."""
         x = x + self.attn(self.attn_norm(x))
-        y, aux = self.moe(self.moe_norm(x))
+        y, aux = self.moe(self.moe_norm(x), experts)
         return x + y, aux
 
 
@@ -159,7 +188,7 @@ class MoETransformer(nnx.Module):
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
         self.layers = nnx.List(
-            [DecoderLayer(config, mesh, topology, rngs=rngs) for _ in range(config.layers)]
+            [DecoderLayer(config, mesh, topology, rngs=rngs, index=i) for i in range(config.layers)]
         )
         self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
@@ -167,16 +196,20 @@ class MoETransformer(nnx.Module):
     def __call__(self, tokens):
         """tokens [B, S] int32 -> (logits [B, S, vocab] float32, list of MoEAux, one per layer)."""
         x = self.embed(tokens)
+        blocks = [layer.moe for layer in self.layers]
+        # Prefetch: every layer's experts gathered first; they wait on no layer's compute.
+        gathered = hnn.prefetch_experts(blocks) if self.config.prefetch else [None] * len(blocks)
         auxes = []
-        for layer in self.layers:
-            x, aux = layer(x)
+        for layer, experts in zip(self.layers, gathered, strict=True):
+            x, aux = layer(x, experts)
             auxes.append(aux)
         return self.head(self.norm(x)).astype(jnp.float32), auxes
 
-    def update_router_biases(self, auxes):
-        """Auxiliary-loss-free bias step of every block (a no-op at bias_update_rate 0)."""
+    def update_state(self, auxes):
+        """After a training step, every block's state: the auxiliary-loss-free bias step (a
+        no-op at bias_update_rate 0) and a persistent SR shared expert's refresh."""
         for layer, aux in zip(self.layers, auxes, strict=True):
-            layer.moe.update_router_bias(aux.tokens_per_expert)
+            layer.moe.update_state(aux)
 
 
 def make_mesh(spec: str | None, devices) -> tuple[jax.sharding.Mesh, hep.Topology]:
@@ -206,3 +239,72 @@ def make_mesh(spec: str | None, devices) -> tuple[jax.sharding.Mesh, hep.Topolog
     grid = np.asarray(devices[: math.prod(sizes)]).reshape(sizes)
     mesh = jax.sharding.Mesh(grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
     return mesh, hep.Topology.from_mesh(mesh, levels=[n for n in names if n != DATA_AXIS])
+
+
+def dense_param_bytes(params) -> int:
+    """Bytes of the replicated parameters (no mesh axis named): the ones data parallelism
+    all-reduces the gradients of."""
+    specs = jax.tree.leaves(
+        nnx.get_partition_spec(params), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    return sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf, spec in zip(jax.tree.leaves(params), specs, strict=True)
+        if all(axis is None for axis in spec)
+    )
+
+
+def describe_workload(
+    config: ModelConfig, tokens_per_rank: int, dense_bytes: int, *, act_bytes: int = 4
+) -> xdc.Workload:
+    """One training step of the model, per rank, for `xdc.plan` (float32 experts and
+    activations by default), with the migration the config sets."""
+    d, f = config.d_model, config.d_ff
+    return xdc.Workload(
+        tokens=tokens_per_rank,
+        top_k=config.top_k,
+        num_experts=config.experts,
+        hidden=d,
+        act_bytes=act_bytes,
+        expert_matrices=((d, f), (d, f), (f, d)),
+        value_bytes=act_bytes,
+        compression=config.domain_compression,
+        shared=config.domain_shared,
+        sync_every=config.domain_sync_every,
+        grad_compression=config.grad_compression,
+        prefetch=config.prefetch,
+        layers=config.layers,
+        dense_bytes=dense_bytes,
+    )
+
+
+def with_layer_domains(config: ModelConfig, level_names, layer_domains) -> ModelConfig:
+    """`config` running per-layer domains given as sizes per level (a planner's answer)."""
+    per_layer = tuple(
+        tuple((n, int(s)) for n, s in zip(level_names, sizes, strict=True) if s > 1)
+        for sizes in layer_domains
+    )
+    return dataclasses.replace(config, expert_domains=None, layer_domains=per_layer)
+
+
+def rebuild(config: ModelConfig, mesh, topology, params, rest):
+    """(graphdef, rest) of the model under `config` (e.g. new domains) holding `params`: the
+    state it shares with `rest` (same path, type and shape: router biases, SR shared experts) is
+    carried over; a new persistent SR shared expert starts as the mean of the current experts,
+    new error-feedback residuals at zero (what a dropped residual had not yet sent is lost)."""
+    model = MoETransformer(config, mesh, topology, rngs=nnx.Rngs(0))
+    nnx.update(model, params)
+    old = dict(nnx.to_flat_state(rest))
+    fresh = nnx.state(model, nnx.Not(nnx.Param))
+    keep = [
+        (path, old[path])
+        for path, var in nnx.to_flat_state(fresh)
+        if path in old
+        and type(old[path]) is type(var)
+        and np.shape(old[path][...]) == np.shape(var[...])
+    ]
+    for layer in model.layers:  # then overwritten where `rest` had one
+        layer.moe.reset_sr_reference()
+    nnx.update(model, nnx.from_flat_state(keep))
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, rest

@@ -17,6 +17,7 @@ from lm_data import ByteData
 from lm_model import DATA_AXIS, make_mesh
 
 from jax_hybridep.fp8 import WIRE_DTYPES
+from jax_hybridep.xdc.compress import SHARED_VARIANTS
 
 BACKENDS = ("auto", "xla", "ffi")
 DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and the default)
@@ -41,6 +42,17 @@ class TrainConfig:
         inside each pair of "dc" coordinates, tokens only between domains); None is plain EP.
       domain_compression: SR compression ratio (> 1) of the experts moved inside a domain
         (None: off).
+      domain_shared: the SR reference, "persistent" (a shared expert kept as state), "mean"
+        (the domain's mean every step) or "none"; domain_sync_every: steps between refreshes of
+        the persistent one.
+      grad_compression: top-k ratio (> 1) of the replicas' gradient reduce-scatter, with error
+        feedback (opt-in, not exact; None: off).
+      prefetch: gather every layer's experts at step start instead of inside each layer.
+      replan_every: re-plan the domains every this many steps from the measured routing and
+        `links` / `link_schedule` (0: never; `replan_hook.py`), recompiling when they change.
+      links: the links of the mesh's EP levels for the planner, e.g. "dc=10:5:shared,node=100,
+        local=3600" (Gbps[:latency ms][:shared]); link_schedule: bandwidth changes by step,
+        e.g. "200:dc=1"; memory_limit_mb: per-device memory limit of the plans (0: none).
       capacity_factor: per-expert capacity factor (> 0); None means dropless.
       wire_dtype: None (tokens travel in the model's dtype) or "float8_e4m3fn" (FP8 dispatch:
         one scale per 128 elements, dequantised at the receiver).
@@ -71,6 +83,14 @@ class TrainConfig:
     backend: str = "auto"
     domains: str | None = None
     domain_compression: float | None = None
+    domain_shared: str = "persistent"
+    domain_sync_every: int = 1
+    grad_compression: float | None = None
+    prefetch: bool = False
+    replan_every: int = 0
+    links: str | None = None
+    link_schedule: str | None = None
+    memory_limit_mb: float = 0.0
     capacity_factor: float | None = None
     wire_dtype: str | None = None
     redundant_slots: int = 0
@@ -132,7 +152,8 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
     for name, minimum in (("steps", 0), ("batch", 1), ("seq_len", 1), ("d_model", 1),
                           ("d_ff", 1), ("layers", 1), ("heads", 1), ("experts", 1), ("top_k", 1),
                           ("seed", 0), ("eval_every", 1), ("eval_batches", 1),
-                          ("redundant_slots", 0), ("rebalance_every", 0)):  # fmt: skip
+                          ("redundant_slots", 0), ("rebalance_every", 0),
+                          ("domain_sync_every", 1), ("replan_every", 0)):  # fmt: skip
         _check_int(name, getattr(cfg, name), minimum)
     if cfg.top_k > cfg.experts:
         raise FlagError(
@@ -160,6 +181,25 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
         optional=True,
         hint=" (a compression ratio; leave it unset for none)",
     )
+    _check_number(
+        "grad_compression",
+        cfg.grad_compression,
+        above=1,
+        optional=True,
+        hint=" (a top-k ratio of the gradients; leave it unset for none)",
+    )
+    limit = cfg.memory_limit_mb
+    if (
+        not isinstance(limit, Real)
+        or isinstance(limit, bool)
+        or not math.isfinite(limit)
+        or limit < 0
+    ):
+        raise FlagError(f"--memory_limit_mb={limit!r} must be a finite number >= 0 (0: no limit)")
+    if cfg.domain_shared not in SHARED_VARIANTS:
+        raise FlagError(
+            f"--domain_shared={cfg.domain_shared!r} must be one of {', '.join(SHARED_VARIANTS)}"
+        )
     if cfg.backend not in BACKENDS:
         raise FlagError(f"--backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
     if cfg.wire_dtype not in (None, *WIRE_DTYPES):
@@ -167,7 +207,7 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
             f"--wire_dtype={cfg.wire_dtype!r} must be unset (the model's dtype) or one of "
             f"{', '.join(WIRE_DTYPES)}"
         )
-    for name in ("resume", "progress", "charge_sync"):
+    for name in ("resume", "progress", "charge_sync", "prefetch"):
         if not isinstance(getattr(cfg, name), bool):
             raise FlagError(f"--{name}={getattr(cfg, name)!r} must be true or false")
     _check_mesh(cfg, devices)
@@ -200,20 +240,60 @@ def _check_mesh(cfg: TrainConfig, devices) -> None:
             f"--domain_compression={cfg.domain_compression} needs --domains (it compresses the "
             "experts moved inside a domain)"
         )
-    if cfg.domains is not None and (cfg.redundant_slots or cfg.rebalance_every):
+    if (cfg.domains is not None or cfg.replan_every) and (
+        cfg.redundant_slots or cfg.rebalance_every
+    ):
         raise FlagError(
             f"--redundant_slots={cfg.redundant_slots} / --rebalance_every={cfg.rebalance_every} "
-            f"cannot be combined with --domains={cfg.domains}: inside a domain every expert is "
-            "already copied to every member"
+            f"cannot be combined with --domains={cfg.domains} or --replan_every="
+            f"{cfg.replan_every}: inside a domain every expert is already copied to every member"
+        )
+    if cfg.grad_compression is not None and cfg.domains is None and not cfg.replan_every:
+        raise FlagError(
+            f"--grad_compression={cfg.grad_compression} needs --domains or --replan_every (it "
+            "compresses the gradients of experts moved inside a domain)"
         )
     if cfg.domains is not None:
         from jax_hybridep import xdc  # noqa: PLC0415  (only runs with domains need it)
 
         sizes = dict(parse_sizes(cfg.domains, "--domains"))
         try:
-            xdc.ExpertDomains.from_mesh(mesh, topology, sizes, cfg.domain_compression)
+            xdc.ExpertDomains.from_mesh(
+                mesh, topology, sizes, cfg.domain_compression, shared=cfg.domain_shared,
+                sync_every=cfg.domain_sync_every, grad_compression=cfg.grad_compression,
+            )  # fmt: skip
         except ValueError as err:
             raise FlagError(f"--domains={cfg.domains} on --mesh={spec}: {err}") from None
+    _check_replanning(cfg, topology)
+
+
+def _check_replanning(cfg: TrainConfig, topology) -> None:
+    """--replan_every's companions: the links it plans for and their schedule."""
+    if not cfg.replan_every:
+        for name in ("links", "link_schedule"):
+            if getattr(cfg, name) is not None:
+                raise FlagError(f"--{name}={getattr(cfg, name)} is only used with --replan_every")
+        return
+    if cfg.resume:
+        # The checkpoint does not record the plan in force, so the restored state's shapes
+        # (error-feedback residuals per domain) could not be matched.
+        raise FlagError(f"--replan_every={cfg.replan_every} cannot be combined with --resume")
+    if not cfg.links:
+        raise FlagError(
+            f"--replan_every={cfg.replan_every} needs --links (e.g. "
+            "dc=10:5:shared,node=100,local=3600), the links to plan for"
+        )
+    from jax_hybridep import xdc  # noqa: PLC0415
+
+    levels = dict(zip((lv[0] for lv in topology.levels), topology.level_sizes, strict=True))
+    try:
+        xdc.parse_links(cfg.links, levels)
+    except ValueError as err:
+        raise FlagError(f"--links={cfg.links}: {err}") from None
+    try:
+        xdc.LinkSchedule.parse(cfg.link_schedule, list(levels))
+    except ValueError as err:
+        raise FlagError(f"--link_schedule={cfg.link_schedule}: {err}") from None
 
 
 def _check_data(cfg: TrainConfig, data: ByteData) -> None:
@@ -264,6 +344,20 @@ def define_flags() -> None:
     flags.DEFINE_float(
         "domain_compression", None, "SR compression ratio (> 1) of experts moved inside a domain"
     )
+    flags.DEFINE_enum(
+        "domain_shared", d.domain_shared, list(SHARED_VARIANTS), "SR shared expert (reference)"
+    )
+    flags.DEFINE_integer(
+        "domain_sync_every", d.domain_sync_every, "steps between SR shared-expert refreshes"
+    )
+    flags.DEFINE_float(
+        "grad_compression", None, "top-k ratio (> 1) of replica gradients, error feedback (lossy)"
+    )
+    flags.DEFINE_bool("prefetch", False, "gather every layer's experts at step start")
+    flags.DEFINE_integer("replan_every", 0, "re-plan the domains every N steps (needs --links)")
+    flags.DEFINE_string("links", None, "EP level links to plan for, e.g. dc=10:5:shared,...")
+    flags.DEFINE_string("link_schedule", None, "link bandwidth changes by step, e.g. '200:dc=1'")
+    flags.DEFINE_float("memory_limit_mb", 0.0, "per-device memory limit of re-plans (0: none)")
     flags.DEFINE_string(
         "capacity_factor",
         DROPLESS,

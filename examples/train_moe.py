@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import replan_hook
 import train_checkpoint
 from absl import app, logging
 from flax import nnx
@@ -61,8 +62,14 @@ from train_config import (
 )
 from train_report import imbalance, program_traffic, ran_backend, rebalance_line, save_plot
 
-# The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal).
-MODEL_FLAGS = ("d_model", "d_ff", "layers", "experts")
+from jax_hybridep import nn as hnn
+
+# The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal;
+# the domain flags fix the shapes of the SR and error-feedback state).
+MODEL_FLAGS = (
+    "d_model", "d_ff", "layers", "experts", "domains", "domain_compression", "domain_shared",
+    "grad_compression",
+)  # fmt: skip
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -96,13 +103,14 @@ def build_steps(graphdef, tx, state_shardings, replicated):
         return ce + aux, (ce, aux, auxes)
 
     def train_step(params, rest, opt_state, inputs, targets):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (ce, aux, auxes)), grads = grad_fn(params, rest, inputs, targets)
+        # As jax.value_and_grad; gradient compression's error feedback comes back in `rest`.
+        grad_fn = hnn.value_and_grad(loss_fn, has_aux=True)
+        (loss, (ce, aux, auxes)), grads, rest = grad_fn(params, rest, inputs, targets)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         # The aux-loss-free router bias follows a rule, not the gradient: update it after.
         model = nnx.merge(graphdef, params, rest)
-        model.update_router_biases(auxes)
+        model.update_state(auxes)
         _, params, rest = nnx.split(model, nnx.Param, ...)
         metrics = dict(
             loss=loss,
@@ -142,15 +150,21 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         wire_dtype=cfg.wire_dtype,
         redundant_slots=cfg.redundant_slots,
         rebalance=cfg.rebalance_every > 0,
+        domain_shared=cfg.domain_shared,
+        domain_sync_every=cfg.domain_sync_every,
+        grad_compression=cfg.grad_compression,
+        prefetch=cfg.prefetch,
     )
 
 
-def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> dict:
+def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hook=None) -> dict:
     """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict.
 
     Raises FlagError (a bad flag, before any model is built) or ResumeError (--resume cannot use
     the checkpoint), each naming what is wrong. `on_compile`, if given, is called with the
     compiled train step's HLO text (e.g. to read its collectives, `jax_hybridep.traffic`).
+    `hook`: a `replan_hook.ReplanHook` (made from `cfg` when `replan_every` is set), asked after
+    every step whether to switch domains.
     """
     console = console or Console(soft_wrap=True)
     data = ByteData.load()
@@ -161,7 +175,12 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
     if cfg.resume:  # what can be checked on disk is, before the model is built
         start = train_checkpoint.latest(ckpt_dir)
         old_metrics = _read_metrics(metrics_path)
-    model = MoETransformer(model_config(cfg), mesh, topology, rngs=nnx.Rngs(cfg.seed))
+    model_cfg = model_config(cfg)
+    if hook is None and cfg.replan_every:
+        hook = replan_hook.ReplanHook.from_config(cfg, model_cfg, mesh, topology)
+    if hook is not None:
+        model_cfg = hook.model_config
+    model = MoETransformer(model_cfg, mesh, topology, rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # Dense parameters replicate; the MoE block's own sharding annotations place its experts.
     params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
@@ -215,6 +234,7 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None) -> 
         console,
         on_compile,
         balancer,
+        hook,
     )
     if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
         params, opt_state = balancer.checkpoint_state(params, opt_state)
@@ -258,9 +278,10 @@ def _loop(
     console,
     on_compile,
     balancer,
+    hook,
 ):
-    """The training loop proper: compile once (again when `balancer` changes a placement),
-    step, evaluate, report progress."""
+    """The training loop proper: compile once (again when `balancer` changes a placement or
+    `hook` switches domains), step, evaluate, report progress."""
     num_devices = mesh.devices.size
     # The batch is sharded over every mesh axis when it divides evenly, else replicated.
     batch_spec = P(tuple(mesh.axis_names)) if cfg.batch % num_devices == 0 else P()
@@ -353,6 +374,16 @@ def _loop(
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss is {record['loss']} at step {step}")
             history["train"].append(record)
+            new = hook.after_step(step + 1, m, params, rest) if hook is not None else None
+            if new is not None:
+                new_graphdef, rest = new
+            if new is not None and new_graphdef is not None:
+                graphdef = new_graphdef  # new domains: one more compile, the state carried over
+                shardings = jax.tree.map(lambda a: a.sharding, (params, rest, opt_state))
+                compiled, eval_step = compile_steps(graphdef)
+                if on_compile is not None:
+                    on_compile(compiled.as_text())
+                progress.console.print(hook.describe(step + 1), highlight=False)
             stats = (
                 f"loss {record['ce']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
                 f"dropped {record['dropped']} | imbalance {record['imbalance']:.2f} "
@@ -369,6 +400,8 @@ def _loop(
     if tokens_per_expert is not None:
         history["tokens_per_expert"] = np.asarray(tokens_per_expert).tolist()
         history["rank_load"] = np.asarray(rank_load).tolist()
+    if hook is not None:
+        history["replans"] = hook.history
     return history, params, rest, opt_state, backend
 
 

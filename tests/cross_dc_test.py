@@ -1,7 +1,8 @@
 """examples/cross_dc.py at a tiny size, in-process: plan, train plain EP, the plan and SR-compressed
-domains, and the bytes across the DC level measured (compiled step, first step's copies) equal to
-the model's prediction from the same run's routing, dense gradients included; bad flags rejected
-before any model is built."""
+domains with gradient compression, and the bytes across the DC level measured (compiled step,
+first step's copies) equal to the model's prediction from the same run's routing, dense gradients
+included; a re-planned run switching domains at a bandwidth drop trains like plain EP with one
+more compile; bad flags rejected before any model is built."""
 
 from __future__ import annotations
 
@@ -34,14 +35,18 @@ def _no_backend_override(monkeypatch):
 def example(tmp_path_factory):
     out = tmp_path_factory.mktemp("cross_dc")
     console = Console(file=io.StringIO(), width=160)
-    s = cross_dc.Settings(steps=2, output_dir=str(out))
+    s = cross_dc.Settings(steps=4, output_dir=str(out))
     base = cross_dc.base_config(s)
     dense, routing = cross_dc.first_step(base)
     summary = cross_dc.run(s, console, first=(dense, routing))
-    # SR compression on a DC-level domain (the plan with compression keeps plain EP: at S = 2 the
-    # shared expert's sync costs what the compressed gather saves).
-    sr = dataclasses.replace(s, domains="dc=2", domain_compression=10.0)
-    compressed = cross_dc.run_one(sr, base, (2, 1, 1), 10.0, routing, dense, console)
+    # SR compression on a DC-level domain, the persistent shared expert refreshed every 2 steps,
+    # the gradients compressed too.
+    sr = dataclasses.replace(
+        s, domains="dc=2", domain_compression=10.0, grad_compression=10.0, domain_sync_every=2
+    )
+    compressed = cross_dc.run_one(
+        sr, base, (2, 1, 1), cross_dc.migration_of(sr), routing, dense, console
+    )
     return summary, compressed, console.file.getvalue()
 
 
@@ -75,13 +80,34 @@ def test_compressed_domains_measured_equal_predicted(example):
     summary, sr, _ = example
     _assert_measured_is_predicted(sr)
     assert sr["compression"] == 10.0
-    # Two layers' shared-expert syncs (one expert each, S = 2) on top of the dense gradients:
-    # with 2 layers XLA combines the six matrices' all-reduces into one tuple.
-    assert sr["measured"]["all_reduce"] - summary["dense_bytes"] == 2 * EXPERT
+    # Two layers' persistent shared experts, each refreshed by an all-reduce of one expert over
+    # the 8 ranks (4 across: 2 * 4 / 8 of it) every 2 steps, on top of the dense gradients.
+    assert sr["measured"]["all_reduce"] - summary["dense_bytes"] == 2 * EXPERT / 2
     k = math.floor(128 * 256 * 4 / (10.0 * 8))
-    assert sr["measured"]["experts"] == 2 * (3 * k * 8 + EXPERT)  # compressed gather, full RS
+    # Compressed gather and compressed gradients: k values and k int32 indices per matrix.
+    assert sr["measured"]["experts"] == 2 * (3 * k * 8 + 3 * k * 8)
     plain = summary["runs"]["plain EP"]
     assert math.isclose(plain["train_loss"], sr["train_loss"], rel_tol=0.05)
+
+
+def test_replanning_switches_at_a_bandwidth_drop_and_trains_like_plain_ep(example, tmp_path):
+    summary, _, _ = example
+    s = cross_dc.Settings(
+        steps=4, replan_every=2, link_schedule="2:dc=0.01", output_dir=str(tmp_path)
+    )
+    console = Console(file=io.StringIO(), width=160)
+    out = cross_dc.run(s, console, first=(summary["dense_bytes"], None))
+    first, second = out["history"]
+    # Planned at 10 Gbps: experts cross the WAN; at 0.01 Gbps tokens do (fewer bytes).
+    assert first["changed"] and first["layer_domains"][0][0] == 1 == first["layer_domains"][1][0]
+    assert not second["changed"] and first["gbps"]["dc"] == 0.01
+    assert first["chosen_s"] < first["current_s"]
+    assert out["compiles"] == 2  # one more compile for the one change, none for "no change"
+    assert out["programs"][0]["experts"] == 2 * 2 * EXPERT and out["programs"][1]["experts"] == 0
+    # The runtime is exact: switching domains mid-run changes no loss.
+    plain = summary["runs"]["plain EP"]
+    for a, b in zip(plain["train"], out["train"], strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5)
 
 
 BAD = [
@@ -94,6 +120,12 @@ BAD = [
     (dict(domains="rack=2"), "--domains='rack=2'"),
     (dict(domains="dc=3"), "dc=3 must divide the level's 2 ranks"),
     (dict(backend="gpu"), "--backend='gpu'"),
+    (dict(grad_compression=0.5), "--grad_compression=0.5: must be > 1"),
+    (dict(domain_shared="avg"), "--domain_shared='avg': must be one of persistent"),
+    (dict(domain_sync_every=0), "--domain_sync_every=0: must be an integer >= 1"),
+    (dict(link_schedule="5:dc=1"), "--replan_every=0: must be set for --link_schedule"),
+    (dict(replan_every=5, link_schedule="5:wan=1"), "link_schedule='5:wan=1'"),
+    (dict(sr_table=True, replan_every=5), "--sr_table=True: is a mode of its own"),
 ]
 
 

@@ -3,7 +3,8 @@
 Covers: a short run writes its plot, checkpoint, metrics and `eval loss:` line with finite losses;
 `resume` restores that checkpoint exactly and continues from its step, also after a process died
 while committing a newer one; training gives the same losses bit for bit with the `xla` and `ffi`
-dispatch backends (DESIGN §2.1.4), drops included; every bad flag fails before a model is built
+dispatch backends (DESIGN §2.1.4), drops included; `--replan_every` recompiles on new domains when
+the link schedule drops the bandwidth, and only then; every bad flag fails before a model is built
 with a message naming it; `--resume` from a missing, emptied, corrupt or incompatible checkpoint
 (or metrics file) names the directory and the problem.
 """
@@ -27,6 +28,10 @@ sys.path.insert(0, EXAMPLES)
 
 import train_config  # noqa: E402
 import train_moe  # noqa: E402
+
+from jax_hybridep import traffic  # noqa: E402
+from jax_hybridep.xdc import migrate  # noqa: E402
+from jax_hybridep.xdc.domains import INNER_SUFFIX  # noqa: E402
 
 TINY = train_moe.TrainConfig(
     steps=3,
@@ -180,15 +185,40 @@ def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(t
     assert dc["program_traffic"]["dc"]["reduce-scatter"] == expert
     k = math.floor(32 * 32 * 4 / (8.0 * 8))  # SR: k values + k int32 indices per matrix
     assert sr["program_traffic"]["dc"]["all-gather"] == 3 * k * 8
-    # The shared (mean) expert is kept in sync by one all-reduce per matrix across the pair; the
-    # block's other all-reduce across it is its router gate's gradient (32 x 8 float32, summed
-    # over the 8 ranks: 2 * 4 / 8 of it comes from the other DC).
+    # The persistent shared expert's refresh all-reduces one expert over the 8 ranks (2 * 4 / 8
+    # of it from the other DC); the block's other all-reduce across the pair is its router
+    # gate's gradient (32 x 8 float32, summed over the 8 ranks: 2 * 4 / 8 of it too).
     assert sr["program_traffic"]["dc"]["all-reduce"] == 3 * 32 * 32 * 4 + 32 * 8 * 4
     assert all(math.isfinite(r["loss"]) for r in sr["train"])
 
 
 def _no_model(*args, **kwargs):
     raise AssertionError("a model was built before the flags were checked")
+
+
+def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidth(tmp_path):
+    # At 100 Gbps with 0.1 ms per message, replicating experts over domains of 4 beats 4 token
+    # exchanges (the plan at step 0); at 0.01 Gbps moving the experts costs more: fewer replicas.
+    cfg = dataclasses.replace(
+        TINY, steps=4, replan_every=2, links="ep=100:0.1", link_schedule="2:ep=0.01",
+        output_dir=str(tmp_path),
+    )  # fmt: skip
+    hlo = []
+    metrics = train_moe.train(cfg, Console(file=io.StringIO()), on_compile=hlo.append)
+    replans = metrics["replans"]
+    assert [(r["step"], r["changed"]) for r in replans] == [(2, True), (4, False)]
+    assert replans[0]["gbps"] == {"ep": 0.01}
+    (new,) = replans[0]["layer_domains"]
+    assert new[0] < 4 and replans[1]["layer_domains"] == [new]
+    assert len(hlo) == 2  # one more compile, for the one change
+    # What each compiled step all-gathers: the S - 1 other replicas of a rank's one expert.
+    expert = 3 * 32 * 32 * 4
+    axes = {"ep", "ep" + INNER_SUFFIX}
+    gathered = [
+        traffic.crossing_bytes(h, axes, op_name=migrate.GATHER_SCOPE)["all-gather"] for h in hlo
+    ]
+    assert gathered == [3 * expert, (new[0] - 1) * expert]
+    assert all(math.isfinite(r["loss"]) for r in metrics["train"])
 
 
 @pytest.mark.parametrize(
@@ -223,6 +253,18 @@ def _no_model(*args, **kwargs):
         (dict(domains="ep"), r"--domains=ep must look like 'dc=2'"),
         (dict(domain_compression=8.0), r"--domain_compression=8.0 needs --domains"),
         (dict(domains="ep=2", domain_compression=0.5), r"--domain_compression=0.5 must be a"),
+        (dict(domain_shared="median"), r"--domain_shared='median' must be one of persistent, "),
+        (dict(domain_sync_every=0), r"--domain_sync_every=0 must be an integer >= 1"),
+        (dict(grad_compression=4.0), r"--grad_compression=4.0 needs --domains or --replan_"),
+        (dict(domains="ep=2", grad_compression=1.0), r"--grad_compression=1.0 must be a finite"),
+        (dict(memory_limit_mb=-1.0), r"--memory_limit_mb=-1.0 must be a finite number >= 0"),
+        (dict(prefetch="yes"), r"--prefetch='yes' must be true or false"),
+        (dict(links="ep=10"), r"--links=ep=10 is only used with --replan_every"),
+        (dict(replan_every=-1), r"--replan_every=-1 must be an integer >= 0"),
+        (dict(replan_every=2), r"--replan_every=2 needs --links"),
+        (dict(replan_every=2, links="dc=10"), r"--links=dc=10: .* must name one of the levels"),
+        (dict(replan_every=2, links="ep=10", link_schedule="2:dc=1"), r"--link_schedule=2:dc=1"),
+        (dict(replan_every=2, links="ep=10", resume=True), r"cannot be combined with --resume"),
     ],
 )
 def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monkeypatch):

@@ -206,22 +206,44 @@ def test_compressed_bytes_match_runtime(compression, dtype, shape):
 
 
 def test_compressed_volumes():
+    """SR compression shrinks the gather; the reference costs what its variant moves: "mean" an
+    all-reduce over the domain every layer call, "persistent" one over all ranks every
+    `sync_every` steps, "none" nothing; gradient compression shrinks the reduce-scatter alike."""
     sizes, domains, mats = (2, 4), (2, 2), [(16, 32), (32, 16)]
     p1 = 2 * 16 * 32 * 4
-    vols = volumes.expected_volumes(
-        sizes,
-        domains,
-        tokens=4,
-        top_k=2,
-        **_kw(expert_bytes=None, expert_matrices=mats),
-        compression=8,
-    )
+
+    def vols(**kw):
+        return volumes.expected_volumes(
+            sizes, domains, tokens=4, top_k=2, **_kw(expert_bytes=None, expert_matrices=mats),
+            compression=8, **kw,
+        )  # fmt: skip
+
     sent = 2 * wire.topk_count(512, 8, 4) * 8
-    assert sent < p1 and vols.expert_bytes == p1
-    for v in vols.levels:
-        assert v.gather_bytes == v.gather_experts * sent
-        assert v.reduce_scatter_bytes == v.gather_experts * p1  # gradients are never compressed
-        assert v.shared_sync_bytes == p1
+    mean, persistent = vols(shared="mean"), vols(sync_every=5)
+    none, both = vols(shared="none"), vols(grad_compression=8)
+    assert sent < p1 and mean.expert_bytes == p1
+    # The persistent refresh all-reduces one expert over the 8 ranks: across the level of 2,
+    # 4 peers (2 * 4 / 8 of it); across the level of 4, 6 peers.
+    refresh = (p1, 3 * p1 // 2)
+    levels = zip(*(v.levels for v in (mean, persistent, none, both)), strict=True)
+    for lvl, (m, p, n, b) in enumerate(levels):
+        for v in (m, p, n, b):
+            assert v.gather_bytes == v.gather_experts * sent
+        assert m.reduce_scatter_bytes == p.reduce_scatter_bytes == m.gather_experts * p1
+        assert b.reduce_scatter_bytes == b.gather_experts * sent  # the same top-k rule
+        assert m.shared_sync_bytes == p1 and m.shared_refresh_bytes == 0
+        assert p.shared_sync_bytes == 0 and p.shared_refresh_bytes == refresh[lvl]
+        assert n.shared_sync_bytes == n.shared_refresh_bytes == 0
+    expected = [
+        4 * v.token_bytes + v.gather_bytes + v.reduce_scatter_bytes + r / 5
+        for v, r in zip(persistent.levels, refresh, strict=True)
+    ]
+    assert persistent.step_bytes(training=True) == pytest.approx(expected, rel=1e-12)
+    plain = volumes.expected_volumes(
+        sizes, (1, 1), tokens=4, top_k=2, **_kw(expert_bytes=None, expert_matrices=mats),
+        compression=8,
+    )  # fmt: skip
+    assert all(v.shared_refresh_bytes == 0 for v in plain.levels)  # nothing migrates
 
 
 def test_flat_volumes():

@@ -6,6 +6,8 @@ to a replica inside the sender's domain; the bytes on each level are the model's
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,49 +131,86 @@ def test_moe_block_values_and_gradients_equal_plain_ep(sizes, backend):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _numpy_gather(domains, w, ratio):
-    """Reference SR gather on the host: per rank, its replicas decoded, its own block exact."""
+def _numpy_gather(domains, w, ratio, shared, reference=None):
+    """Reference SR gather on the host: per rank, its replicas decoded against the variant's
+    reference (the domain's mean, the given persistent one, or none), its own block exact."""
     e_local = w.shape[0] // 8
-    held = _gathered(domains, jnp.asarray(np.arange(E, dtype=np.float32)))  # expert per slot
+    labels = jnp.asarray(np.arange(E, dtype=np.float32))
+    held = _gathered(dataclasses.replace(domains, migration=xdc.Migration()), labels)  # per slot
     n = int(np.prod(w.shape[1:]))
     k = compress.kept_entries(n, w.dtype, ratio)
     out = np.zeros((8, held.shape[1], *w.shape[1:]), w.dtype)
     for device in range(8):
         experts = held[device].astype(int)
-        shared = w[experts].astype(np.float32).mean(axis=0).astype(w.dtype).reshape(n)
+        if shared == "mean":
+            base = w[experts].astype(np.float32).mean(axis=0).astype(w.dtype).reshape(n)
+        elif shared == "persistent":
+            base = np.asarray(reference, w.dtype).reshape(n)
+        else:
+            base = np.zeros(n, w.dtype)
         own = set(range(device * e_local, (device + 1) * e_local))
         for slot, e in enumerate(experts):
             if e in own:
                 out[device, slot] = w[e]
                 continue
-            residual = w[e].reshape(n) - shared
+            residual = w[e].reshape(n) - base
             top = np.argsort(-np.abs(residual), kind="stable")[:k]
-            decoded = shared.copy()
+            decoded = base.copy()
             decoded[top] += residual[top]
             out[device, slot] = decoded.reshape(w.shape[1:])
     return out
 
 
-@pytest.mark.parametrize("sizes", [{"dc": 2}, {"dc": 2, "local": 2}], ids=str)
-def test_compressed_gather_decodes_top_k_residuals_and_passes_gradients_straight_through(sizes):
+def _sr_gathered(domains, w, reference=()):
+    """Each rank's SR-gathered experts, the persistent reference passed replicated."""
+    spec = P(domains.expert_axes)
+    fn = jax.shard_map(
+        lambda w, *ref: domains.gather_experts((w,), ref)[0][None],
+        mesh=domains.mesh,
+        in_specs=(spec, *(P(),) * len(reference)),
+        out_specs=P(tuple(domains.mesh.axis_names)),
+    )
+    return np.asarray(jax.jit(fn)(w, *reference))
+
+
+@pytest.mark.parametrize(
+    "sizes,shared",
+    [({"dc": 2}, "persistent"), ({"dc": 2, "local": 2}, "mean"), ({"dc": 2}, "none")],
+    ids=str,
+)
+def test_compressed_gather_decodes_top_k_residuals_and_passes_gradients_straight_through(
+    sizes, shared
+):
     ratio = 4.0
-    _, _, domains = _domains(sizes, compression=ratio)
-    plain = xdc.ExpertDomains.from_mesh(make_mesh(SHAPE, NAMES), domains.topology, sizes)
-    w = np.random.default_rng(0).normal(size=(E, 4, 6)).astype(np.float32)
+    mesh = make_mesh(SHAPE, NAMES)
+    topo = hep.Topology.from_mesh(mesh, levels=NAMES)
+    domains = xdc.ExpertDomains.from_mesh(mesh, topo, sizes, ratio, shared=shared)
+    plain = xdc.ExpertDomains.from_mesh(mesh, topo, sizes)
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(E, 4, 6)).astype(np.float32)
+    ref = (
+        (jnp.asarray(rng.normal(size=(4, 6)).astype(np.float32)),) if shared == "persistent" else ()
+    )
     np.testing.assert_allclose(
-        _gathered(domains, jnp.asarray(w)), _numpy_gather(domains, w, ratio), rtol=1e-6, atol=1e-6
+        _sr_gathered(domains, jnp.asarray(w), ref),
+        _numpy_gather(domains, w, ratio, shared, ref[0] if ref else None),
+        rtol=1e-6,
+        atol=1e-6,
     )
 
-    def vjp(d):
+    def vjp(d, ref):
         spec = P(d.expert_axes)
         fn = jax.shard_map(
-            lambda w: d.gather_experts((w,))[0], mesh=d.mesh, in_specs=spec, out_specs=spec
+            lambda w, *r: d.gather_experts((w,), r)[0],
+            mesh=d.mesh,
+            in_specs=(spec, *(P(),) * len(ref)),
+            out_specs=spec,
         )
-        out, pullback = jax.vjp(jax.jit(fn), jnp.asarray(w))
+        out, pullback = jax.vjp(jax.jit(lambda w: fn(w, *ref)), jnp.asarray(w))
         ct = jnp.sin(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
         return pullback(ct)[0]
 
-    np.testing.assert_array_equal(vjp(domains), vjp(plain))
+    np.testing.assert_array_equal(vjp(domains, ref), vjp(plain, ()))
 
 
 def test_sent_bytes_follow_the_ratio():
@@ -301,8 +340,15 @@ def test_moe_block_rejects_compression_it_would_ignore():
     mesh = make_mesh(SHAPE, NAMES)
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
     kw = dict(router=hnn.RouterConfig(num_experts=E, top_k=K), mesh=mesh, topology=topo)
-    with pytest.raises(ValueError, match="needs expert_domains"):
+    with pytest.raises(ValueError, match="domain_compression=10.0, .* need expert_domains"):
         hnn.MoEBlock(H, F, domain_compression=10.0, rngs=nnx.Rngs(0), **kw)
+    with pytest.raises(ValueError, match="grad_compression=4.0 need expert_domains"):
+        hnn.MoEBlock(H, F, grad_compression=4.0, rngs=nnx.Rngs(0), **kw)
     domains = xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2})
     with pytest.raises(ValueError, match="beside an ExpertDomains"):
         hnn.MoEBlock(H, F, expert_domains=domains, domain_compression=10.0, rngs=nnx.Rngs(0), **kw)
+    with pytest.raises(ValueError, match="Migration.shared must be one of"):
+        hnn.MoEBlock(H, F, expert_domains={"dc": 2}, domain_shared="median", rngs=nnx.Rngs(0),
+                     **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="Migration.sync_every must be an int >= 1, got 0"):
+        xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2}, 10.0, sync_every=0)

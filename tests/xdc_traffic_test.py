@@ -3,8 +3,9 @@
 
 A hand-written HLO fragment checks the parser where XLA's printing is awkward (tuples of six or
 more arrays carry `/*index=5*/` annotations; combined collectives join their op_names with ":");
-compiled SR-compressed gathers of 2 and 4 layers, with domains of 2 and 4 DCs, check that the
-shared expert's all-reduce the program moves is what the model counts.
+compiled SR-compressed gathers and their gradients (2 and 4 layers, domains of 2 and 4 DCs, each
+shared-expert variant, gradient compression) check that what the program moves is what the model
+counts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import traffic
-from jax_hybridep.xdc import cost, domains, volumes
+from jax_hybridep.xdc import cost, domains, migrate, volumes
 
 GROUPS = "mesh['dc'=2,'local'=2]"
 HLO = f"""
@@ -67,44 +68,96 @@ def test_all_reduce_convention():
     assert traffic.all_reduce_bytes(800, 8, 4) == 800  # 8 ranks, 4 across a level of 2
 
 
-def _compressed_step(mesh, topo, sizes, layers, compression):
-    """HLO of the SR-compressed gathers of `layers` layers' three expert matrices (E = 16)."""
-    doms = domains.ExpertDomains.from_mesh(mesh, topo, sizes, compression)
+def _compressed_step(mesh, topo, sizes, layers, compression, **migration):
+    """HLO of the forward and backward of the SR-compressed gathers of `layers` layers' three
+    expert matrices (E = 16), with the persistent reference and the error feedback as inputs
+    where the migration keeps them, and the reference's refresh as a block runs it."""
+    doms = domains.ExpertDomains.from_mesh(mesh, topo, sizes, compression, **migration)
+    mig = doms.migration
     shapes = [(16, 8, 12), (16, 8, 12), (16, 12, 8)] * layers
-    spec = P(doms.expert_axes)
+    spec, every = P(doms.expert_axes), P(tuple(doms.mesh.axis_names))
+    refs = [jnp.zeros(s[1:], jnp.float32) for s in shapes] if mig.persistent else []
+    local = [(s[0] // topo.ep_size, *s[1:]) for s in shapes]
+    feedback = [
+        [jnp.zeros((mesh.devices.size * f[0], *f[1:]), jnp.float32) for f in axis]
+        for axis in (doms.feedback_shapes(local) if mig.grad_compression else [])
+    ]
 
-    def body(*weights):
-        gathered = []
-        for layer in range(layers):
-            gathered += doms.gather_experts(weights[3 * layer : 3 * layer + 3])
-        return sum(jnp.sum(w) for w in gathered)[None]
+    def body(weights, refs, feedback):
+        gathered = doms.gather_experts(weights, refs, feedback)
+        if mig.persistent:  # the refresh a block runs, once per layer
+            for i in range(layers):
+                w3, r3 = weights[3 * i : 3 * i + 3], refs[3 * i : 3 * i + 3]
+                gathered += migrate.refresh(w3, r3, jnp.int32(0), 1, doms.expert_axes)
+        return sum(jnp.sum(jnp.sin(w)) for w in gathered)[None]
 
-    fn = jax.shard_map(body, mesh=doms.mesh, in_specs=(spec,) * len(shapes),
-                       out_specs=P(tuple(doms.mesh.axis_names)))  # fmt: skip
-    args = [jnp.ones(s, jnp.float32) for s in shapes]
-    return jax.jit(fn).lower(*args).compile().as_text()
+    fb_specs = tuple((every,) * len(f) for f in feedback)
+    fn = jax.shard_map(
+        body, mesh=doms.mesh, in_specs=((spec,) * len(shapes), (P(),) * len(refs), fb_specs),
+        out_specs=every,
+    )  # fmt: skip
+
+    def loss(weights, refs, feedback):
+        return jnp.sum(fn(weights, refs, feedback))
+
+    args = (
+        tuple(jnp.ones(s, jnp.float32) for s in shapes),
+        tuple(refs),
+        tuple(tuple(f) for f in feedback),
+    )
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2))).lower(*args).compile().as_text()
 
 
-@pytest.mark.parametrize("layers", [2, 4])
-@pytest.mark.parametrize("dcs,domain", [(2, 2), (4, 4)])
-def test_shared_expert_sync_is_counted_alike_in_program_volumes_and_cost(layers, dcs, domain):
+SR_CASES = [  # (layers, DCs, domain, migration)
+    (2, 2, 2, dict(shared="mean")),
+    (4, 4, 4, dict(shared="mean")),
+    (2, 4, 4, dict(shared="persistent")),
+    (2, 2, 2, dict(shared="none", grad_compression=8.0)),
+    (2, 4, 2, dict(shared="persistent", grad_compression=4.0)),
+]
+
+
+@pytest.mark.parametrize("layers,dcs,domain,migration", SR_CASES, ids=str)
+def test_sr_variants_move_in_the_program_what_volumes_and_cost_count(
+    layers, dcs, domain, migration
+):
+    """The compiled gather, reference sync or refresh and (compressed) reduce-scatter across the
+    DC level equal `xdc.volumes` for each SR variant; the cost model times those bytes."""
     mesh = make_mesh((dcs, 2), ("dc", "local"))
     topo = hep.Topology.from_mesh(mesh, levels=("dc", "local"))
-    hlo = _compressed_step(mesh, topo, {"dc": domain}, layers, 8.0)
-    moved = traffic.crossing_bytes(hlo, {"dc", "dc" + domains.INNER_SUFFIX})
+    hlo = _compressed_step(mesh, topo, {"dc": domain}, layers, 8.0, **migration)
+    axes = {"dc", "dc" + domains.INNER_SUFFIX}
+    # Arrays of rank >= 1: the scalar loss's all-reduce is not the model's.
+    moved = traffic.crossing_bytes(hlo, axes, operands=lambda kind, shape: len(shape) >= 1)
     vols = volumes.expected_volumes(
         (dcs, 2), (domain, 1), tokens=1, top_k=1, num_experts=16, hidden=4, act_bytes=4,
-        expert_matrices=((8, 12), (8, 12), (12, 8)), compression=8.0,
+        expert_matrices=((8, 12), (8, 12), (12, 8)), compression=8.0, **migration,
     )  # fmt: skip
     level = vols.levels[0]
     p1 = 3 * 8 * 12 * 4
-    assert level.shared_sync_bytes == 2 * (domain - 1) * p1 // domain  # 1.5 P1 at S = 4
-    assert moved["all-reduce"] == layers * level.shared_sync_bytes
+    shared = migration["shared"]
+    assert level.shared_sync_bytes == (2 * (domain - 1) * p1 // domain if shared == "mean" else 0)
+    ranks = 2 * dcs  # the persistent refresh: one expert all-reduced over every rank
+    refresh = 2 * p1 * (ranks - 2) // ranks if shared == "persistent" else 0
+    assert level.shared_refresh_bytes == refresh
+    assert moved["all-reduce"] == layers * (level.shared_sync_bytes + refresh)
+    assert traffic.crossing_bytes(hlo, axes, op_name=migrate.REFRESH_SCOPE)["all-reduce"] == (
+        layers * refresh
+    )
     assert moved["all-gather"] == layers * level.gather_bytes
-    # The program merges the matrices' all-reduces: tuples of 6 or more arrays are read too.
-    assert max(len(c.operands) for c in traffic.collectives(hlo, "all-reduce")) >= 6
+    # Gradients: a reduce-scatter at full size, or top-k blocks in an all-to-all.
+    rs = moved["all-to-all"] if "grad_compression" in migration else moved["reduce-scatter"]
+    assert rs == layers * level.reduce_scatter_bytes
+    if "grad_compression" in migration:
+        assert moved["reduce-scatter"] == 0 and rs < layers * level.gather_experts * p1
+    # One call's matrices (every layer's here) travel together: one gather per element type
+    # (values, indices), not one per matrix.
+    assert len(traffic.collectives(hlo, "all-gather")) <= 2
     # The cost model times exactly those bytes (no ring factor of its own on top).
     c = cost.step_cost(cost.Cluster((dcs, 2), (cost.Link(1e9),) * 2), vols, training=False)
     assert c.levels[0].shared_sync == pytest.approx(level.shared_sync_bytes / 1e9, rel=1e-12)
-    assert level.token_bytes == 0  # every DC in one domain: no token crosses the level
-    assert c.levels[0].bytes == level.gather_bytes + level.shared_sync_bytes
+    assert c.levels[0].refresh == pytest.approx(refresh / 1e9, rel=1e-12)
+    assert level.token_bytes == 0 or dcs != domain  # a DC-wide domain: no token crosses
+    assert c.levels[0].bytes == pytest.approx(
+        level.token_bytes * 2 + level.gather_bytes + level.shared_sync_bytes + refresh
+    )

@@ -5,7 +5,9 @@ Sharding model: the block takes global activations `x [..., d_model]` under `jax
 are sharded over the EP axes (expert dim) and replicated over the others (e.g. a "data" axis), and
 the gate and shared expert are replicated. The block does not care how many levels the topology
 has; only `dispatch`/`combine` do. With redundant slots (`jax_hybridep.balance`) the stored
-experts are in the placement's order and each shard fetches its replicas before dispatch.
+experts are in the placement's order and each shard fetches its replicas before dispatch. With
+expert domains (cross-DC EP) the experts are first gathered inside each domain
+(`nn.migration`), by the block itself or prefetched by the model.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import balance, xdc
+from jax_hybridep.nn import migration
 from jax_hybridep.nn.experts import expert_swiglu, swiglu
+from jax_hybridep.nn.migration import Gathered, GradFeedback, SRReference
 from jax_hybridep.nn.router import Router, RouterConfig, route
 from jax_hybridep.values import check_int
 
@@ -42,6 +46,8 @@ class MoEAux:
         token exchange (`MoEBlock.token_levels`), all shards, one dispatch.
       tokens_per_slot: [EP x slots per rank] int32 rows routed to each physical expert slot
         (rank-major), before drops; without a replica placement, the experts themselves.
+      sr_shared: with a persistent SR shared expert, its value after this step (refreshed every
+        `sync_every` steps), for `MoEBlock.update_state`; else None.
     """
 
     loss: jax.Array
@@ -51,6 +57,7 @@ class MoEAux:
     dropped: jax.Array
     level_rows: jax.Array
     tokens_per_slot: jax.Array | None = None
+    sr_shared: tuple[jax.Array, ...] | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -63,9 +70,10 @@ jax.tree_util.register_dataclass(
         "dropped",
         "level_rows",
         "tokens_per_slot",
-    ],  # fmt: skip
+        "sr_shared",
+    ],
     meta_fields=[],
-)
+)  # fmt: skip
 
 
 def _param(rngs, shape, sharding, mesh, dtype):
@@ -75,7 +83,8 @@ def _param(rngs, shape, sharding, mesh, dtype):
 
 
 class SharedExpert(nnx.Module):
-    """An always-on SwiGLU expert applied to every token (replicated weights)."""
+    """An always-on SwiGLU expert applied to every token (replicated weights); not the SR shared
+    expert of expert domains (`nn.migration.SRReference`)."""
 
     def __init__(self, d_model, d_ff, *, mesh, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.gate = _param(rngs, (d_model, d_ff), (None, None), mesh, param_dtype)
@@ -130,8 +139,18 @@ class MoEBlock(nnx.Module):
       expert_domains: optional per-level domain sizes ({level axis: S}) or an
         `xdc.ExpertDomains`: experts are all-gathered inside each domain and tokens cross only
         between domains (cross-datacenter EP, DESIGN §4). Parameters keep the plain-EP sharding,
-        so checkpoints move freely between settings.
+        so checkpoints move freely between settings. Exact (values and gradients equal plain
+        EP's) unless something below compresses.
       domain_compression: SR compression ratio of the migrated experts (None: full experts).
+        Not exact: the replicas are decoded from the top-k of their residuals.
+      domain_shared: the SR reference: "persistent" (default: a shared expert kept as state,
+        initialised as the mean of the experts, refreshed every `domain_sync_every` steps by
+        `update_state`), "mean" (the domain's mean, recomputed every call) or "none" (top-k of
+        the weights themselves). See `xdc.compress`.
+      domain_sync_every: steps between refreshes of the persistent shared expert.
+      grad_compression: top-k ratio of the replicas' gradient reduce-scatter, with error
+        feedback held in `GradFeedback` variables (train with `nn.value_and_grad`). Opt-in and
+        not exact.
       dispatch: hep.DispatchConfig; num_experts defaults to the router's. The block runs it with
         zero_padding=False (its expert compute never reads rows past the groups).
       shared_expert_ff: hidden width of an always-on shared SwiGLU expert, or None.
@@ -158,6 +177,9 @@ class MoEBlock(nnx.Module):
         dispatch: hep.DispatchConfig | None = None,
         expert_domains: Mapping[str, int] | xdc.ExpertDomains | None = None,
         domain_compression: float | None = None,
+        domain_shared: str = "persistent",
+        domain_sync_every: int = 1,
+        grad_compression: float | None = None,
         shared_expert_ff: int | None = None,
         redundant_slots: int = 0,
         placement: balance.Placement | None = None,
@@ -184,10 +206,11 @@ class MoEBlock(nnx.Module):
         dispatch = dataclasses.replace(dispatch, zero_padding=False)
         self.mesh, self.topology, self.dispatch_config = mesh, topology, dispatch
         if isinstance(expert_domains, xdc.ExpertDomains):
-            if domain_compression is not None:
+            if domain_compression is not None or grad_compression is not None:
                 raise ValueError(
-                    "domain_compression is given beside an ExpertDomains: set its compression "
-                    "when building it (xdc.ExpertDomains.from_mesh(..., compression=...))"
+                    "domain_compression / grad_compression are given beside an ExpertDomains: "
+                    "set them when building it (xdc.ExpertDomains.from_mesh(..., compression=..., "
+                    "grad_compression=...))"
                 )
             if expert_domains.topology != topology:
                 raise ValueError(
@@ -196,12 +219,18 @@ class MoEBlock(nnx.Module):
                 )
         elif expert_domains is not None:
             expert_domains = xdc.ExpertDomains.from_mesh(
-                mesh, topology, expert_domains, domain_compression
+                mesh,
+                topology,
+                expert_domains,
+                domain_compression,
+                shared=domain_shared,
+                sync_every=domain_sync_every,
+                grad_compression=grad_compression,
             )
-        elif domain_compression is not None:
+        elif domain_compression is not None or grad_compression is not None:
             raise ValueError(
-                f"domain_compression={domain_compression} needs expert_domains (it compresses the "
-                "experts moved inside a domain)"
+                f"domain_compression={domain_compression}, grad_compression={grad_compression} "
+                "need expert_domains (they compress the experts moved inside a domain)"
             )
         self.domains = expert_domains
         self.placement = _check_placement(self, redundant_slots, placement)
@@ -218,9 +247,60 @@ class MoEBlock(nnx.Module):
             if shared_expert_ff is not None
             else None
         )
+        self._init_migration_state()
 
-    def __call__(self, x) -> tuple[jax.Array, MoEAux]:
-        """x [..., d_model] -> (y [..., d_model] in x's dtype, MoEAux)."""
+    def expert_weights(self):
+        """The (w_gate, w_up, w_down) parameters."""
+        return self.w_gate, self.w_up, self.w_down
+
+    def _init_migration_state(self):
+        """The state the domains' migration keeps (`nn.migration`): a persistent SR shared
+        expert, the mean of the experts; error-feedback residuals, zero."""
+        d = self.domains
+        if d is None or not d.inner_axes:  # every domain of size 1: plain EP, nothing migrates
+            return
+        if d.migration.persistent:
+            self.sr_reference = nnx.List(
+                [SRReference(jnp.mean(w[...], axis=0)) for w in self.expert_weights()]
+            )
+            self.sr_clock = SRReference(jnp.zeros((), jnp.int32))
+        if d.migration.grad_compression is not None:
+            shards = self.mesh.devices.size
+            axes = tuple(self.mesh.axis_names)  # each device its own residuals
+            zeros = lambda key, shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+            local = [
+                (w.shape[0] // self.topology.ep_size, *w.shape[1:]) for w in self.expert_weights()
+            ]
+            self.grad_feedback = nnx.List(
+                [
+                    GradFeedback(
+                        nnx.with_partitioning(
+                            zeros, (axes,) + (None,) * (len(s) - 1), mesh=self.mesh
+                        )(None, (shards * s[0], *s[1:]), self.dtype)
+                    )
+                    for per_axis in d.feedback_shapes(local)
+                    for s in per_axis
+                ]
+            )
+
+    def reset_sr_reference(self):
+        """Sets a persistent SR shared expert to the mean of the current experts (e.g. after
+        the parameters were restored or the block rebuilt)."""
+        if hasattr(self, "sr_reference"):
+            for ref, w in zip(self.sr_reference, self.expert_weights(), strict=True):
+                ref[...] = jnp.mean(w[...], axis=0).astype(ref[...].dtype)
+
+    def gather(self) -> Gathered | None:
+        """This block's domain gather on its own (`nn.migration.prefetch_experts` gathers many
+        blocks' at once); None without domains."""
+        return migration.prefetch_experts([self])[0]
+
+    def __call__(self, x, experts: Gathered | None = None) -> tuple[jax.Array, MoEAux]:
+        """x [..., d_model] -> (y [..., d_model] in x's dtype, MoEAux).
+
+        `experts`: this block's gather, already done (`nn.migration.prefetch_experts`); by
+        default a block with domains gathers its experts itself.
+        """
         lead, d_model = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, d_model)
         shards = self.mesh.devices.size
@@ -232,6 +312,13 @@ class MoEBlock(nnx.Module):
         mesh, token_topology, _ = self._exchange()
         all_axes = P(tuple(mesh.axis_names))
         expert_spec = P(self.domains.expert_axes if self.domains else self.topology.ep_axes)
+        if self.domains is None:
+            if experts is not None:
+                raise ValueError("MoEBlock: experts were gathered for a block without domains")
+            weights = tuple(w[...].astype(self.dtype) for w in self.expert_weights())
+        else:
+            experts = self.gather() if experts is None else experts
+            weights = experts.weights
         routed = jax.shard_map(
             self._per_shard,
             mesh=mesh,
@@ -242,9 +329,7 @@ class MoEBlock(nnx.Module):
             tokens.astype(self.dtype),
             self.router.gate[...],
             self.router.bias[...],
-            self.w_gate[...].astype(self.dtype),
-            self.w_up[...].astype(self.dtype),
-            self.w_down[...].astype(self.dtype),
+            *weights,
         )
         if self.shared is not None:
             y = y + self.shared(tokens.astype(self.dtype))
@@ -261,6 +346,7 @@ class MoEBlock(nnx.Module):
             dropped=jnp.sum(dropped, dtype=jnp.int32),
             level_rows=jnp.sum(level_rows, axis=0, dtype=jnp.int32),
             tokens_per_slot=jnp.sum(per_slot, axis=0, dtype=jnp.int32) // ep_size,
+            sr_shared=experts.sr_shared if experts is not None else None,
         )
         return y.reshape(*lead, -1).astype(x.dtype), aux
 
@@ -278,8 +364,6 @@ class MoEBlock(nnx.Module):
 
     def _per_shard(self, x, gate, bias, w_gate, w_up, w_down):
         _, topology, config = self._exchange()
-        if self.domains is not None:
-            w_gate, w_up, w_down = self.domains.gather_experts((w_gate, w_up, w_down))
         routing = route(
             jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32)), bias, self.router.config
         )
@@ -337,6 +421,15 @@ class MoEBlock(nnx.Module):
     def update_router_bias(self, tokens_per_expert):
         """Auxiliary-loss-free balancing step (no-op when router.bias_update_rate is 0)."""
         self.router.update_bias(tokens_per_expert)
+
+    def update_state(self, aux: MoEAux):
+        """After a training step: the router bias step and, with a persistent SR shared
+        expert, its value after the step (and its clock)."""
+        self.update_router_bias(aux.tokens_per_expert)
+        if aux.sr_shared is not None:
+            for ref, value in zip(self.sr_reference, aux.sr_shared, strict=True):
+                ref[...] = value
+            self.sr_clock[...] = self.sr_clock[...] + 1
 
 
 def _check_placement(block, redundant_slots, placement):

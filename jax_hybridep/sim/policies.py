@@ -108,6 +108,7 @@ def plan(c: Datacenters, w: MoELayer) -> planner.Plan:
         act_bytes=_ACT_BYTES,
         expert_bytes=round(w.expert_bytes),
         compression=w.compression if w.compressed else None,
+        shared="mean",  # the simulator's SR: a mean shared expert synced every step
         training=not w.forward_only,
         lat_pe=w.pre_expert_s,
     )

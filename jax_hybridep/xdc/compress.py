@@ -1,35 +1,102 @@
-"""SR compression of migrated experts (HybridEP's parameter-efficient migration).
+"""What travels when experts migrate inside a domain: the settings (`Migration`) and the top-k
+value-index code that SR compression and gradient compression share.
 
-Each layer keeps a shared expert: the mean of the domain's experts, recomputed every call by an
-all-reduce over the inner axes (so every member of a domain decodes against the same one). An
-expert travels as the top-k entries, by magnitude, of its residual (expert - shared) in
-value-index form: k values in the weights' dtype and k int32 indices per matrix, with
-`k = max(1, floor(n * value_bytes / (compression * (value_bytes + 4))))` for a matrix of n entries,
-so `compression` is full bytes / bytes sent (`wire`). The receiver decodes shared + scatter(values
-at indices); a rank's own experts stay exact.
+SR compression (HybridEP's parameter-efficient migration) sends each migrated expert as the top-k
+entries, by magnitude, of its residual from a reference expert, per matrix, in value-index form:
+`k = max(1, floor(n * value_bytes / (ratio * (value_bytes + 4))))` values in the weights' dtype and
+k int32 indices for a matrix of n entries, so `ratio` is full bytes / bytes sent (`wire`). The
+receiver decodes reference + scatter(values at indices). The reference (`Migration.shared`):
 
-Gradients are straight-through to the owner's full weights: the backward pass treats each decoded
-replica as if it were the owner's exact expert, so the replicas' gradients are reduce-scattered
-back to the owner exactly as without compression (the transpose of an uncompressed all-gather).
-The shared expert gets no gradient (it is a function of the experts, not a parameter).
+* "persistent" (the paper's, the default): one shared expert per layer, initialised as the mean of
+  the layer's experts and kept as state; every `sync_every` steps it is refreshed to the mean of
+  the current experts by an all-reduce whose result is used from the next step on, so nothing in
+  the step waits for it. Between refreshes it is stale: what is decoded is not a function of the
+  current experts alone (not exact, as no SR is).
+* "mean": the mean of the domain's experts, recomputed every step by an all-reduce over the
+  domain before the gather (on the critical path).
+* "none": no reference, the top-k of the weights themselves (the paper's "w/o shared expert"
+  ablation).
 
-Per shard, inside `jax.shard_map`; the inner axes are the domain axes, slow -> fast.
+Decoding is lossless exactly when a residual has at most k nonzero entries per matrix (then values
+and gradients equal plain EP's); otherwise SR is lossy. Gradients are straight-through: each
+decoded replica is treated as its owner's exact expert.
+
+Gradient compression (`Migration.grad_compression`, opt-in, not exact): the replicas' gradients
+return to their owners as the top-k (same k rule) of gradient + error-feedback residual; what is
+not sent stays in the sender's residual and is added to the next step's gradient, so over steps
+every gradient entry is eventually delivered (the sum delivered plus the residual left equals the
+sum of the true gradients).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_hybridep.values import check_int
 from jax_hybridep.xdc import wire
+
+SHARED_VARIANTS = ("persistent", "mean", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    """How experts travel inside a domain.
+
+    Attributes:
+      compression: SR compression ratio of the forward gather (full bytes / bytes sent); None
+        (or <= 1 when built by `make`) sends experts whole, exact.
+      shared: the SR reference, one of `SHARED_VARIANTS` (used only with compression).
+      sync_every: "persistent": steps between refreshes of the shared expert (>= 1).
+      grad_compression: ratio of the gradients' reduce-scatter, top-k with error feedback; None
+        returns gradients whole (exact). Opt-in; not exact.
+    """
+
+    compression: float | None = None
+    shared: str = "persistent"
+    sync_every: int = 1
+    grad_compression: float | None = None
+
+    def __post_init__(self):
+        for name in ("compression", "grad_compression"):
+            value = getattr(self, name)
+            if value is not None and not wire.compressed(value):
+                raise ValueError(
+                    f"Migration.{name} must be None or a ratio > 1 (full bytes / bytes sent), "
+                    f"got {value!r}"
+                )
+        if self.shared not in SHARED_VARIANTS:
+            raise ValueError(
+                f"Migration.shared must be one of {SHARED_VARIANTS}, got {self.shared!r}"
+            )
+        check_int("Migration.sync_every", self.sync_every, 1)
+
+    @classmethod
+    def make(
+        cls, compression=None, shared="persistent", sync_every=1, grad_compression=None
+    ) -> Migration:
+        """Settings from user values: a ratio that is None or <= 1 means "off" (ValueError for
+        one that is not a positive number)."""
+        off = lambda r: None if not wire.compressed(r) else float(r)  # noqa: E731
+        return cls(off(compression), shared, sync_every, off(grad_compression))
+
+    @property
+    def exact(self) -> bool:
+        """Whether values and gradients equal plain EP's (nothing is compressed)."""
+        return self.compression is None and self.grad_compression is None
+
+    @property
+    def persistent(self) -> bool:
+        """Whether a persistent shared expert is kept as state (SR with shared="persistent")."""
+        return self.compression is not None and self.shared == "persistent"
 
 
 def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
-    """k: entries of one matrix sent at SR compression `compression` (all of them when None)."""
+    """k: entries of one matrix sent at compression `compression` (all of them when None)."""
     if compression is None:
         return num_entries
     return wire.topk_count(num_entries, compression, np.dtype(dtype).itemsize)
@@ -43,60 +110,13 @@ def sent_bytes(matrix_shape, dtype, compression: float | None) -> int:
     return kept_entries(n, dtype, compression) * (value_bytes + wire.INDEX_BYTES)
 
 
-def gather_compressed(weights, axes: tuple[str, ...], compression: float):
-    """[E_local, ...] per matrix -> [S * E_local, ...]: the domain's experts, SR-compressed.
-
-    Slot order is that of sequential all-gathers over `axes` (slow -> fast); the rank's own
-    block holds its exact weights.
-    """
-    return _gather(tuple(weights), axes, float(compression))
+def top_k(rows, k: int):
+    """(values, int32 indices) of the k entries of largest magnitude of each row [..., n]."""
+    _, index = jax.lax.top_k(jnp.abs(rows), k)
+    return jnp.take_along_axis(rows, index, axis=-1), index.astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather(weights, axes, compression):
-    return tuple(_gather_one(w, axes, compression) for w in weights)
-
-
-def _gather_fwd(weights, axes, compression):
-    return _gather(weights, axes, compression), None
-
-
-def _gather_bwd(axes, compression, _, cotangents):
-    del compression
-    grads = []
-    for ct in cotangents:
-        for axis in reversed(axes):  # the transpose of the slow -> fast all-gathers
-            ct = jax.lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True)
-        grads.append(ct)
-    return (tuple(grads),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-def shared_expert(w, axes):
-    """The domain's mean expert [...] from this rank's [E_local, ...] (same on every member)."""
-    shared = jnp.mean(w.astype(jnp.float32), axis=0).astype(w.dtype)
-    for axis in axes:  # one all-reduce per level, so each is counted on its own link
-        shared = jax.lax.pmean(shared, axis)
-    return shared
-
-
-def _gather_one(w, axes, compression):
-    e_local, shape = w.shape[0], w.shape[1:]
-    n = math.prod(shape)
-    shared = shared_expert(w, axes).reshape(n)
-    residual = w.reshape(e_local, n) - shared
-    _, index = jax.lax.top_k(jnp.abs(residual), kept_entries(n, w.dtype, compression))
-    values = jnp.take_along_axis(residual, index, axis=1)
-    block, held = 0, 1
-    for axis in axes:
-        values = jax.lax.all_gather(values, axis, tiled=True)
-        index = jax.lax.all_gather(index, axis, tiled=True)
-        block = jax.lax.axis_index(axis) * held + block
-        held *= jax.lax.axis_size(axis)
+def scatter_rows(base, values, index):
+    """base [R, n] + values [R, k] added at `index` [R, k] (rows decoded from value-index form)."""
     rows = jnp.arange(values.shape[0])[:, None]
-    decoded = jnp.broadcast_to(shared, (values.shape[0], n)).at[rows, index].add(values)
-    decoded = decoded.reshape(values.shape[0], *shape)
-    # Own experts stay exact: only replicas pay for compression.
-    return jax.lax.dynamic_update_slice_in_dim(decoded, w, block * e_local, axis=0)
+    return base.at[rows, index].add(values.astype(base.dtype))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Sequence
 
 from jax_hybridep.xdc.volumes import Volumes
 
@@ -170,15 +171,21 @@ def transfer_time(link: Link, rank_bytes: float, site_bytes: float, messages: in
 
 @dataclasses.dataclass(frozen=True)
 class LevelCost:
-    """One level's seconds per layer (tokens: per exchange) and per-step totals."""
+    """One level's seconds (raw transfer times, before any hiding), summed over the layers, and its
+    per-step totals.
+
+    `gather`, `shared_sync` and `reduce_scatter` are per step (with prefetch the fused
+    collectives' once); `tokens` is one token exchange (a step makes 4 training, 2 forward);
+    `refresh` is the persistent shared experts' all-reduce per step (over `sync_every`)."""
 
     gather: float
     shared_sync: float
     tokens: float
     reduce_scatter: float
     dense: float  # per step: the dense gradients' all-reduce (training)
-    time: float  # per step: layers x (gather + sync + exchanges x tokens + reduce-scatter) + dense
+    time: float  # per step: gather + sync + exchanges x tokens + reduce-scatter + refresh + dense
     bytes: float  # per step and rank, all traffic at this level
+    refresh: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +196,11 @@ class StepCost:
       time: compute + comm.
       comm: exposed communication per step.
       compute: the fixed compute term.
-      exposed_gather: forward gather + shared sync not hidden under Lat_PE, per step.
+      exposed_gather: forward gather + "mean" reference sync not hidden under Lat_PE, per step.
       tokens: token exchanges per step.
       reduce_scatter: backward reduce-scatters per step.
       dense: the dense gradients' all-reduce per step (training; levels one after another).
+      refresh: the persistent shared experts' refresh per step (amortised over `sync_every`).
       levels: per level, `LevelCost` (raw, before hiding; flat levels overlap).
     """
 
@@ -204,78 +212,138 @@ class StepCost:
     reduce_scatter: float
     dense: float
     levels: tuple[LevelCost, ...]
+    refresh: float = 0.0
 
     @property
     def bytes_per_level(self) -> tuple[float, ...]:
         return tuple(level.bytes for level in self.levels)
 
 
+def _site(link, v, nbytes, messages) -> float:
+    """`transfer_time` of `nbytes` per rank, the site's ranks moving as much each."""
+    return transfer_time(link, nbytes, v.site_ranks * nbytes, messages) if nbytes else 0.0
+
+
 def step_cost(
     cluster: Cluster,
-    volumes: Volumes,
+    volumes: Volumes | Sequence[Volumes],
     *,
-    layers: int = 1,
+    layers: int | None = None,
     training: bool = True,
     compute: float = 0.0,
     lat_pe: float = 0.0,
+    prefetch: bool = False,
 ) -> StepCost:
-    """The extended model: seconds and bytes of one step of `layers` MoE layers.
+    """The extended model: seconds and bytes of one step of MoE layers.
 
-    Per layer: the forward gather and shared sync run level after level and hide under `lat_pe`
-    (the paper's `max(Lat_PE, V_AG / B)`, with Lat_PE counted in `compute`); then the token
-    exchanges (4 training, 2 forward), each level after level (hierarchical) or all levels at once
-    (flat: the slowest level sets the time); training adds the gradients' reduce-scatter, which
-    nothing hides, and once per step the dense gradients' all-reduce (`volumes` dense bytes).
-    Each level's time is that of its busiest rank and site.
+    Per layer: the forward gather and the "mean" reference's sync run level after level and hide
+    under `lat_pe` (the paper's `max(Lat_PE, V_AG / B)`, with Lat_PE counted in `compute`); then
+    the token exchanges (4 training, 2 forward), each level after level (hierarchical) or all
+    levels at once (flat: the slowest level sets the time); training adds the gradients'
+    reduce-scatter, which nothing hides. With `prefetch` every layer's gather is one collective
+    per level at step start (one message per peer for all the layers sharing a domain tuple),
+    hidden under the first layer's pre-expert compute only; the reduce-scatters likewise fused.
+    Once per step: the persistent shared experts' refresh (its all-reduce over `sync_every`,
+    counted as exposed though it has no consumer in the step) and, training, the dense gradients'
+    all-reduce (`volumes` dense bytes, taken from the first layer's). Each level's time is that
+    of its busiest rank and site.
 
     Args:
-      cluster: level sizes and links; must match `volumes.level_sizes`.
-      volumes: per-level volumes of one configuration (`volumes.expected_volumes` etc.).
-      layers: MoE layers per step.
+      cluster: level sizes and links; must match every volume's `level_sizes`.
+      volumes: one configuration's per-level volumes for every layer (`Volumes`, with `layers`
+        layers, default 1), or one `Volumes` per layer (layers may differ in domains or routing).
+      layers: MoE layers per step when `volumes` is one `Volumes`.
       training: forward + backward (True) or forward only.
       compute: fixed compute seconds per step (includes the pre-expert compute).
-      lat_pe: pre-expert compute seconds per layer under which the forward gather may hide.
+      lat_pe: pre-expert compute seconds per layer under which a forward gather may hide.
+      prefetch: every layer's experts gathered at step start (`nn.migration.prefetch_experts`).
     """
-    if tuple(cluster.level_sizes) != tuple(volumes.level_sizes):
-        raise ValueError(
-            f"cluster levels {cluster.level_sizes} do not match volumes {volumes.level_sizes}"
-        )
-    if not isinstance(layers, numbers.Integral) or layers < 1:
-        raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+    if isinstance(volumes, Volumes):
+        if layers is not None and (not isinstance(layers, numbers.Integral) or layers < 1):
+            raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+        per_layer = [volumes] * (1 if layers is None else int(layers))
+    else:
+        per_layer = list(volumes)
+        if not per_layer or not all(isinstance(v, Volumes) for v in per_layer):
+            raise ValueError("volumes must be a Volumes or a non-empty sequence of them")
+        if layers is not None and layers != len(per_layer):
+            raise ValueError(f"layers={layers!r} but {len(per_layer)} per-layer volumes given")
+    for v in per_layer:
+        if tuple(cluster.level_sizes) != tuple(v.level_sizes):
+            raise ValueError(
+                f"cluster levels {cluster.level_sizes} do not match volumes {v.level_sizes}"
+            )
     for name, value in (("compute", compute), ("lat_pe", lat_pe)):
         if not _finite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-    exchanges = volumes.token_exchanges(training)
-    per_level = []
-    for link, v in zip(cluster.links, volumes.levels, strict=True):
-        gather = transfer_time(link, v.gather_bytes, v.site_ranks * v.gather_bytes, v.gather_peers)
-        b = v.shared_sync_bytes
-        sync = transfer_time(link, b, v.site_ranks * b, 2 * (v.domain - 1)) if b else 0.0
-        tokens = transfer_time(link, v.token_bytes_max, v.token_site_bytes_max, v.token_peers)
-        rs = v.reduce_scatter_bytes
-        rs = transfer_time(link, rs, v.site_ranks * rs, v.gather_peers) if training else 0.0
-        b = v.dense_sync_bytes if training else 0
-        dense = transfer_time(link, b, v.site_ranks * b, 2 * v.dense_peers) if b else 0.0
-        per_level.append((gather, sync, tokens, rs, dense))
-    gather = max(0.0, sum(p[0] + p[1] for p in per_level) - lat_pe)
-    if volumes.mode == "flat":
-        exchange = max((p[2] for p in per_level), default=0.0)
+    exchanges = Volumes.token_exchanges(training)
+    links, n_levels = cluster.links, len(cluster.links)
+
+    def raw(v, lvl, nbytes, messages):
+        return _site(links[lvl], v.levels[lvl], nbytes, messages)
+
+    gather_t = [[0.0] * n_levels for _ in per_layer]
+    rs_t = [[0.0] * n_levels for _ in per_layer]
+    sync_t, token_t, refresh_t = ([[0.0] * n_levels for _ in per_layer] for _ in range(3))
+    for i, v in enumerate(per_layer):
+        for lvl, lv in enumerate(v.levels):
+            sync_t[i][lvl] = raw(v, lvl, lv.shared_sync_bytes, 2 * (lv.domain - 1))
+            token_t[i][lvl] = transfer_time(
+                links[lvl], lv.token_bytes_max, lv.token_site_bytes_max, lv.token_peers
+            )
+            refresh = raw(v, lvl, lv.shared_refresh_bytes, 2 * (lv.size - 1))
+            refresh_t[i][lvl] = refresh / v.sync_every
+            if not prefetch:
+                gather_t[i][lvl] = raw(v, lvl, lv.gather_bytes, lv.gather_peers)
+                if training:
+                    rs_t[i][lvl] = raw(v, lvl, lv.reduce_scatter_bytes, lv.gather_peers)
+    if prefetch:  # one fused collective per level and domain tuple, charged to its first layer
+        groups: dict = {}
+        for i, v in enumerate(per_layer):
+            groups.setdefault(v.domains, []).append(i)
+        for members in groups.values():
+            first = per_layer[members[0]]
+            for lvl, lv in enumerate(first.levels):
+                g = sum(per_layer[i].levels[lvl].gather_bytes for i in members)
+                gather_t[members[0]][lvl] = raw(first, lvl, g, lv.gather_peers)
+                if training:
+                    r = sum(per_layer[i].levels[lvl].reduce_scatter_bytes for i in members)
+                    rs_t[members[0]][lvl] = raw(first, lvl, r, lv.gather_peers)
+        exposed = max(0.0, sum(map(sum, gather_t)) + sum(map(sum, sync_t)) - lat_pe)
     else:
-        exchange = sum(p[2] for p in per_level)
-    rs = sum(p[3] for p in per_level)
-    dense = sum(p[4] for p in per_level)
-    comm = layers * (gather + exchanges * exchange + rs) + dense
-    levels = tuple(
-        LevelCost(g, s, t, r, d, layers * (g + s + exchanges * t + r) + d, b)
-        for (g, s, t, r, d), b in zip(per_level, volumes.step_bytes(training, layers), strict=True)
-    )
+        exposed = sum(
+            max(0.0, sum(g) + sum(y) - lat_pe) for g, y in zip(gather_t, sync_t, strict=True)
+        )
+    if per_layer[0].mode == "flat":
+        tokens = sum(exchanges * max(t, default=0.0) for t in token_t)
+    else:
+        tokens = sum(exchanges * sum(t) for t in token_t)
+    rs = sum(map(sum, rs_t))
+    refresh = sum(map(sum, refresh_t))
+    first = per_layer[0]
+    dense_t = [
+        raw(first, lvl, lv.dense_sync_bytes, 2 * lv.dense_peers) if training else 0.0
+        for lvl, lv in enumerate(first.levels)
+    ]
+    dense = sum(dense_t)
+    comm = exposed + tokens + rs + refresh + dense
+    level_bytes = [sum(b) for b in zip(*(v.layer_bytes(training) for v in per_layer), strict=True)]
+    levels = []
+    for lvl in range(n_levels):
+        g, y, t, r, f = (
+            sum(row[lvl] for row in x) for x in (gather_t, sync_t, token_t, rs_t, refresh_t)
+        )
+        d = dense_t[lvl]
+        b = level_bytes[lvl] + (first.levels[lvl].dense_sync_bytes if training else 0)
+        levels.append(LevelCost(g, y, t, r, d, g + y + exchanges * t + r + f + d, b, f))
     return StepCost(
         time=compute + comm,
         comm=comm,
         compute=compute,
-        exposed_gather=layers * gather,
-        tokens=layers * exchanges * exchange,
-        reduce_scatter=layers * rs,
+        exposed_gather=exposed,
+        tokens=tokens,
+        reduce_scatter=rs,
         dense=dense,
-        levels=levels,
+        levels=tuple(levels),
+        refresh=refresh,
     )

@@ -10,7 +10,9 @@ placed on the replica inside the sender's own domain (`DispatchConfig.expert_pla
 S = 1 everywhere is plain EP; S = a level's size means no token crosses that level.
 
 Gradients are exact: the all-gather's transpose is a reduce-scatter that returns every replica's
-gradient to the owner (with compression: see `jax_hybridep.xdc.compress`).
+gradient to the owner. `migration` (`xdc.compress.Migration`) can compress what travels: SR
+compression of the forward gather and gradient compression of the reduce-scatter, neither exact
+(`jax_hybridep.xdc.compress`); the collectives themselves are in `xdc.migrate`.
 
 Sharding model: `ExpertDomains.mesh` has the same devices in the same order as the model's mesh,
 with each split axis `a` replaced by `a` (outer) and `a + "_domain"` (inner), so an array sharded
@@ -28,7 +30,8 @@ import jax
 
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
-from jax_hybridep.xdc import compress, geometry, wire
+from jax_hybridep.xdc import compress, geometry, migrate
+from jax_hybridep.xdc.compress import Migration
 
 INNER_SUFFIX = "_domain"
 
@@ -40,14 +43,14 @@ class ExpertDomains:
     Attributes:
       topology: the plain-EP topology (levels slow -> fast) of the model's mesh.
       sizes: per level, the domain size S_l (a divisor of the level's size; 1 = not split).
-      compression: None for full experts, else the SR compression ratio (> 1): experts travel as
-        the top-k of their residual from the domain's mean expert (`xdc.compress`).
+      migration: what travels (`xdc.compress.Migration`): full experts and exact gradients by
+        default; SR compression of the gather, its shared-expert variant, gradient compression.
       mesh: the model's mesh with each split axis replaced by (outer, inner).
     """
 
     topology: Topology
     sizes: tuple[int, ...]
-    compression: float | None
+    migration: Migration
     mesh: jax.sharding.Mesh
 
     @classmethod
@@ -57,13 +60,21 @@ class ExpertDomains:
         topology: Topology,
         sizes: Mapping[str, int] | Sequence[int],
         compression: float | None = None,
+        *,
+        shared: str = "persistent",
+        sync_every: int = 1,
+        grad_compression: float | None = None,
     ) -> ExpertDomains:
         """Domains on `mesh` (the mesh `topology` was built from).
 
         Args:
           sizes: domain size per level, as {level axis: S} (levels left out have S = 1) or one
             entry per level.
-          compression: SR compression ratio, or None / <= 1 for none.
+          compression: SR compression ratio of the gather, or None / <= 1 for none (exact).
+          shared: SR reference, "persistent" (default), "mean" or "none" (`xdc.compress`).
+          sync_every: steps between refreshes of a persistent shared expert.
+          grad_compression: top-k ratio of the gradients' reduce-scatter with error feedback,
+            or None / <= 1 for none (exact). Not exact when set.
         """
         names = [level[0] for level in topology.levels]
         if isinstance(sizes, Mapping):
@@ -92,9 +103,13 @@ class ExpertDomains:
                     f"level {level} spans several mesh axes; only a single-axis level can be "
                     f"split into domains"
                 )
-        if not wire.compressed(compression):  # raises for a value that is not a number > 0
-            compression = None
-        return cls(topology, sizes, compression, _split_mesh(mesh, topology, sizes))
+        migration = Migration.make(compression, shared, sync_every, grad_compression)
+        return cls(topology, sizes, migration, _split_mesh(mesh, topology, sizes))
+
+    @property
+    def compression(self) -> float | None:
+        """The SR compression ratio of the gather (None: full experts)."""
+        return self.migration.compression
 
     # -- geometry -----------------------------------------------------------------------------
 
@@ -175,20 +190,37 @@ class ExpertDomains:
 
     # -- per shard ----------------------------------------------------------------------------
 
-    def gather_experts(self, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    @property
+    def inner_sizes(self) -> tuple[int, ...]:
+        """The sizes of `inner_axes`."""
+        return tuple(s for s in self.sizes if s > 1)
+
+    def gather_experts(
+        self,
+        weights: Sequence[jax.Array],
+        reference: Sequence[jax.Array] = (),
+        feedback: Sequence[Sequence[jax.Array]] = (),
+    ) -> tuple[jax.Array, ...]:
         """Inside `jax.shard_map` over `mesh`: [E_local, ...] each -> [S * E_local, ...] each.
 
-        Slot order matches `placement`. Without compression this is a plain all-gather (its
-        autodiff transpose reduce-scatters the replicas' gradients to the owner).
+        Slot order matches `placement`. The matrices (of one layer or many) travel in one
+        collective per inner axis (`xdc.migrate.gather`). Without compression this is a plain
+        all-gather: its autodiff transpose reduce-scatters the replicas' gradients to the owner.
+
+        Args:
+          reference: per matrix, the persistent shared expert (SR, shared="persistent").
+          feedback: per inner axis per matrix, the error-feedback residuals (gradient
+            compression; shapes `feedback_shapes`).
         """
         weights = tuple(weights)
         if not self.inner_axes:
             return weights
-        if self.compression is None:
-            for axis in self.inner_axes:
-                weights = tuple(jax.lax.all_gather(w, axis, tiled=True) for w in weights)
-            return weights
-        return compress.gather_compressed(weights, self.inner_axes, self.compression)
+        return migrate.gather(weights, self.inner_axes, self.migration, reference, feedback)
+
+    def feedback_shapes(self, shapes: Sequence[tuple[int, ...]]):
+        """Per inner axis per matrix (per-shard shape [E_local, ...]), the per-shard shape of
+        the gradient compression's error-feedback residual (`xdc.migrate.feedback_shapes`)."""
+        return migrate.feedback_shapes(shapes, self.inner_sizes)
 
     def gather_bytes(self, weights: Sequence[jax.Array]) -> dict[str, int]:
         """Bytes one rank receives per inner axis in the forward all-gather of `weights`
@@ -197,7 +229,7 @@ class ExpertDomains:
             compress.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights
         )
         e_local, held, out = weights[0].shape[0], 1, {}
-        for axis, size in zip(self.inner_axes, [s for s in self.sizes if s > 1], strict=True):
+        for axis, size in zip(self.inner_axes, self.inner_sizes, strict=True):
             out[axis] = (size - 1) * held * e_local * per_expert
             held *= size
         return out

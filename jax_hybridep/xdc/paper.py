@@ -176,6 +176,7 @@ def workload(
         act_bytes=ACT_BYTES,
         expert_bytes=expert_bytes,
         compression=compression,
+        shared="mean",  # as recorded in docs/crossdc_model.md: the shared expert synced each step
         layers=LAYERS,
         training=True,
         compute=compute,

@@ -5,10 +5,14 @@ sizes `G_l` split into domains `S_l` (outer `n_l = G_l / S_l`, inner `S_l`):
 
 * Experts: all-gathered over the inner axes, slow -> fast; at level l each rank receives
   `(S_l - 1) * prod_{m<l} S_m * E_local` experts (SR-compressed when `compression` is set).
-  Training adds the transpose, a reduce-scatter of full-size gradients with the same counts.
-* Shared-expert sync (compression only): an all-reduce of one expert (each matrix on its own)
-  over each inner axis with `S_l > 1`, `2 (S_l - 1) / S_l * P1` received per rank
-  (`traffic.all_reduce_bytes`, the convention `traffic.crossing_bytes` reads programs with).
+  Training adds the transpose, a reduce-scatter of the gradients with the same counts: full size,
+  or top-k value-index blocks (an all-to-all) with `grad_compression`.
+* SR reference (compression only; `shared`, see `xdc.compress`): "mean" all-reduces one expert
+  (each matrix on its own) over each inner axis with `S_l > 1` every layer call,
+  `2 (S_l - 1) / S_l * P1` received per rank (`traffic.all_reduce_bytes`, the convention
+  `traffic.crossing_bytes` reads programs with); "persistent" all-reduces one expert over all G
+  ranks once every `sync_every` steps, across level l `2 P1 (G - G / G_l) / G` per refresh;
+  "none" moves nothing.
 * Dense gradients (training, `dense_bytes`): the data-parallel all-reduce of the replicated
   parameters' gradients over every rank, by the same convention what comes from peers across
   level l: `2 * dense_bytes * (G - G / G_l) / G`.
@@ -32,9 +36,10 @@ import numpy as np
 
 from jax_hybridep import traffic
 from jax_hybridep.xdc import geometry
+from jax_hybridep.xdc.compress import Migration
 from jax_hybridep.xdc.geometry import token_level_sizes
 from jax_hybridep.xdc.loads import exact_loads, expected_loads
-from jax_hybridep.xdc.wire import expert_bytes_on_wire
+from jax_hybridep.xdc.wire import expert_bytes_on_wire, expert_wire_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +59,10 @@ class LevelVolumes:
       gather_experts: experts a rank receives in the forward all-gather.
       gather_bytes: forward all-gather bytes received per rank.
       reduce_scatter_bytes: backward reduce-scatter gradient bytes per rank (training only).
-      shared_sync_bytes: bytes a rank receives in the shared-expert all-reduce,
-        `2 (S_l - 1) / S_l * P1` (compression only, else 0).
+      shared_sync_bytes: bytes a rank receives in the "mean" reference's all-reduce per layer
+        call, `2 (S_l - 1) / S_l * P1` (else 0).
+      shared_refresh_bytes: bytes a rank receives from peers across this level in one refresh
+        of the "persistent" shared expert (an all-reduce over all G ranks; else 0).
       gather_peers: peers (messages) of the gather and of the reduce-scatter, `S_l - 1`.
       dense_sync_bytes: bytes a rank receives from peers across this level in the dense
         gradients' all-reduce over all G ranks (training only), `2 D (G - G / G_l) / G`.
@@ -77,6 +84,7 @@ class LevelVolumes:
     gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
     shared_sync_bytes: int = 0
+    shared_refresh_bytes: int = 0
     gather_peers: int = 0
     dense_sync_bytes: int = 0
     dense_peers: int = 0
@@ -105,6 +113,8 @@ class Volumes:
       expert_bytes: `P1`, one expert's uncompressed parameter bytes.
       mode: "hierarchical" (this runtime: levels one after another) or "flat" (one all-to-all).
       exact: True when counted from an actual routing, False for expected counts.
+      sync_every: steps between refreshes of a persistent shared expert (its bytes per step are
+        `shared_refresh_bytes / sync_every`).
     """
 
     level_sizes: tuple[int, ...]
@@ -113,26 +123,32 @@ class Volumes:
     expert_bytes: int
     mode: str = "hierarchical"
     exact: bool = False
+    sync_every: int = 1
 
     @staticmethod
     def token_exchanges(training: bool) -> int:
         """Token exchanges per layer: dispatch and combine, plus their two VJPs when training."""
         return 4 if training else 2
 
-    def step_bytes(self, training: bool = True, layers: int = 1) -> tuple[float, ...]:
-        """Bytes per rank at each level of a step of `layers` MoE layers: per layer tokens,
-        gather, reduce-scatter and shared sync; once per step the dense gradients."""
+    def layer_bytes(self, training: bool = True) -> tuple[float, ...]:
+        """Bytes per rank at each level of one MoE layer in one step: tokens, gather,
+        reduce-scatter, the reference's sync and its refresh (per step: over `sync_every`)."""
         n = self.token_exchanges(training)
         return tuple(
-            layers
-            * (
-                n * v.token_bytes
-                + v.gather_bytes
-                + (v.reduce_scatter_bytes if training else 0)
-                + v.shared_sync_bytes
-            )
-            + (v.dense_sync_bytes if training else 0)
+            n * v.token_bytes
+            + v.gather_bytes
+            + (v.reduce_scatter_bytes if training else 0)
+            + v.shared_sync_bytes
+            + v.shared_refresh_bytes / self.sync_every
             for v in self.levels
+        )
+
+    def step_bytes(self, training: bool = True, layers: int = 1) -> tuple[float, ...]:
+        """Bytes per rank at each level of a step of `layers` MoE layers (`layer_bytes` each);
+        once per step the dense gradients."""
+        return tuple(
+            layers * b + (v.dense_sync_bytes if training else 0)
+            for b, v in zip(self.layer_bytes(training), self.levels, strict=True)
         )
 
 
@@ -173,11 +189,26 @@ def _dense(level_sizes, lvl: int, dense_bytes: int) -> tuple[int, int]:
     return traffic.all_reduce_bytes(dense_bytes, ranks, across), level_sizes[lvl] - 1
 
 
+def _experts(expert_bytes, expert_matrices, value_bytes, compression, shared, sync_every,
+             grad_compression):  # fmt: skip
+    """What one expert costs: (P1, forward wire bytes, bytes per matrix, reference variant or
+    None without SR, gradient wire bytes, sync_every), validated."""
+    p1, sent, matrices, compressed = expert_bytes_on_wire(
+        expert_bytes, expert_matrices, compression, value_bytes
+    )
+    matrices_spec = expert_matrices if expert_matrices is not None else [p1 // value_bytes]
+    grad = expert_wire_bytes(matrices_spec, grad_compression, value_bytes)
+    Migration.make(compression, shared, sync_every, grad_compression)  # validates the settings
+    return p1, sent, matrices, (shared if compressed else None), grad, sync_every
+
+
 def _build(
     level_sizes, domains, loads, *, local, tokens, hidden, act_bytes, experts, exact, dense_bytes
 ):
     """`Volumes` from per-full-rank loads [3 (copies, sent, received), G, token levels]."""
-    p1, wire, matrices, is_compressed = experts
+    p1, wire, matrices, reference, grad_wire, sync_every = experts
+    migrating = any(s > 1 for s in domains)
+    ranks = math.prod(level_sizes)
     outer = [g // s for g, s in zip(level_sizes, domains, strict=True)]
     token_sizes = token_level_sizes(level_sizes, domains)
     padded = traffic.padded_buffer_bytes(token_sizes, tokens, hidden, act_bytes)
@@ -192,7 +223,13 @@ def _build(
             sites = max(sent.reshape(shape).sum(1).max(), recv.reshape(shape).sum(1).max())
             tok += 1
         gathered = (s - 1) * math.prod(domains[:lvl]) * local
-        sync = sum(traffic.all_reduce_bytes(m, s, s - 1) for m in matrices)
+        sync = 0
+        if reference == "mean" and s > 1:
+            sync = sum(traffic.all_reduce_bytes(m, s, s - 1) for m in matrices)
+        refresh = 0
+        if reference == "persistent" and migrating:
+            across = ranks - ranks // g
+            refresh = sum(traffic.all_reduce_bytes(m, ranks, across) for m in matrices)
         dense, dense_peers = _dense(level_sizes, lvl, dense_bytes)
         levels.append(
             LevelVolumes(
@@ -208,14 +245,15 @@ def _build(
                 padded_token_bytes=padded[tok - 1] if n > 1 else 0,
                 gather_experts=gathered,
                 gather_bytes=gathered * wire,
-                reduce_scatter_bytes=gathered * p1,
-                shared_sync_bytes=sync if is_compressed and s > 1 else 0,
+                reduce_scatter_bytes=gathered * grad_wire,
+                shared_sync_bytes=sync,
+                shared_refresh_bytes=refresh,
                 gather_peers=s - 1,
                 dense_sync_bytes=dense,
                 dense_peers=dense_peers if dense else 0,
             )
         )
-    return Volumes(level_sizes, domains, tuple(levels), p1, "hierarchical", exact)
+    return Volumes(level_sizes, domains, tuple(levels), p1, "hierarchical", exact, sync_every)
 
 
 def _to_full(level_sizes, domains, per_group):
@@ -245,6 +283,9 @@ def expected_volumes(
     value_bytes: int = 4,
     expert_probs: Sequence[float] | None = None,
     dense_bytes: int = 0,
+    shared: str = "persistent",
+    sync_every: int = 1,
+    grad_compression: float | None = None,
 ) -> Volumes:
     """Expected per-level volumes for routing of K distinct experts per token.
 
@@ -261,12 +302,16 @@ def expected_volumes(
         and site then carry more than the mean.
       dense_bytes: bytes of the replicated parameters whose gradients a training step
         all-reduces over every rank (0: not counted).
+      shared, sync_every: the SR reference variant and the persistent one's refresh period
+        (`xdc.compress.Migration`; used only with compression).
+      grad_compression: top-k ratio of the gradients' reduce-scatter (None or <= 1: full).
     """
     level_sizes, domains = _check(
         level_sizes, domains, num_experts, top_k, tokens=tokens, hidden=hidden,
         act_bytes=act_bytes, dense_bytes=dense_bytes,
     )  # fmt: skip
-    experts = expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes)
+    experts = _experts(expert_bytes, expert_matrices, value_bytes, compression, shared,
+                       sync_every, grad_compression)  # fmt: skip
     if expert_probs is None:
         probs = np.full(num_experts, 1 / num_experts)
     else:
@@ -300,6 +345,9 @@ def routed_volumes(
     compression: float | None = None,
     value_bytes: int = 4,
     dense_bytes: int = 0,
+    shared: str = "persistent",
+    sync_every: int = 1,
+    grad_compression: float | None = None,
 ) -> Volumes:
     """Exact per-level volumes of an actual routing.
 
@@ -319,7 +367,8 @@ def routed_volumes(
         raise ValueError(f"topk_idx must be [G={ranks}, T, K], got {topk_idx.shape}")
     if topk_idx.max(initial=-1) >= num_experts or topk_idx.min(initial=0) < -1:
         raise ValueError(f"topk_idx holds ids outside [-1, {num_experts})")
-    experts = expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes)
+    experts = _experts(expert_bytes, expert_matrices, value_bytes, compression, shared,
+                       sync_every, grad_compression)  # fmt: skip
     groups = geometry.replica_placement(level_sizes, domains, num_experts)[0]
     dest = np.where(topk_idx >= 0, groups[np.maximum(topk_idx, 0)], -1)
     token_sizes = token_level_sizes(level_sizes, domains)
