@@ -64,6 +64,7 @@ def _check(result: dict, devices: int, processes: int = 1):
         assert case["out_max_diff"] <= tol, (name, case)
         assert case["grad_max_diff"] <= tol, (name, case)
     assert any(c["invalid"] > 0 for c in result["cases"].values())
+    assert result["fp8_element_bitwise"]  # the GPU route quantises with XLA on the device
     if result["train"] is not None:  # the example LM trains alike on both backends
         ffi, xla = result["train"]["ffi"], result["train"]["xla"]
         assert ffi["backend"].startswith("ffi") and xla["backend"].startswith("xla")
@@ -135,6 +136,7 @@ def test_worker_runs_on_cpu_devices():
                          "--xla_allow_excess_precision=false")  # fmt: skip
     result = _run_worker("--devices=4", "--levels=hier", "--tokens=8", "--hidden=16", env=env)
     assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
+    assert result["fp8_element_bitwise"]
     for name, case in result["cases"].items():
         assert not case["ran_cuda"], name
         for key in ("dispatch_bitwise", "rerun_bitwise", "out_bitwise", "grads_bitwise"):

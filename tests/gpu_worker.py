@@ -10,8 +10,9 @@ and twice on ffi (the registered windows are reused); `--levels=hier` splits the
 (node=2, local=N/2), the node level going through XLA all-to-alls. `--train` also trains the
 example MoE LM (examples/train_moe.py) a few steps on both backends. Prints one JSON line: per
 case, whether dispatch outputs are bitwise equal, the largest relative combine/gradient
-difference, whether those are bitwise, and whether the program ran the CUDA handlers; and the
-training losses of both backends.
+difference, whether those are bitwise, and whether the program ran the CUDA handlers; the
+training losses of both backends; and whether the FP8 element step (`fp8.cast`, compiled for
+this platform) gives ml_dtypes' bits over every bfloat16 pattern.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from harness import all_axes_spec, make_mesh, moe_fn, random_routing  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
@@ -32,6 +34,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_hybridep as hep  # noqa: E402
+from jax_hybridep import fp8  # noqa: E402
 
 
 def _global(mesh, a, spec):
@@ -95,6 +98,20 @@ def _train(n, names):
         losses[backend] = dict(backend=metrics["backend"],
                                train=[r["loss"] for r in metrics["train"]])  # fmt: skip
     return losses
+
+
+def _fp8_element_bitwise() -> bool:
+    """fp8.cast on this platform against ml_dtypes' round-to-nearest-even cast (DESIGN §2.1.8),
+    over every bfloat16 bit pattern at a few fixed scales."""
+    x = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    ok = True
+    for amax in (1e-4, 0.37, 1.0, 448.0, 3.0e4):
+        inv = np.float32(448.0) / np.float32(amax)
+        got = np.asarray(jax.jit(fp8.cast)(x, inv)).view(np.uint8)
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = np.clip(x * inv, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        ok = ok and np.array_equal(got, want)
+    return bool(ok)
 
 
 def main():
@@ -164,6 +181,7 @@ def main():
     report = dict(
         devices=n, processes=jax.process_count(), single_process=topo.single_process,
         platform=jax.devices()[0].platform, levels=names, cases=cases, train=train,
+        fp8_element_bitwise=_fp8_element_bitwise(),
     )  # fmt: skip
     print(json.dumps(report))
 
