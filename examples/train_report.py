@@ -67,21 +67,20 @@ def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert
     ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
     ax_loss.set(xlabel="step", ylabel="next-byte cross-entropy (nats)", title="loss")
     ax_loss.legend()
-    load = np.asarray(tokens_per_expert)
-    width = 0.8 / len(load)
-    for layer, counts in enumerate(load):
-        x = np.arange(len(counts)) + (layer - (len(load) - 1) / 2) * width
-        ax_load.bar(x, counts, width, label=f"layer {layer}")
-    ax_load.set(xlabel="expert", ylabel="tokens (last step)", title="expert load")
-    ax_load.legend()
+    _layer_bars(ax_load, tokens_per_expert, "expert", "tokens (last step)", "expert load")
     for ax in ax_rank:
-        ranks = np.asarray(rank_load)
-        width = 0.8 / len(ranks)
-        for layer, counts in enumerate(ranks):
-            x = np.arange(len(counts)) + (layer - (len(ranks) - 1) / 2) * width
-            ax.bar(x, counts, width, label=f"layer {layer}")
-        ax.set(xlabel="EP rank", ylabel="rows received (last step)", title="per-rank load")
-        ax.legend()
+        _layer_bars(ax, rank_load, "EP rank", "rows received (last step)", "per-rank load")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _layer_bars(ax, per_layer, xlabel: str, ylabel: str, title: str) -> None:
+    """One group of bars per x position, one bar per layer."""
+    load = np.asarray(per_layer)
+    width = 0.8 / len(load)
+    for layer, counts in enumerate(load):
+        x = np.arange(len(counts)) + (layer - (len(load) - 1) / 2) * width
+        ax.bar(x, counts, width, label=f"layer {layer}")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend()

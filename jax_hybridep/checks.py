@@ -75,10 +75,8 @@ def check_dispatch_inputs(x, topk_idx, topk_weights, config=None):
     """(x, topk_idx, topk_weights) as arrays, checked: x [T, H] float (or, with fp8_rows, a
     quantised (q, scales)), ids [T, K] integer, weights [T, K] float, T, H, K >= 1."""
     quantized = _check_quantized(x, config) if isinstance(x, tuple) else None
-    rows = quantized[0] if quantized else x
-    rows, topk_idx, topk_weights = (jnp.asarray(rows), jnp.asarray(topk_idx),
-                                    jnp.asarray(topk_weights))  # fmt: skip
-    x = rows
+    x = jnp.asarray(quantized[0] if quantized else x)  # the rows: x, or the quantised payload
+    topk_idx, topk_weights = jnp.asarray(topk_idx), jnp.asarray(topk_weights)
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H], got shape {x.shape}")
     if topk_idx.ndim != 2:
