@@ -158,9 +158,11 @@ run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 "${SANITI
 
 JAX_PLATFORMS=cuda run layer 120 "$PY" -m jax_hybridep.bench.layer --tokens 4096 --hidden 2048 \
   --ffn 1024 --experts_per_device 8 --k 8 --json "$LOGS/layer_gpu.json"
-JAX_PLATFORMS=cuda run bench 180 "$PY" -m jax_hybridep.bench --preset hybridep --routings uniform \
+# FP8 beside 16-bit dispatch (bytes on the wire: payload + scales) in the same run.
+JAX_PLATFORMS=cuda run bench 240 "$PY" -m jax_hybridep.bench --preset hybridep --routings uniform \
   --capacities dropless,1.25 --directions fwd+bwd --topologies flat --variants fusible,barrier \
-  --repeats 10 --warmup 3 --json "$LOGS/bench_gpu.json" --png "$LOGS/bench_gpu.png"
+  --wire_dtype native,float8_e4m3fn --repeats 10 --warmup 3 --json "$LOGS/bench_gpu.json" \
+  --png "$LOGS/bench_gpu.png"
 # Lowering for CUDA is checked on CPU machines too; here it runs beside the real handlers.
 run lowering 60 "${PYTEST[@]}" $(per_test_limit 50) tests/cuda_lowering_test.py
 # Not in the default steps: Nsight Compute on the four transport kernels at 8 SMs (stall reasons,

@@ -146,3 +146,29 @@ def test_top_k_beyond_the_kernels_is_refused_at_trace_time():
     topo = _gpu_topology({"ep": 4}, ["ep"])
     with pytest.raises(ValueError, match="top-k <= 64"):
         _lowered(topo, hep.DispatchConfig(num_experts=128, backend="ffi"), grad=False, k=65)
+
+
+def _dispatch_call(text: str) -> str:
+    (line,) = [ln for ln in text.splitlines() if "custom_call @jax_hybridep_cuda_dispatch(" in ln]
+    return line
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_fp8_dispatch_quantises_in_the_send_kernel_on_one_level(levels):
+    """wire_dtype=float8_e4m3fn: on one level the transport gets the bf16 tokens and quantises
+    them in its send kernel (no FP8 convert in XLA); under a slower level XLA quantises once at
+    the source and the transport forwards the uint8 wire rows. Both deliver bf16 rows."""
+    shape = {"ep": 4} if levels == 1 else {"node": 2, "local": 4}
+    topo = _gpu_topology(shape, list(shape))
+    cfg = hep.DispatchConfig(num_experts=E, backend="ffi", wire_dtype="float8_e4m3fn")
+    text = _lowered(topo, cfg)
+    call = _dispatch_call(text)
+    assert f"fp8_hidden = {H}" in call
+    operands, results = call.rsplit(": (", 1)[1].split(") -> ")
+    x_type = operands.split(",")[0]
+    assert x_type == (f"tensor<{T}x{H}xbf16>" if levels == 1 else x_type.split("x")[0] + "x68xui8>")
+    assert f"x{H}xbf16>" in results.split(",")[0]  # dequantised by the receive kernel
+    assert ("f8E4M3FN" in text) == (levels > 1)
+    # 16-bit dispatch leaves the attribute 0.
+    plain = _dispatch_call(_lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi")))
+    assert "fp8_hidden = 0" in plain

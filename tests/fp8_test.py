@@ -234,22 +234,39 @@ def test_config_rejects_unknown_wire_dtypes():
 )
 def test_gpu_route_carries_fp8_like_the_xla_backend(shape, names, hidden):
     """The GPU route (CUDA bottom over the pure-JAX twin of its exchanges, as in
-    gpu_composition_test.py): wire rows through the transport as float32 words, bitwise the xla
-    backend's values, scales and row weights; H = 198 pads each wire row with two zero bytes."""
+    gpu_composition_test.py): on one level the tokens reach the transport unquantised (its send
+    kernel quantises), under slower levels as wire rows; bitwise the xla backend's values, scales
+    and row weights, H a multiple of 128 or not (198: wire rows of 206 bytes)."""
     mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=1.0)
     gpu_topo = dataclasses.replace(topo, platform="gpu")
     gpu = routes.route_for("ffi", gpu_topo)
-    assert gpu.fp8_wire == "words"
+    assert gpu.fp8_wire == "fused"
+    reached = []  # the dtype of what reached the transport, per trace
+
+    class Recording(JaxExchanges):
+        def dispatch(self, plan, fast, x, *args):
+            reached.append(x.dtype)
+            return super().dispatch(plan, fast, x, *args)
+
     twin = dataclasses.replace(gpu, layout=layouts.JnpLayout(),
-                               bottom=cuda_bottom.CudaBottom(exchanges=JaxExchanges()))  # fmt: skip
+                               bottom=cuda_bottom.CudaBottom(exchanges=Recording()))  # fmt: skip
     for rows in (False, True):
         cfg = hep.DispatchConfig(backend="ffi", wire_dtype=FP8, fp8_rows=rows, **kw)
         got = jax.device_get(_dispatch_fn(mesh, gpu_topo, cfg, route=twin)(x, idx, w))
+        assert reached[-1] == (x.dtype if len(names) == 1 else jnp.uint8)
         xla = dataclasses.replace(cfg, backend="xla")
         want = jax.device_get(_dispatch_fn(mesh, topo, xla)(x, idx, w))
-        for a, b in zip(got, want, strict=True):
-            if b is not None:
-                np.testing.assert_array_equal(_bits(a), _bits(b))
+        runs = [got]
+        if rows:  # pre-quantised input reaches the transport as wire rows on every route
+            given = jax.jit(fp8.quantize)(x)
+            runs.append(
+                jax.device_get(_dispatch_fn(mesh, gpu_topo, cfg, route=twin)(given, idx, w))
+            )
+            assert reached[-1] == jnp.uint8
+        for run in runs:
+            for a, b in zip(run, want, strict=True):
+                if b is not None:
+                    np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_moe_block_trains_with_fp8_dispatch():

@@ -64,7 +64,9 @@ def _check(result: dict, devices: int, processes: int = 1):
         assert case["out_max_diff"] <= tol, (name, case)
         assert case["grad_max_diff"] <= tol, (name, case)
     assert any(c["invalid"] > 0 for c in result["cases"].values())
-    assert result["fp8_element_bitwise"]  # the GPU route quantises with XLA on the device
+    assert result["fp8_element_bitwise"]  # XLA quantises on the device below slower levels
+    # The transport's kernels quantise (send) and dequantise (receive) every bf16 pattern as jnp.
+    assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)
     if result["train"] is not None:  # the example LM trains alike on both backends
         ffi, xla = result["train"]["ffi"], result["train"]["xla"]
         assert ffi["backend"].startswith("ffi") and xla["backend"].startswith("xla")
@@ -137,6 +139,7 @@ def test_worker_runs_on_cpu_devices():
     result = _run_worker("--devices=4", "--levels=hier", "--tokens=8", "--hidden=16", env=env)
     assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
     assert result["fp8_element_bitwise"]
+    assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)
     for name, case in result["cases"].items():
         assert not case["ran_cuda"], name
         for key in ("dispatch_bitwise", "rerun_bitwise", "out_bitwise", "grads_bitwise"):

@@ -11,8 +11,10 @@ and twice on ffi (the registered windows are reused); `--levels=hier` splits the
 example MoE LM (examples/train_moe.py) a few steps on both backends. Prints one JSON line: per
 case, whether dispatch outputs are bitwise equal, the largest relative combine/gradient
 difference, whether those are bitwise, and whether the program ran the CUDA handlers; the
-training losses of both backends; and whether the FP8 element step (`fp8.cast`, compiled for
-this platform) gives ml_dtypes' bits over every bfloat16 pattern.
+training losses of both backends; whether the FP8 element step (`fp8.cast`, compiled for this
+platform) gives ml_dtypes' bits over every bfloat16 pattern; and whether FP8 dispatch of every
+bfloat16 pattern (on GPUs quantised and dequantised by the CUDA transport's kernels) gives the
+xla backend's bits.
 """
 
 from __future__ import annotations
@@ -114,6 +116,43 @@ def _fp8_element_bitwise() -> bool:
     return bool(ok)
 
 
+def _fp8_rows_of_every_pattern(mesh, topo):
+    """FP8 dispatch of every bfloat16 bit pattern, the ffi backend (on GPUs: the CUDA send kernel
+    quantises, the receive kernel dequantises) against the xla backend (jnp): tokens of H = 128
+    in pattern order (blocks of like magnitude, NaN and Inf among them) and of H = 200 shuffled
+    (short last blocks, tiny values beside large ones). Returns whether the e4m3fn rows and scales
+    (fp8_rows) are bitwise equal, and the dequantised rows bitwise apart from NaN payloads."""
+    patterns = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    shuffled = np.random.default_rng(7).permutation(patterns)
+    n, spec = mesh.size, all_axes_spec(mesh)
+    exact = nan_exact = True
+    for values, hidden in ((patterns, 128), (shuffled, 200)):
+        tokens = -(-values.size // (hidden * n)) * n
+        x = np.resize(values, tokens * hidden).reshape(tokens, hidden)
+        idx = (np.arange(tokens, dtype=np.int32) % n)[:, None]  # one row per token, every rank
+        w = np.ones((tokens, 1), np.float32)
+        x, idx, w = (_global(mesh, a, spec) for a in (x, idx, w))
+        for fp8_rows in (True, False):
+            got = []
+            for backend in ("ffi", "xla"):
+                cfg = hep.DispatchConfig(num_experts=n, backend=backend, wire_dtype="float8_e4m3fn",
+                                         fp8_rows=fp8_rows)  # fmt: skip
+
+                def rows(x, idx, w, cfg=cfg):
+                    d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+                    return d.tokens if d.scales is None else (d.tokens, d.scales)
+
+                fn = jax.jit(jax.shard_map(rows, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+                got.append(multihost_utils.process_allgather(fn(x, idx, w), tiled=True))
+            if fp8_rows:
+                exact = exact and _bitwise(*got)
+            else:
+                a, b = (np.asarray(r, np.float32) for r in got)
+                same = np.asarray(got[0]).view(np.uint16) == np.asarray(got[1]).view(np.uint16)
+                nan_exact = nan_exact and bool(np.all(same | (np.isnan(a) & np.isnan(b))))
+    return dict(fp8_rows_bitwise=bool(exact), rows_bitwise_but_nan=nan_exact)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=1)
@@ -182,6 +221,7 @@ def main():
         devices=n, processes=jax.process_count(), single_process=topo.single_process,
         platform=jax.devices()[0].platform, levels=names, cases=cases, train=train,
         fp8_element_bitwise=_fp8_element_bitwise(),
+        fp8_every_pattern=_fp8_rows_of_every_pattern(mesh, topo),
     )  # fmt: skip
     print(json.dumps(report))
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_hybridep import fp8
+
 
 def _all_to_all(plan, fast, a):
     return jax.lax.all_to_all(a, plan.topology.levels[fast.level], 0, 0, tiled=True)
@@ -40,6 +42,17 @@ def _rows_from(plan, recv_row_pos, per_slot):
 
 class JaxExchanges:
     def dispatch(self, plan, fast, x, weights, row_pos, dest):
+        # FP8 on the wire: tokens are quantised as the send kernel does, wire rows moved as bytes
+        # and dequantised as the receive kernel does (fp8_rows: delivered as they are).
+        fp8_wire = plan.config.wire_dtype is not None
+        if fp8_wire and x.dtype != jnp.uint8:
+            x = fp8.to_wire(*fp8.quantize(x))
+        rows, row_weights, recv_row_pos = self._dispatch(plan, fast, x, weights, row_pos, dest)
+        if fp8_wire and not plan.config.fp8_rows:
+            rows = fp8.dequantize(*fp8.from_wire(rows, plan.hidden), plan.row_dtype)
+        return rows, row_weights, recv_row_pos
+
+    def _dispatch(self, plan, fast, x, weights, row_pos, dest):
         recv_x = _all_to_all(plan, fast, _per_peer(fast, dest, x, 0, per_k=False))
         recv_row_pos = _all_to_all(plan, fast, _per_peer(fast, dest, row_pos, -1, per_k=True))
         recv_w = _all_to_all(plan, fast, _per_peer(fast, dest, weights, 0.0, per_k=True))

@@ -65,6 +65,23 @@ JAX_HYBRIDEP_HOST_DEVICE inline uint8_t QuantizeE4m3fn(float x, float inv) {
   return FloatToE4m3fn(t);
 }
 
+// |a| when finite, else 0: what a block's amax is taken over (NaN compares false).
+JAX_HYBRIDEP_HOST_DEVICE inline float FiniteMagnitude(float a) {
+  const float m = a < 0.0f ? -a : a;
+  return m <= 3.4028234663852886e38f ? m : 0.0f;
+}
+
+// A block's stored scale and the factor its elements are quantised with, from its amax.
+struct Fp8BlockScale {
+  float scale;
+  float inv;
+};
+
+JAX_HYBRIDEP_HOST_DEVICE inline Fp8BlockScale BlockScale(float amax) {
+  amax = amax < kFp8MinAmax ? kFp8MinAmax : amax;
+  return {amax * (1.0f / kFp8Max), kFp8Max / amax};
+}
+
 // Host row kernels, the dtype fixed at compile time so the loops vectorise (fp8.cc dispatches
 // on the dtype, once per row, compiled for several x86 vector extensions). They do the scalar
 // steps above element by element in the same order, so every build computes the same bits.
@@ -76,16 +93,12 @@ inline void QuantizeRowT(const void* x, int64_t hidden, uint8_t* wire) {
     const int64_t end = begin + kFp8Block < hidden ? begin + kFp8Block : hidden;
     float amax = 0.0f;
     for (int64_t h = begin; h < end; ++h) {
-      const float a = LoadAsFloat(x, h, D);
-      float m = a < 0.0f ? -a : a;
-      m = m <= 3.4028234663852886e38f ? m : 0.0f;  // finite only (NaN compares false)
+      const float m = FiniteMagnitude(LoadAsFloat(x, h, D));
       amax = m > amax ? m : amax;
     }
-    amax = amax < kFp8MinAmax ? kFp8MinAmax : amax;
-    const float scale = amax * (1.0f / kFp8Max);
-    const float inv = kFp8Max / amax;
-    for (int64_t h = begin; h < end; ++h) wire[h] = QuantizeE4m3fn(LoadAsFloat(x, h, D), inv);
-    std::memcpy(wire + hidden + 4 * (begin / kFp8Block), &scale, sizeof(scale));
+    const Fp8BlockScale s = BlockScale(amax);
+    for (int64_t h = begin; h < end; ++h) wire[h] = QuantizeE4m3fn(LoadAsFloat(x, h, D), s.inv);
+    std::memcpy(wire + hidden + 4 * (begin / kFp8Block), &s.scale, sizeof(s.scale));
   }
 }
 

@@ -64,14 +64,17 @@ class CudaExchanges:
         return issue() if stream is None else compat.on_gpu_stream(issue, stream)
 
     def dispatch(self, plan: DispatchPlan, fast: FastLevel, x, weights, row_pos, dest):
-        """(rows [C, H], row weights [C], recv_row_pos)."""
+        """(rows [C, H], row weights [C], recv_row_pos). With FP8 on the wire (wire.py) x is
+        either the tokens, which the send kernel quantises, or their wire rows (u8), and the rows
+        come out dequantised, or as wire rows with fp8_rows."""
         out_types = (
-            jax.ShapeDtypeStruct((plan.rows, x.shape[1]), x.dtype),
+            wire.transport_rows(plan, x),
             jax.ShapeDtypeStruct((plan.rows,), jnp.float32),
             i32((fast.size * x.shape[0], plan.k)),
         )
+        fp8_hidden = 0 if plan.config.wire_dtype is None else plan.hidden
         return self._call(plan, fast, "dispatch", out_types, x, weights, row_pos, dest,
-                          like=(x, weights, row_pos))  # fmt: skip
+                          like=(x, weights, row_pos), fp8_hidden=np.int64(fp8_hidden))  # fmt: skip
 
     def redispatch(self, plan: DispatchPlan, fast: FastLevel, g, dest, recv_row_pos, scale=None):
         """Rows [C, H] of the held g [M, H]; with `scale`, also rows * scale (one pass)."""
@@ -119,12 +122,10 @@ class CudaBottom:
             )
         fast = fast_level(plan, shard)
         dest = fast_dest(fast, held.dest)
-        fp8_wire = plan.config.wire_dtype is not None  # the rows are FP8 wire rows (u8)
-        rows = wire.to_words(held.rows) if fp8_wire else held.rows
         tokens, row_weights, recv_row_pos = self.exchanges.dispatch(
-            plan, fast, rows, held.weights, held.pos, dest
+            plan, fast, held.rows, held.weights, held.pos, dest
         )
-        tokens, scales = wire.word_tokens(plan, tokens) if fp8_wire else (tokens, None)
+        tokens, scales = wire.host_tokens(plan, tokens)
         return tokens, scales, row_weights, CudaRecord(dest, recv_row_pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: CudaRecord, g):

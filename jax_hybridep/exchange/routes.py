@@ -41,7 +41,7 @@ class Route:
       levels: one level step per walked level, slow -> fast (all levels, or all but the fastest
         when the bottom spans it).
       bottom: where the items become expert-major rows.
-      fp8_wire: how FP8 payload and scales travel on this route ("split", "bytes" or "words":
+      fp8_wire: how FP8 payload and scales travel on this route ("split", "bytes" or "fused":
         exchange/wire.py), None where FP8 on the wire is not built.
     """
 
@@ -110,7 +110,7 @@ def route_for(backend: str, topology: Topology) -> Route:
                      xla_steps.XlaRows(), fp8_wire="split")  # fmt: skip
     if topology.platform == "gpu":
         slow = (xla_steps.XlaLevel(),) * (num_levels - 1)
-        return Route("ffi", layouts.CudaLayout(), slow, cuda_bottom.CudaBottom(), fp8_wire="words")
+        return Route("ffi", layouts.CudaLayout(), slow, cuda_bottom.CudaBottom(), fp8_wire="fused")
     layout = layouts.HostLayout() if topology.single_process else layouts.HostGatheredLayout()
     if num_levels == 1 and topology.level_local[0]:
         return Route("ffi", layout, (), host_fused.HostFused(), fp8_wire="bytes")

@@ -9,11 +9,11 @@ route's `fp8_wire`:
 * "bytes" (the host steps): one wire row of H payload bytes then the scales, which the
   row-moving handlers copy as they copy any row and the receiving handler dequantises while
   writing the expert-major rows.
-* "words" (the GPU route): the same wire rows, quantised by XLA; the CUDA transport, which
-  copies rows of float words bit for bit, carries them as float32 words (zero bytes padding a
-  row to a multiple of 4), and XLA dequantises the received rows. Payload and scales cross in
-  one copy per (token, GPU); fusing the quantisation into the send kernel is left to the
-  transport.
+* "fused" (the GPU route): where the CUDA transport is the first level a token crosses (one
+  level), its send kernel quantises the token while writing it into each destination GPU's
+  window; below slower levels the token is quantised by XLA at the source and its wire row
+  crosses them, then the transport, as bytes. Either way the receive kernel dequantises while
+  writing the expert-major rows (or writes the wire rows with fp8_rows).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def encode(route, plan: DispatchPlan, x):
     if route.fp8_wire == "split":
         q, scales = x if given else fp8.quantize(x)
         return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
-    if given or route.fp8_wire == "words":
+    if route.fp8_wire == "fused" and not given and not route.levels:
+        return x, None  # the transport's send kernel quantises it
+    if given or route.fp8_wire == "fused":
         return fp8.to_wire(*(x if given else fp8.quantize(x))), None
     tokens, hidden = x.shape
     wire = jax.ShapeDtypeStruct((tokens, fp8.wire_bytes(hidden)), jnp.uint8)
@@ -56,20 +58,15 @@ def host_rows(plan: DispatchPlan, rows):
     return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype), plan.hidden
 
 
-def to_words(rows):
-    """Wire rows u8 [M, W] as float32 words [M, ceil(W / 4)], bit for bit (zero bytes pad)."""
-    rows = jnp.pad(rows, ((0, 0), (0, -rows.shape[1] % 4)))
-    return jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, 4), jnp.float32)
-
-
-def word_tokens(plan: DispatchPlan, words):
-    """(tokens, scales) as dispatch returns them from received words [C, ceil(W / 4)]:
-    dequantised rows in plan.row_dtype, or with fp8_rows the e4m3fn payload and its scales."""
-    rows = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(words.shape[0], -1)
-    q, scales = fp8.from_wire(rows[:, : fp8.wire_bytes(plan.hidden)], plan.hidden)
-    if plan.config.fp8_rows:
-        return q, scales
-    return fp8.dequantize(q, scales, plan.row_dtype), None
+def transport_rows(plan: DispatchPlan, x):
+    """The type of the rows the CUDA transport writes from held x: x's own, or with FP8 on the
+    wire the dequantised rows in plan.row_dtype, or the wire rows themselves with fp8_rows."""
+    config = plan.config
+    if config.wire_dtype is None:
+        return jax.ShapeDtypeStruct((plan.rows, x.shape[1]), x.dtype)
+    if config.fp8_rows:
+        return jax.ShapeDtypeStruct((plan.rows, fp8.wire_bytes(plan.hidden)), jnp.uint8)
+    return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype)
 
 
 def host_tokens(plan: DispatchPlan, tokens):

@@ -27,6 +27,7 @@
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/cuda/windows.h"
 #include "xla_ffi/ffi_support.h"
+#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;
@@ -248,25 +249,71 @@ int64_t RowBytes(ffi::AnyBuffer rows) {
   return n == 0 ? 0 : static_cast<int64_t>(rows.size_bytes()) / n;
 }
 
+// One side of an FP8 dispatch (fp8_hidden = H > 0): uint8 wire rows [n, Fp8WireBytes(H)] moved as
+// bytes, or rows [n, H] of a float dtype the transport quantises (x) or dequantises into (tokens).
+struct Fp8Side {
+  bool converted;  // a float dtype, quantised or dequantised by the kernels
+  Dtype dtype;     // when converted
+};
+
+ffi::ErrorOr<Fp8Side> CheckFp8Side(ffi::DataType type, ffi::Span<const int64_t> dims,
+                                   int64_t hidden, const char* what) {
+  const bool wire = type == ffi::DataType::U8;
+  const int64_t want = wire ? Fp8WireBytes(hidden) : hidden;
+  if (dims.size() != 2 || dims[1] != want) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string("jax_hybridep: FP8 dispatch with H=") + std::to_string(hidden) + " needs " +
+        what + " as [n, " + std::to_string(want) + "] (" +
+        (wire ? "uint8 wire rows" : "rows of a float dtype") + "), got [n, " +
+        (dims.size() == 2 ? std::to_string(dims[1]) : std::string("?")) + "]"));
+  }
+  if (wire) return Fp8Side{false, Dtype::kF32};
+  auto dtype = ToDtype(type, what);
+  if (dtype.has_error()) return ffi::Unexpected(dtype.error());
+  return Fp8Side{true, dtype.value()};
+}
+
+// Dispatch; with fp8_hidden = H > 0 the windows carry FP8 wire rows (DESIGN §2.1.8), quantised by
+// the send when x is [T, H] of a float dtype and dequantised by the receive when tokens is.
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> row_pos,
                         ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
                         ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                        int64_t timeout_ms, int64_t num_sms, bool multi_process,
+                        int64_t timeout_ms, int64_t num_sms, bool multi_process, int64_t fp8_hidden,
                         ffi::Result<ffi::AnyBuffer> tokens, ffi::ResultBuffer<ffi::F32> row_weights,
                         ffi::ResultBuffer<ffi::S32> recv_row_pos) {
-  if (auto dtype = ToDtype(x.element_type(), "x"); dtype.has_error()) return dtype.error();
+  Fp8Side send{false, Dtype::kF32}, receive{false, Dtype::kF32};
+  if (fp8_hidden > 0) {
+    auto x_side = CheckFp8Side(x.element_type(), x.dimensions(), fp8_hidden, "x");
+    if (x_side.has_error()) return x_side.error();
+    auto out_side =
+        CheckFp8Side(tokens->element_type(), tokens->dimensions(), fp8_hidden, "the rows");
+    if (out_side.has_error()) return out_side.error();
+    send = x_side.value();
+    receive = out_side.value();
+  } else if (auto dtype = ToDtype(x.element_type(), "x"); dtype.has_error()) {
+    return dtype.error();
+  }
   const int64_t T = x.dimensions()[0], K = row_pos.dimensions()[1];
-  auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, RowBytes(x), num_sms,
+  const int64_t row_bytes = fp8_hidden > 0 ? Fp8WireBytes(fp8_hidden) : RowBytes(x);
+  auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, row_bytes, num_sms,
                            multi_process, timeout_ms);
   if (ctx.has_error()) return ctx.error();
+  const char* in = static_cast<const char*>(x.untyped_data());
+  char* out = static_cast<char*>(tokens->untyped_data());
+  const int64_t rows = tokens->dimensions()[0];
   cudaError_t s =
-      LaunchSendTokens(ctx.value(), static_cast<const char*>(x.untyped_data()), dest.typed_data(),
-                       row_pos.typed_data(), weights.typed_data(), stream);
+      send.converted
+          ? LaunchSendTokensQuantized(ctx.value(), send.dtype, fp8_hidden, in, dest.typed_data(),
+                                      row_pos.typed_data(), weights.typed_data(), stream)
+          : LaunchSendTokens(ctx.value(), in, dest.typed_data(), row_pos.typed_data(),
+                             weights.typed_data(), stream);
   if (s == cudaSuccess) {
-    s = LaunchReceiveRows(ctx.value(), static_cast<char*>(tokens->untyped_data()),
-                          row_weights->typed_data(), recv_row_pos->typed_data(),
-                          tokens->dimensions()[0], stream);
+    s = receive.converted ? LaunchReceiveRowsDequantized(ctx.value(), receive.dtype, fp8_hidden,
+                                                         out, row_weights->typed_data(),
+                                                         recv_row_pos->typed_data(), rows, stream)
+                          : LaunchReceiveRows(ctx.value(), out, row_weights->typed_data(),
+                                              recv_row_pos->typed_data(), rows, stream);
   }
   return Launched(s, "dispatch");
 }
@@ -399,7 +446,8 @@ XLA_FFI_DEFINE_HANDLER(kCudaDispatch, DispatchImpl,
                            .Attr<int64_t>("timeout_ms")
                            .Attr<int64_t>("num_sms")
                            .Attr<bool>("multi_process")
-                           .Ret<ffi::AnyBuffer>()           // tokens [C, H]
+                           .Attr<int64_t>("fp8_hidden")     // H: FP8 on the wire; 0: none
+                           .Ret<ffi::AnyBuffer>()           // tokens [C, H] (or wire rows)
                            .Ret<ffi::Buffer<ffi::F32>>()    // row_weights [C]
                            .Ret<ffi::Buffer<ffi::S32>>());  // recv_row_pos [R * T, K]
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "xla_ffi/cuda/transport.h"
+#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace {
@@ -360,6 +361,94 @@ __device__ void WarpSumRowsAnyWidth(const WarpList& rows, bool scaled, bool wide
   }
 }
 
+// ----------------------------------------------------------------------------- FP8 rows
+
+// A warp takes a 128-element block of a token at a time, kFp8PerLane consecutive elements a lane.
+constexpr int kFp8PerLane = kFp8Block / 32;
+static_assert(kFp8PerLane * 32 == kFp8Block);
+
+// Max of v over the lanes of a warp (v >= 0 and finite: the order does not change the bits).
+__device__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(kAllLanes, v, offset));
+  return v;
+}
+
+// 4 bytes at a possibly unaligned address (a wire row's scales follow H payload bytes).
+__device__ float LoadUnalignedFloat(const char* p) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) bits |= static_cast<uint32_t>(static_cast<uint8_t>(p[b])) << (8 * b);
+  return BitsToFloat(bits);
+}
+
+__device__ void StoreUnalignedFloat(char* p, float v) {
+  const uint32_t bits = FloatToBits(v);
+#pragma unroll
+  for (int b = 0; b < 4; ++b) p[b] = static_cast<char>((bits >> (8 * b)) & 0xffu);
+}
+
+// Token x [hidden] of kDtype quantised into its wire row (payload, then the block scales; fp8.h)
+// and written to every slot of the list, by the lanes of a warp. The token is read once. Slots
+// are 16-byte aligned, so a full block's payload goes 4 bytes a lane.
+template <Dtype kDtype>
+__device__ void WarpQuantizeFanOut(const char* x, int64_t hidden, const WarpList& slots) {
+  const int first = Lane() * kFp8PerLane;
+  for (int64_t begin = 0; begin < hidden; begin += kFp8Block) {
+    const int64_t n = hidden - begin < kFp8Block ? hidden - begin : kFp8Block;
+    float v[kFp8PerLane];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kFp8PerLane; ++i) {
+      v[i] = first + i < n ? LoadAsFloat(x, begin + first + i, kDtype) : 0.0f;
+      amax = fmaxf(amax, FiniteMagnitude(v[i]));
+    }
+    const Fp8BlockScale s = BlockScale(WarpMax(amax));
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < kFp8PerLane; ++i) {
+      packed |= static_cast<uint32_t>(QuantizeE4m3fn(v[i], s.inv)) << (8 * i);
+    }
+    for (int r = 0; r < slots.n; ++r) {
+      char* row = EntryPtr(slots, r);
+      if (n == kFp8Block) {
+        reinterpret_cast<uint32_t*>(row + begin)[Lane()] = packed;
+      } else {
+#pragma unroll
+        for (int i = 0; i < kFp8PerLane; ++i) {
+          if (first + i < n) row[begin + first + i] = static_cast<char>(packed >> (8 * i));
+        }
+      }
+      if (Lane() == 0) StoreUnalignedFloat(row + hidden + 4 * (begin / kFp8Block), s.scale);
+    }
+  }
+}
+
+// A wire row of `hidden` elements dequantised (float32(q) * scale, rounded once to kDtype) into
+// every row of the list, by the lanes of a warp.
+template <Dtype kDtype>
+__device__ void WarpDequantizeFanOut(const char* wire, int64_t hidden, const WarpList& rows) {
+  const int first = Lane() * kFp8PerLane;
+  for (int64_t begin = 0; begin < hidden; begin += kFp8Block) {
+    const int64_t n = hidden - begin < kFp8Block ? hidden - begin : kFp8Block;
+    const float scale = LoadUnalignedFloat(wire + hidden + 4 * (begin / kFp8Block));
+    float v[kFp8PerLane];
+#pragma unroll
+    for (int i = 0; i < kFp8PerLane; ++i) {
+      const uint8_t q = first + i < n ? static_cast<uint8_t>(wire[begin + first + i]) : 0;
+      v[i] = __fmul_rn(E4m3fnToFloat(q), scale);
+    }
+    for (int r = 0; r < rows.n; ++r) {
+      char* row = EntryPtr(rows, r);
+#pragma unroll
+      for (int i = 0; i < kFp8PerLane; ++i) {
+        if (first + i < n) StoreFromFloat(row, begin + first + i, v[i], kDtype);
+      }
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------- dispatch send
 
 // Every destination's metadata for token t of this rank: its rows of t (-1 elsewhere) and their
@@ -528,15 +617,51 @@ __device__ void SendTokensPhase(const ExchangeContext& ctx, int64_t block, const
   SignalBlockDone(ctx, block);
 }
 
+// The quantising send (transport.h): a warp per token, as the plain path.
+template <Dtype kDtype>
+__device__ void SendTokensQuantizedPhase(const ExchangeContext& ctx, int64_t block, int64_t hidden,
+                                         const char* x, const int32_t* dest, const int32_t* row_pos,
+                                         const float* weights) {
+  const int64_t x_row_bytes = hidden * DtypeBytes(kDtype);
+  FOR_WARP_TOKENS(t, ctx, block) {
+    if (row_pos != nullptr) SendMetadata(ctx, t, dest, row_pos, weights, Lane(), 32);
+    const WarpList slots = DestinationSlots(ctx, dest + t * ctx.k, t);
+    if (slots.n > 0) WarpQuantizeFanOut<kDtype>(x + t * x_row_bytes, hidden, slots);
+  }
+  SignalBlockDone(ctx, block);
+}
+
 // ----------------------------------------------------------------------------- dispatch receive
+
+// How a received payload slot becomes rows: copied as it is (any row, FP8 wire rows included)...
+struct CopyRows {
+  int64_t row_bytes;
+  int word;  // the widest access the rows allow (payload slots are 16-byte aligned)
+
+  __device__ int64_t OutRowBytes() const { return row_bytes; }
+  __device__ void operator()(const char* payload, const WarpList& rows) const {
+    WarpFanOut(word, payload, row_bytes, rows);
+  }
+};
+
+// ... or, a wire row of `hidden` elements, dequantised into rows of kDtype.
+template <Dtype kDtype>
+struct DequantizeRows {
+  int64_t hidden;
+
+  __device__ int64_t OutRowBytes() const { return hidden * DtypeBytes(kDtype); }
+  __device__ void operator()(const char* payload, const WarpList& rows) const {
+    WarpDequantizeFanOut<kDtype>(payload, hidden, rows);
+  }
+};
 
 // Receiving block `block` expands the slots (src, t) with t = block (mod send_blocks), source by
 // source, each after its sender block's flag; a warp per slot. Returns false when a wait failed.
+template <typename Expand>
 __device__ bool ReceiveRowsPhase(const ExchangeContext& ctx, int64_t block, char* out_tokens,
-                                 float* out_weights, int32_t* recv_row_pos) {
+                                 float* out_weights, int32_t* recv_row_pos, const Expand& expand) {
   const int64_t T = ctx.tokens, K = ctx.k, parity = ctx.generation & 1;
   const Window& self = ctx.windows[ctx.rank];
-  const int word = WordBytes(out_tokens, nullptr, ctx.row_bytes);  // payload slots: 16-aligned
   for (int64_t src = 0; src < ctx.ranks; ++src) {
     if (!BlockWaitArrived(ctx, src, block)) return false;
     FOR_WARP_TOKENS(t, ctx, block) {
@@ -550,11 +675,15 @@ __device__ bool ReceiveRowsPhase(const ExchangeContext& ctx, int64_t block, char
         recv_row_pos[slot * K + j] = rows[h];
         if (rows[h] >= 0) out_weights[rows[h]] = self.values[parity][slot * K + j];
       }
-      const WarpList out = RowList(rows, out_tokens, ctx.row_bytes, nullptr);
-      WarpFanOut(word, PayloadSlot(ctx, ctx.rank, src, t), ctx.row_bytes, out);
+      expand(PayloadSlot(ctx, ctx.rank, src, t),
+             RowList(rows, out_tokens, expand.OutRowBytes(), nullptr));
     }
   }
   return true;
+}
+
+__device__ CopyRows CopyRowsTo(const ExchangeContext& ctx, const char* out_tokens) {
+  return CopyRows{ctx.row_bytes, WordBytes(out_tokens, nullptr, ctx.row_bytes)};
 }
 
 // Redispatch receive: rows from the dispatch's recv_row_pos, and the scaled rows elementwise.
@@ -725,7 +854,23 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     ReceiveRowsKernel(ExchangeContext ctx, char* out_tokens, float* out_weights,
                       int32_t* recv_row_pos) {
-  ReceiveRowsPhase(ctx, blockIdx.x, out_tokens, out_weights, recv_row_pos);
+  ReceiveRowsPhase(ctx, blockIdx.x, out_tokens, out_weights, recv_row_pos,
+                   CopyRowsTo(ctx, out_tokens));
+}
+
+template <Dtype kDtype>
+__global__ void __launch_bounds__(kThreads)
+    SendTokensQuantizedKernel(ExchangeContext ctx, int64_t hidden, const char* x,
+                              const int32_t* dest, const int32_t* row_pos, const float* weights) {
+  SendTokensQuantizedPhase<kDtype>(ctx, blockIdx.x, hidden, x, dest, row_pos, weights);
+}
+
+template <Dtype kDtype>
+__global__ void __launch_bounds__(kThreads)
+    ReceiveRowsDequantizedKernel(ExchangeContext ctx, int64_t hidden, char* out_tokens,
+                                 float* out_weights, int32_t* recv_row_pos) {
+  ReceiveRowsPhase(ctx, blockIdx.x, out_tokens, out_weights, recv_row_pos,
+                   DequantizeRows<kDtype>{hidden});
 }
 
 template <Dtype kDtype>
@@ -785,7 +930,7 @@ __device__ void HarnessRank(const ExchangeContext& ctx, int64_t block, const Har
       SendTokensPhase(ctx, block, a.in_rows + r * T * rb, dest, a.row_pos + r * T * K,
                       a.in_values + r * T * K);
       ReceiveRowsPhase(ctx, block, a.out_rows + r * a.rows * rb, a.out_values + r * a.rows,
-                       recv_row_pos);
+                       recv_row_pos, CopyRowsTo(ctx, a.out_rows + r * a.rows * rb));
       break;
     case HarnessExchange::kRedispatch:
       SendTokensPhase(ctx, block, a.in_rows + r * T * rb, dest, nullptr, nullptr);
@@ -894,19 +1039,56 @@ cudaError_t LaunchSendTokens(const ExchangeContext& ctx, const char* x, const in
   return cudaGetLastError();
 }
 
-cudaError_t LaunchReceiveRows(const ExchangeContext& ctx, char* out_tokens, float* out_weights,
-                              int32_t* recv_row_pos, int64_t rows, cudaStream_t stream) {
+cudaError_t LaunchSendTokensQuantized(const ExchangeContext& ctx, Dtype dtype, int64_t hidden,
+                                      const char* x, const int32_t* dest, const int32_t* row_pos,
+                                      const float* weights, cudaStream_t stream) {
   if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
-  cudaError_t status = cudaMemsetAsync(out_tokens, 0, rows * ctx.row_bytes, stream);
+  if (ctx.row_bytes != Fp8WireBytes(hidden)) return cudaErrorInvalidValue;
+  return ByDtype(dtype, [&](auto d) {
+    SendTokensQuantizedKernel<decltype(d)::value>
+        <<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, hidden, x, dest, row_pos, weights);
+  });
+}
+
+namespace {
+
+// What every dispatch receive starts from: rows [C, out_row_bytes] and their weights zeroed, and
+// the map all -1 (if a wait times out, the slots it never reached must not hand later exchanges
+// garbage rows to index with; the error surfaces at the next call).
+cudaError_t PrefillReceive(const ExchangeContext& ctx, char* out_tokens, int64_t out_row_bytes,
+                           float* out_weights, int32_t* recv_row_pos, int64_t rows,
+                           cudaStream_t stream) {
+  if (cudaError_t s = CheckContext(ctx); s != cudaSuccess) return s;
+  cudaError_t status = cudaMemsetAsync(out_tokens, 0, rows * out_row_bytes, stream);
   if (status == cudaSuccess) status = cudaMemsetAsync(out_weights, 0, rows * sizeof(float), stream);
-  // All -1 first: if a wait times out, the slots it never reached must not hand later exchanges
-  // garbage rows to index with (the error surfaces at the next call).
   const size_t map_bytes = ctx.ranks * ctx.tokens * ctx.k * sizeof(int32_t);
   if (status == cudaSuccess) status = cudaMemsetAsync(recv_row_pos, 0xff, map_bytes, stream);
+  return status;
+}
+
+}  // namespace
+
+cudaError_t LaunchReceiveRows(const ExchangeContext& ctx, char* out_tokens, float* out_weights,
+                              int32_t* recv_row_pos, int64_t rows, cudaStream_t stream) {
+  cudaError_t status =
+      PrefillReceive(ctx, out_tokens, ctx.row_bytes, out_weights, recv_row_pos, rows, stream);
   if (status != cudaSuccess) return status;
   ReceiveRowsKernel<<<SendGrid(ctx), kThreads, 0, stream>>>(ctx, out_tokens, out_weights,
                                                             recv_row_pos);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchReceiveRowsDequantized(const ExchangeContext& ctx, Dtype dtype, int64_t hidden,
+                                         char* out_tokens, float* out_weights,
+                                         int32_t* recv_row_pos, int64_t rows, cudaStream_t stream) {
+  if (ctx.row_bytes != Fp8WireBytes(hidden)) return cudaErrorInvalidValue;
+  cudaError_t status = PrefillReceive(ctx, out_tokens, hidden * DtypeBytes(dtype), out_weights,
+                                      recv_row_pos, rows, stream);
+  if (status != cudaSuccess) return status;
+  return ByDtype(dtype, [&](auto d) {
+    ReceiveRowsDequantizedKernel<decltype(d)::value><<<SendGrid(ctx), kThreads, 0, stream>>>(
+        ctx, hidden, out_tokens, out_weights, recv_row_pos);
+  });
 }
 
 cudaError_t LaunchPrefillRedispatch(int64_t rows, int64_t row_bytes, Dtype dtype,

@@ -100,6 +100,20 @@ cudaError_t LaunchSendTokens(const ExchangeContext& ctx, const char* x, const in
 cudaError_t LaunchReceiveRows(const ExchangeContext& ctx, char* out_tokens, float* out_weights,
                               int32_t* recv_row_pos, int64_t rows, cudaStream_t stream);
 
+// Dispatch with FP8 on the wire (DESIGN §2.1.8): the window slots hold wire rows of `hidden`
+// elements (ctx.row_bytes == Fp8WireBytes(hidden)). The quantising send reads x [T, hidden] of
+// `dtype` and writes each token's wire row, quantised once (fp8.h's steps, a block's amax reduced
+// over a warp's lanes), to each distinct destination, metadata as LaunchSendTokens; the
+// dequantising receive writes each wire row as float32(q) * scale rounded to `dtype` into
+// out_tokens [C, hidden] (zeroed first). Wire rows quantised before the transport (slower levels
+// carried them) go through LaunchSendTokens, and FP8 rows out through LaunchReceiveRows, as bytes.
+cudaError_t LaunchSendTokensQuantized(const ExchangeContext& ctx, Dtype dtype, int64_t hidden,
+                                      const char* x, const int32_t* dest, const int32_t* row_pos,
+                                      const float* weights, cudaStream_t stream);
+cudaError_t LaunchReceiveRowsDequantized(const ExchangeContext& ctx, Dtype dtype, int64_t hidden,
+                                         char* out_tokens, float* out_weights,
+                                         int32_t* recv_row_pos, int64_t rows, cudaStream_t stream);
+
 // Redispatch receive along an existing layout (recv_row_pos from the dispatch): out_tokens as
 // above and, when `scale` is non-null, out_scaled[row] = out_tokens[row] * scale[row] in float32
 // rounded to `dtype` (combine's weighted VJP). The caller prefills both (PrefillRedispatch).
