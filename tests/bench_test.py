@@ -322,3 +322,32 @@ def test_layer_reference_model_is_the_layer():
         for k in range(idx.shape[1])
     )
     assert layer.reference_loss(x, idx, w, experts, proj, ct) == pytest.approx(direct, rel=1e-5)
+
+
+def test_gpu_transport_bandwidths_from_the_hook(monkeypatch):
+    """The GPU transport bench's arithmetic (the hook itself needs a GPU): payload GB/s for
+    16-bit and FP8 dispatch, and FP8 send in wire bytes."""
+    from jax_hybridep import _native
+    from jax_hybridep.bench import gpu_transport
+
+    tokens, hidden, k = 1000, 256, 2
+    raw = dict(
+        sms=[4], dispatch_send_us=[10.0], dispatch_receive_us=[30.0], combine_send_us=[20.0],
+        combine_reduce_us=[20.0], fp8_send_us=[8.0], fp8_receive_us=[24.0], fp8_row_bytes=264,
+        layout_us=5.0, copy_us=100.0, copy_bytes=1 << 20, rows=tokens * k, row_bytes=2 * hidden,
+        tokens=tokens,
+    )  # fmt: skip
+
+    class Hook:
+        def cuda_bench_transport(self, *args, **kwargs):
+            return raw
+
+    monkeypatch.setattr(_native, "module", lambda: Hook())
+    result = gpu_transport.measure(tokens=tokens, hidden=hidden, k=k, experts=4, sms=(4,))
+    (row,) = result["per_sms"]
+    payload = tokens * hidden * 2
+    assert math.isclose(row["dispatch_gbps"], payload / 40e3)
+    assert math.isclose(row["fp8_dispatch_gbps"], payload / 32e3)
+    assert math.isclose(row["fp8_send_gbps"], payload / 8e3)
+    assert math.isclose(row["fp8_send_wire_gbps"], tokens * 264 / 8e3)
+    assert "fp8 send (wire)" in gpu_transport.table(result)

@@ -4,7 +4,9 @@ One rank sends to its own registered window, so every byte goes through HBM: thi
 kernels' rate (what could fill an NVLink direction) without peers. Per SM count (blocks per
 transport kernel): dispatch (send + receive-and-expand) and combine (partials + reduce) in payload
 bandwidth as Hybrid-EP defines it (received unique tokens x H x bytes / time, self traffic
-included), beside the layout kernels and a device-to-device copy measured in the same run.
+included), and FP8 dispatch (quantised in the send kernel, dequantised in the receive) in the
+same payload units and in wire bytes (e4m3fn payload + scales), beside the layout kernels and a
+device-to-device copy measured in the same run.
 Needs a GPU and a CUDA build.
 """
 
@@ -44,6 +46,7 @@ def measure(dtype="bfloat16", tokens=4096, hidden=7168, k=8, experts=8, sms=(1, 
     for i, n in enumerate(raw["sms"]):
         send, receive = raw["dispatch_send_us"][i], raw["dispatch_receive_us"][i]
         partials, reduce = raw["combine_send_us"][i], raw["combine_reduce_us"][i]
+        fp8_send, fp8_receive = raw["fp8_send_us"][i], raw["fp8_receive_us"][i]
         # The receive reads the payload, zeroes and writes the rows: its HBM traffic.
         permute_gbps = (payload + 2 * rows_bytes) / receive / 1e3
         per_sms.append(
@@ -52,6 +55,9 @@ def measure(dtype="bfloat16", tokens=4096, hidden=7168, k=8, experts=8, sms=(1, 
                 dispatch_gbps=payload / (send + receive) / 1e3,
                 combine_gbps=payload / (partials + reduce) / 1e3,
                 dispatch_send_gbps=payload / send / 1e3,
+                fp8_dispatch_gbps=payload / (fp8_send + fp8_receive) / 1e3,
+                fp8_send_gbps=payload / fp8_send / 1e3,
+                fp8_send_wire_gbps=tokens * raw["fp8_row_bytes"] / fp8_send / 1e3,
                 permute_hbm_gbps=permute_gbps,
                 permute_vs_copy=permute_gbps / copy_gbps,
                 **{
@@ -61,6 +67,8 @@ def measure(dtype="bfloat16", tokens=4096, hidden=7168, k=8, experts=8, sms=(1, 
                         "dispatch_receive_us",
                         "combine_send_us",
                         "combine_reduce_us",
+                        "fp8_send_us",
+                        "fp8_receive_us",
                     )
                 },  # fmt: skip
             )
@@ -83,14 +91,17 @@ def table(result: dict) -> str:
         f"HBM copy (read+write): {result['copy_hbm_gbps']:.0f} GB/s;  layout: "
         f"{result['layout_us']:.1f} us ({result['layout_gbps']:.0f} GB/s of ids and rows)",
         f"{'SMs':>4} {'dispatch GB/s':>14} {'combine GB/s':>13} {'send GB/s':>10} "
-        f"{'permute GB/s':>13} {'permute/copy':>13}",
+        f"{'permute GB/s':>13} {'permute/copy':>13} {'fp8 dispatch':>13} "
+        f"{'fp8 send (wire)':>16}",
     ]
     for row in result["per_sms"]:
+        fp8_send = f"{row['fp8_send_gbps']:.0f} ({row['fp8_send_wire_gbps']:.0f})"
         lines.append(
             f"{row['sms']:>4} {row['dispatch_gbps']:>14.0f} {row['combine_gbps']:>13.0f} "
             f"{row['dispatch_send_gbps']:>10.0f} {row['permute_hbm_gbps']:>13.0f} "
-            f"{row['permute_vs_copy']:>13.2f}"
+            f"{row['permute_vs_copy']:>13.2f} {row['fp8_dispatch_gbps']:>13.0f} {fp8_send:>16}"
         )
+    lines.append("GB/s of 16-bit payload (tokens x H x bytes); fp8 send (wire): of e4m3fn + scales")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 // Benchmark hook of the GPU transport: one rank running alone (its window on its own GPU, so
-// every byte goes through HBM), timed with CUDA events per phase and per SM count, beside the
-// layout kernels and a device-to-device copy of the same machine (python -m
-// jax_hybridep.bench.gpu_transport prints and records the table).
+// every byte goes through HBM), timed with CUDA events per phase and per SM count (16-bit and FP8
+// dispatch, combine), beside the layout kernels and a device-to-device copy of the same machine
+// (python -m jax_hybridep.bench.gpu_transport prints and records the table).
 #include "xla_ffi/cuda/bench_bindings.h"
 
 #include <cuda_runtime_api.h>
@@ -18,6 +18,7 @@
 #include "xla_ffi/cuda/hook_support.h"
 #include "xla_ffi/cuda/kernels.h"
 #include "xla_ffi/cuda/transport.h"
+#include "xla_ffi/fp8.h"
 #include "xla_ffi/layout.h"
 
 namespace jax_hybridep {
@@ -106,18 +107,21 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
   float* out_weights = gpu.Zeros<float>(C);
   int32_t* recv_row_pos = gpu.Zeros<int32_t>(T * K);
   char* combined = gpu.Zeros<char>(T * row_bytes);
+  char* fp8_tokens = gpu.Zeros<char>(C * row_bytes);
 
-  const WindowGeometry geometry{1, T, K, row_bytes};
+  // FP8 dispatch moves wire rows (fp8.h) through the same window.
+  const int64_t wire_bytes = Fp8WireBytes(hidden);
+  const WindowGeometry geometry{1, T, K, std::max(row_bytes, wire_bytes)};
   const Window window = CarveWindow(gpu.Zeros<char>(WindowBytes(geometry)), geometry);
   const Window* d_window = gpu.Upload(&window, 1);
   TransportError* error = gpu.Zeros<TransportError>(1);
   uint64_t generation = 0;
-  auto context = [&](int64_t blocks) {
+  auto context = [&](int64_t blocks, int64_t bytes) {
     return ExchangeContext{d_window,
                            1,
                            T,
                            K,
-                           row_bytes,
+                           bytes,
                            0,
                            ++generation,
                            static_cast<int32_t>(blocks),
@@ -126,11 +130,11 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
   };
 
   nb::dict out;
-  std::vector<double> send_us, receive_us, partials_us, reduce_us;
+  std::vector<double> send_us, receive_us, partials_us, reduce_us, fp8_send_us, fp8_receive_us;
   for (int64_t blocks : sms) {
-    std::vector<double> a, b, c, d;
+    std::vector<double> a, b, c, d, e, f;
     for (int64_t i = 0; i < warmup + iters; ++i) {
-      const ExchangeContext dispatch = context(blocks);
+      const ExchangeContext dispatch = context(blocks, row_bytes);
       const double t_send = timer.Milliseconds([&] {
         CheckCuda(LaunchSendTokens(dispatch, x, d_dest, d_row_pos, d_weights, s), "send");
       });
@@ -138,22 +142,50 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
         CheckCuda(LaunchReceiveRows(dispatch, out_tokens, out_weights, recv_row_pos, C, s),
                   "receive");
       });
-      const ExchangeContext combine = context(blocks);
+      const ExchangeContext combine = context(blocks, row_bytes);
       const double t_partials = timer.Milliseconds([&] {
         CheckCuda(LaunchSendPartials(combine, dtype, y, d_row_weights, recv_row_pos, s),
                   "partials");
       });
       const double t_reduce = timer.Milliseconds(
           [&] { CheckCuda(LaunchReducePartials(combine, dtype, d_dest, combined, s), "reduce"); });
+      const ExchangeContext fp8 = context(blocks, wire_bytes);
+      const double t_fp8_send = timer.Milliseconds([&] {
+        CheckCuda(LaunchSendTokensQuantized(fp8, dtype, hidden, x, d_dest, d_row_pos, d_weights, s),
+                  "FP8 send");
+      });
+      const double t_fp8_receive = timer.Milliseconds([&] {
+        CheckCuda(LaunchReceiveRowsDequantized(fp8, dtype, hidden, fp8_tokens, out_weights,
+                                               recv_row_pos, C, s),
+                  "FP8 receive");
+      });
       if (i < warmup) continue;
       a.push_back(t_send * 1e3), b.push_back(t_receive * 1e3);
       c.push_back(t_partials * 1e3), d.push_back(t_reduce * 1e3);
+      e.push_back(t_fp8_send * 1e3), f.push_back(t_fp8_receive * 1e3);
     }
     send_us.push_back(Median(a)), receive_us.push_back(Median(b));
     partials_us.push_back(Median(c)), reduce_us.push_back(Median(d));
+    fp8_send_us.push_back(Median(e)), fp8_receive_us.push_back(Median(f));
   }
   const std::vector<TransportError> errors = gpu.Download(error, 1);
   Require(errors[0].code == 0, "a transport wait timed out during the benchmark");
+
+  // The FP8 rows timed above are the host row kernels' bits (fp8.cc): the figures are of a
+  // dispatch that computes the right thing.
+  const std::vector<char> got = gpu.Download(fp8_tokens, C * row_bytes);
+  std::vector<uint8_t> wire(wire_bytes);
+  std::vector<char> want(row_bytes);
+  const char* host_x = reinterpret_cast<const char*>(pattern.data());
+  for (int64_t t = 0; t < T; ++t) {
+    QuantizeRow(host_x + t * row_bytes, hidden, dtype, wire.data());
+    DequantizeRow(wire.data(), hidden, dtype, want.data());
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t row = row_pos[t * K + j];
+      Require(row < 0 || std::equal(want.begin(), want.end(), got.begin() + row * row_bytes),
+              "the CUDA FP8 dispatch disagrees with the host row kernels");
+    }
+  }
 
   // Layout: count, plan and assign from the (here trivially gathered) counts.
   const Placement placement{gpu.Upload(placement_rank.data(), E),
@@ -197,6 +229,9 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
   out["dispatch_receive_us"] = receive_us;
   out["combine_send_us"] = partials_us;
   out["combine_reduce_us"] = reduce_us;
+  out["fp8_send_us"] = fp8_send_us;
+  out["fp8_receive_us"] = fp8_receive_us;
+  out["fp8_row_bytes"] = wire_bytes;
   out["layout_us"] = Median(layout_us);
   out["copy_us"] = Median(copy_us);
   out["copy_bytes"] = copy_bytes;
@@ -212,8 +247,9 @@ void RegisterCudaBenchBindings(nb::module_& m) {
   m.def("cuda_bench_transport", &BenchTransport, nb::arg("dtype"), nb::arg("tokens"),
         nb::arg("hidden"), nb::arg("k"), nb::arg("num_experts"), nb::arg("sms"),
         nb::arg("iters") = 20, nb::arg("warmup") = 3, nb::arg("copy_bytes") = int64_t{1} << 30,
-        "Median microseconds of the transport's phases for one rank alone, per SM count, of the "
-        "layout kernels, and of a device-to-device copy of copy_bytes. Returns a dict.");
+        "Median microseconds of the transport's phases for one rank alone (16-bit and FP8 "
+        "dispatch, combine), per SM count, of the layout kernels, and of a device-to-device copy "
+        "of copy_bytes. Returns a dict.");
 }
 
 }  // namespace jax_hybridep
