@@ -42,10 +42,11 @@ def _run(mesh, topo, backend, dtype, capacity, weighted, rng):
     fn = moe_fn(mesh, topo, cfg, weighted_combine=weighted, route=route)
 
     def loss(x, w):
-        return jnp.sum(fn(x, idx, w, experts)[0].astype(jnp.float32) ** 2)
+        out, stacked = fn(x, idx, w, experts)
+        return jnp.sum(out.astype(jnp.float32) ** 2), (out, stacked)
 
-    out, stacked = fn(x, idx, w, experts)
-    grads = jax.grad(loss, argnums=(0, 1))(x, w)
+    # One program for values and gradients.
+    (_, (out, stacked)), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
     return jax.device_get((out, stacked, grads))
 
 
@@ -53,13 +54,19 @@ def _bits(tree):
     return [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(tree)]
 
 
+SHAPES = [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))]
+VARIANTS = [(jnp.float32, True), (jnp.float32, False), (jnp.bfloat16, False)]  # dtype, weighted
+
+
+# Every mesh with every (dtype, weighted) variant, dropless and capacity alternating between
+# them so each mesh and each variant meets both.
 @pytest.mark.parametrize(
-    "shape,levels",
-    [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))],
-)
-@pytest.mark.parametrize("capacity", [None, 1.0])
-@pytest.mark.parametrize(
-    "dtype,weighted", [(jnp.float32, True), (jnp.float32, False), (jnp.bfloat16, False)]
+    "shape,levels,capacity,dtype,weighted",
+    [
+        (*SHAPES[i], (None, 1.0)[(i + j) % 2], *VARIANTS[j])
+        for i in range(len(SHAPES))
+        for j in range(len(VARIANTS))
+    ],
 )
 def test_gpu_path_matches_xla_backend(shape, levels, capacity, weighted, dtype):
     mesh = make_mesh(shape, levels)

@@ -136,7 +136,8 @@ def test_worker_runs_on_cpu_devices():
     env = dict(JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 "
                          "--xla_allow_excess_precision=false")  # fmt: skip
-    result = _run_worker("--devices=4", "--levels=hier", "--tokens=8", "--hidden=16", env=env)
+    result = _run_worker("--devices=4", "--levels=hier", "--tokens=8", "--hidden=16",
+                         "--variants=smoke", env=env)  # fmt: skip
     assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
     assert result["fp8_element_bitwise"]
     assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)

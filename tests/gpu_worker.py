@@ -162,6 +162,8 @@ def main():
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--levels", choices=("flat", "hier"), default="flat")
     p.add_argument("--train", action="store_true")
+    # smoke: one variant per code path (CPU runs of the worker itself); all: every variant.
+    p.add_argument("--variants", choices=("all", "smoke"), default="all")
     p.add_argument("--process_id", type=int, default=None)
     p.add_argument("--num_processes", type=int, default=1)
     p.add_argument("--port", type=int, default=None)
@@ -193,6 +195,8 @@ def main():
     ]
     # FP8 on the wire: bf16 tokens, both capacity modes, weighted combine.
     variants += [(jnp.bfloat16, capacity, True, "float8_e4m3fn") for capacity in (None, 1.0)]
+    if args.variants == "smoke":
+        variants = [variants[0], variants[-3], variants[-1]]  # f32 dropless, bf16 capacity, FP8
     for dtype, capacity, weighted, wire in variants:
         name = f"{jnp.dtype(dtype).name}_cap{capacity}_weighted{weighted}"
         name += "_fp8" if wire else ""

@@ -258,14 +258,14 @@ X64_CHILD = textwrap.dedent(
         cfg = hep.DispatchConfig(num_experts=16, capacity_factor=1.0, backend=backend)
         fn = moe_fn(mesh, topo, cfg)
         y, stacked = fn(x.astype(np.float32), idx, w, experts)
-        g = jax.grad(lambda w: jnp.sum(fn(x.astype(np.float32), idx, w, experts)[0]))(w)
+        g = jax.jit(jax.grad(lambda w: jnp.sum(fn(x.astype(np.float32), idx, w, experts)[0])))(w)
         out[backend] = dict(
             y=np.asarray(y).view(np.uint32).tolist(), g=np.asarray(g).tolist(),
             invalid=int(np.sum(stacked[4].invalid)), dtype=str(y.dtype))
     block = hnn.MoEBlock(8, 16, router=hnn.RouterConfig(num_experts=16, top_k=2), mesh=mesh,
                          topology=topo, dispatch=hep.DispatchConfig(num_experts=16, backend="xla"),
                          rngs=nnx.Rngs(0))
-    y, aux = block(jnp.asarray(x[:64].reshape(8, 8, 8), jnp.float32))
+    y, aux = nnx.jit(lambda b, x: b(x))(block, jnp.asarray(x[:64].reshape(8, 8, 8), jnp.float32))
     out["moe"] = dict(shape=list(y.shape), finite=bool(jnp.all(jnp.isfinite(y))),
                       tokens=int(jnp.sum(aux.tokens_per_expert)))
     print(json.dumps(out))

@@ -79,8 +79,8 @@ def _check(mesh_name, backend, x, idx, w, experts, capacity_factor=None, grads=T
     def dense_loss(x, w, e):
         return jnp.sum(dense_moe(x, idx, w, e, kept=kept) * cot)
 
-    got = jax.grad(loss(hier), argnums=(0, 1, 2))(x, w, experts)
-    want = jax.grad(dense_loss, argnums=(0, 1, 2))(x, w, experts)
+    got = jax.jit(jax.grad(loss(hier), argnums=(0, 1, 2)))(x, w, experts)
+    want = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))(x, w, experts)
     for name, g, r in zip(("x", "topk_weights", "experts"), got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
     return out

@@ -53,10 +53,11 @@ def _run(shape, names, backend, zero_padding, capacity, pad):
                        out_specs=spec)  # fmt: skip
 
     def loss(x, w, experts):
-        return jnp.sum(fn(x, idx, w, experts) ** 2)
+        out = fn(x, idx, w, experts)
+        return jnp.sum(out**2), out
 
-    out = jax.jit(fn)(x, idx, w, experts)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, experts)
+    # One program for values and gradients.
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(x, w, experts)
     return [np.asarray(a) for a in (out, *grads)]
 
 
