@@ -46,8 +46,8 @@ def _assert_matches_dense(fn, x, idx, w, experts, cot):
     out, _ = fn(x, idx, w, experts)
     np.testing.assert_allclose(out, dense_moe(x, idx, w, experts), rtol=1e-5, atol=1e-5)
     loss, dense_loss = _losses(fn, idx, cot)
-    grads = jax.grad(loss, argnums=(0, 1, 2))(x, w, experts)
-    dense_grads = jax.grad(dense_loss, argnums=(0, 1, 2))(x, w, experts)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, experts)
+    dense_grads = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))(x, w, experts)
     for name, g, ref in zip(("x", "topk_weights", "experts"), grads, dense_grads, strict=True):
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5, err_msg=f"gradient of {name}")
 
@@ -207,9 +207,9 @@ def test_inside_scan_and_checkpoint(backend):
         return x
 
     np.testing.assert_allclose(fn(x, idx, w, experts), dense(x, w, experts), rtol=1e-5, atol=1e-5)
-    grads = jax.grad(lambda *a: jnp.sum(fn(a[0], idx, a[1], a[2]) ** 2), argnums=(0, 1, 2))(
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(a[0], idx, a[1], a[2]) ** 2), (0, 1, 2)))(
         x, w, experts
     )
-    dense_grads = jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), argnums=(0, 1, 2))(x, w, experts)
+    dense_grads = jax.jit(jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), (0, 1, 2)))(x, w, experts)
     for g, ref in zip(grads, dense_grads, strict=True):
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4)

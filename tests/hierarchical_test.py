@@ -197,7 +197,7 @@ def test_backends_agree_bitwise(mesh_name, cross_process, dtype):
         def loss(x, w, e, fn=fn):
             return jnp.sum(fn(x, idx, w, e)[0].astype(jnp.float32) ** 2)
 
-        grads = jax.grad(loss, argnums=(0, 1, 2))(x, w, experts)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, experts)
         results[backend] = [out, *jax.tree.leaves(rows), *grads]
         hlo = fn.lower(x, idx, w, experts).compile().as_text()
         assert ("jax_hybridep_" in hlo) == (backend == "ffi")
