@@ -13,38 +13,15 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import sys
 
 import numpy as np
 import pytest
 from rich.console import Console
+from train_harness import tiny, train_config, train_moe
+from train_harness import train as _train
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
-
-import train_config  # noqa: E402
-import train_moe  # noqa: E402
-
-TINY = train_moe.TrainConfig(
-    steps=4,
-    batch=8,
-    seq_len=32,
-    d_model=32,
-    d_ff=32,
-    layers=1,
-    heads=2,
-    mesh="ep=8",
-    eval_every=2,
-    eval_batches=1,
-    progress=False,
-)
+TINY = tiny(steps=4, eval_batches=1)
 BALANCED = dataclasses.replace(TINY, redundant_slots=1, rebalance_every=2)
-
-
-def _train(cfg):
-    out = io.StringIO()
-    metrics = train_moe.train(cfg, console=Console(file=out, soft_wrap=True))
-    return metrics, out.getvalue()
 
 
 @pytest.fixture(autouse=True)

@@ -22,37 +22,12 @@ import sys
 
 import pytest
 from rich.console import Console
+from train_harness import EXAMPLES, TINY, train_config, train_moe
+from train_harness import train as _train
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
-
-import train_config  # noqa: E402
-import train_moe  # noqa: E402
-
-from jax_hybridep import traffic  # noqa: E402
-from jax_hybridep.xdc import migrate  # noqa: E402
-from jax_hybridep.xdc.domains import INNER_SUFFIX  # noqa: E402
-
-TINY = train_moe.TrainConfig(
-    steps=3,
-    batch=8,
-    seq_len=32,
-    d_model=32,
-    d_ff=32,
-    layers=1,
-    heads=2,
-    mesh="ep=8",
-    eval_every=2,
-    eval_batches=2,
-    progress=False,
-)
-
-
-def _train(cfg):
-    """Runs train(cfg); returns (metrics dict, printed text)."""
-    out = io.StringIO()
-    metrics = train_moe.train(cfg, console=Console(file=out, soft_wrap=True))
-    return metrics, out.getvalue()
+from jax_hybridep import traffic
+from jax_hybridep.xdc import migrate
+from jax_hybridep.xdc.domains import INNER_SUFFIX
 
 
 @pytest.fixture(autouse=True)
