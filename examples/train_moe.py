@@ -221,20 +221,17 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
     os.makedirs(cfg.output_dir, exist_ok=True)
 
     history, params, rest, opt_state, backend = _loop(
-        cfg,
-        data,
-        mesh,
-        graphdef,
-        tx,
-        params,
-        rest,
-        opt_state,
-        start,
-        history,
-        console,
-        on_compile,
-        balancer,
-        hook,
+        cfg=cfg,
+        data=data,
+        mesh=mesh,
+        tx=tx,
+        state=(graphdef, params, rest, opt_state),
+        start=start,
+        history=history,
+        console=console,
+        on_compile=on_compile,
+        balancer=balancer,
+        hook=hook,
     )
     if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
         params, opt_state = balancer.checkpoint_state(params, opt_state)
@@ -264,24 +261,11 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
     return result
 
 
-def _loop(
-    cfg,
-    data,
-    mesh,
-    graphdef,
-    tx,
-    params,
-    rest,
-    opt_state,
-    start,
-    history,
-    console,
-    on_compile,
-    balancer,
-    hook,
-):
-    """The training loop proper: compile once (again when `balancer` changes a placement or
-    `hook` switches domains), step, evaluate, report progress."""
+def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, balancer, hook):
+    """The training loop proper from `start`, on state = (graphdef, params, rest, opt_state):
+    compile once (again when `balancer` changes a placement or `hook` switches domains), step,
+    evaluate, report progress. Returns (history, params, rest, opt_state, backend)."""
+    graphdef, params, rest, opt_state = state
     num_devices = mesh.devices.size
     # The batch is sharded over every mesh axis when it divides evenly, else replicated.
     batch_spec = P(tuple(mesh.axis_names)) if cfg.batch % num_devices == 0 else P()
