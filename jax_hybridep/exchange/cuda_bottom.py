@@ -125,7 +125,7 @@ class CudaBottom:
         tokens, row_weights, recv_row_pos = self.exchanges.dispatch(
             plan, fast, held.rows, held.weights, held.pos, dest
         )
-        tokens, scales = wire.host_tokens(plan, tokens)
+        tokens, scales = wire.handler_tokens(plan, tokens)
         return tokens, scales, row_weights, CudaRecord(dest, recv_row_pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: CudaRecord, g):

@@ -54,7 +54,7 @@ class HostFused:
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
         dest = fast_dest(fast_level(plan, shard), held.dest)
         tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest)
-        tokens, scales = wire.host_tokens(plan, tokens)
+        tokens, scales = wire.handler_tokens(plan, tokens)
         return tokens, scales, row_weights, HostFusedRecord(dest, held.pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g):

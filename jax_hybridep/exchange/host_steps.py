@@ -166,7 +166,7 @@ class HostRows:
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
         tokens, row_weights = _expand_items(plan, held.rows, held.pos, held.weights)
-        tokens, scales = wire.host_tokens(plan, tokens)
+        tokens, scales = wire.handler_tokens(plan, tokens)
         return tokens, scales, row_weights, HostRowsRecord(held.pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g):

@@ -69,9 +69,10 @@ def transport_rows(plan: DispatchPlan, x):
     return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype)
 
 
-def host_tokens(plan: DispatchPlan, tokens):
-    """(tokens, scales) as dispatch returns them from a host handler's rows: split into the
-    e4m3fn payload and scales when they are FP8 wire rows (fp8_rows), else as they are."""
+def handler_tokens(plan: DispatchPlan, tokens):
+    """(tokens, scales) as dispatch returns them from the rows a handler (host or CUDA) wrote:
+    split into the e4m3fn payload and scales when they are FP8 wire rows (fp8_rows), else as
+    they are."""
     if plan.config.wire_dtype is not None and tokens.dtype == jnp.uint8:
         return fp8.from_wire(tokens, plan.hidden)
     return tokens, None
