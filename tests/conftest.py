@@ -1,10 +1,16 @@
-"""Test setup: 16 fake CPU devices (set before jax initialises its backends)."""
+"""Test setup: 16 fake CPU devices (set before jax initialises its backends).
+
+The suite compiles hundreds of small programs, and LLVM's optimisation of the generated code is
+about a third of the CPU time; nothing the tests check depends on it (values, bits, HLO), so it
+is off here (`--xla_backend_optimization_level=0`; benchmarks and the examples keep the default).
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=16 --xla_backend_optimization_level=0"
 ).strip()
 
 import jax  # noqa: E402
