@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from jax_hybridep import _native
+from jax_hybridep.bench import gpu_transport, runner, workloads
 from jax_hybridep.bench import main as bench_main
-from jax_hybridep.bench import runner, workloads
 
 CASE_FIELDS = (
     "method",
@@ -327,9 +328,6 @@ def test_layer_reference_model_is_the_layer():
 def test_gpu_transport_bandwidths_from_the_hook(monkeypatch):
     """The GPU transport bench's arithmetic (the hook itself needs a GPU): payload GB/s for
     16-bit and FP8 dispatch, and FP8 send in wire bytes."""
-    from jax_hybridep import _native
-    from jax_hybridep.bench import gpu_transport
-
     tokens, hidden, k = 1000, 256, 2
     raw = dict(
         sms=[4], dispatch_send_us=[10.0], dispatch_receive_us=[30.0], combine_send_us=[20.0],
