@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from harness import all_axes_spec, make_mesh, random_routing
 from jax.sharding import PartitionSpec as P
+from route_kinds import ROUTES, on_mesh, same_bits_on
 from transport_twin import JaxExchanges
 
 import jax_hybridep as hep
@@ -105,36 +106,39 @@ def _dispatch_fn(mesh, topo, cfg, route=None):
         return d.tokens, d.scales, d.weights, d.group_sizes, d.stats.level_rows
 
     scales_spec = spec if cfg.fp8_rows else None
-    out_specs = (spec, scales_spec, spec, P(topo.ep_axes), P(topo.ep_axes))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=out_specs))
+    return on_mesh(
+        mesh, body, out_specs=(spec, scales_spec, spec, P(topo.ep_axes), P(topo.ep_axes))
+    )
 
 
+# Hidden sizes of one full and of two partial blocks (wire rows of H + 4 * ceil(H / 128) bytes) on
+# the fused host route and the walked one over two and three levels; the contract suite runs
+# FP8 on the wire on every route kind (H = 8).
 @pytest.mark.parametrize(
     "shape,names,hidden,capacity",
-    [(*MESHES[0], 200, None), (*MESHES[1], 256, 1.0), (*MESHES[2], 256, None),
-     (*MESHES[2], 200, 1.0)],
+    [(*MESHES[0], 200, None), (*MESHES[1], 256, 1.0), (*MESHES[2], 200, 1.0)],
 )  # fmt: skip
 def test_fp8_dispatch_xla_equals_ffi_and_the_dequantised_16_bit_dispatch(shape, names, hidden,
                                                                          capacity):  # fmt: skip
     mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=capacity)
     results = {}
-    for backend in ("xla", "ffi"):
-        for rows in (False, True):
-            cfg = hep.DispatchConfig(backend=backend, wire_dtype=FP8, fp8_rows=rows, **kw)
-            results[backend, rows] = jax.device_get(_dispatch_fn(mesh, topo, cfg)(x, idx, w))
     for rows in (False, True):
-        for got, want in zip(results["ffi", rows], results["xla", rows], strict=True):
-            if want is not None:
-                np.testing.assert_array_equal(_bits(got), _bits(want))
+        cfg = hep.DispatchConfig(wire_dtype=FP8, fp8_rows=rows, **kw)
+
+        def program(kind, cfg=cfg):
+            topo_k, cfg_k, route = ROUTES[kind].prepare(topo, cfg)
+            return _dispatch_fn(mesh, topo_k, cfg_k, route=route)
+
+        results[rows] = same_bits_on(("ffi",), program, x, idx, w)["xla"]
     # Dequantised rows are the 16-bit dispatch of x' = dequantize(quantize(x)), and the FP8 rows
     # dequantise to them: one quantisation per token, at the source, forwarded unchanged.
     x_prime = jax.jit(lambda x: fp8.dequantize(*fp8.quantize(x), x.dtype))(x)
     plain = hep.DispatchConfig(backend="xla", **kw)
     want = jax.device_get(_dispatch_fn(mesh, topo, plain)(x_prime, idx, w))
-    deq, _, weights, sizes, level_rows = results["xla", False]
+    deq, _, weights, sizes, level_rows = results[False]
     for got, ref in zip((deq, weights, sizes, level_rows), (want[0], *want[2:]), strict=True):
         np.testing.assert_array_equal(_bits(got), _bits(ref))
-    q, scales = results["xla", True][:2]
+    q, scales = results[True][:2]
     assert q.dtype == jnp.float8_e4m3fn and scales.shape == (q.shape[0], fp8.num_blocks(hidden))
     per_shard = q.shape[0] // mesh.size
     live = np.concatenate(
@@ -198,7 +202,7 @@ def test_gradients_equal_the_16_bit_path_given_the_same_row_cotangents(backend):
             d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
             return d.tokens, d.weights
 
-        fn = jax.shard_map(rows, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec))
+        fn = on_mesh(mesh, rows, out_specs=(spec, spec))
         shapes = jax.eval_shape(fn, x, idx, w)
         rng = np.random.default_rng(9)
         cts = tuple(jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in shapes)
@@ -212,12 +216,11 @@ def test_gradients_equal_the_16_bit_path_given_the_same_row_cotangents(backend):
 def test_fp8_rows_carry_no_gradient():
     mesh, topo, x, idx, w, kw = _setup((8,), ("ep",), 128, dtype=jnp.float32)
     cfg = hep.DispatchConfig(backend="xla", wire_dtype=FP8, fp8_rows=True, **kw)
-    spec = all_axes_spec(mesh)
 
     def rows(x, idx, w):
         return hep.dispatch(x, idx, w, topology=topo, config=cfg).tokens.astype(jnp.float32)
 
-    fn = jax.shard_map(rows, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    fn = on_mesh(mesh, rows)
     with pytest.raises(TypeError, match="fp8_rows=True"):
         jax.jit(jax.grad(lambda x: fn(x, idx, w).sum()))(x)
 

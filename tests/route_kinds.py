@@ -1,0 +1,146 @@
+"""The route kinds every contract case runs on (tests/contract_test.py): one registry entry each.
+
+A `RouteKind` says how one dispatch runs on a mesh: the backend its config asks for, how it sees
+the topology (a multi-process run's view, a GPU's), and an explicit exchange route where this
+machine lacks the real one. On CPU that gives every step kind of jax_hybridep/exchange/routes.py:
+
+| kind         | layout             | levels walked                         | bottom              |
+|--------------|--------------------|---------------------------------------|---------------------|
+| `xla`        | JnpLayout          | XlaLevel x L                          | XlaRows             |
+| `xla_gpu`    | JnpLayout          | XlaLevel x L                          | XlaRows             |
+| `ffi`        | HostLayout         | none (1 level) / HostDirectLevel x L  | HostFused / HostRows|
+| `ffi_packed` | HostGatheredLayout | HostPackedLevel x L, or x (L - 1) and | HostRows            |
+|              |                    | HostDirectLevel on the fastest        |                     |
+| `gpu_twin`   | JnpLayout          | XlaLevel x (L - 1)                    | CudaBottom (twin)   |
+
+`ffi_packed` is the host route as a run with one process per node sees it (every level but the
+fastest crosses processes; a single level does): the packed levels exchange through XLA
+all-to-alls, so it runs in this one process. `gpu_twin` is the GPU route with the CUDA bottom's
+exchanges issued by their pure-JAX twin (tests/transport_twin.py) and the jnp layout: everything
+else runs as on GPUs (slow levels by XLA all-to-alls, the bottom spanning the fastest level, the
+handle's receive map, combine and both VJPs); the kernels themselves are checked against the same
+order on a GPU (tests/cuda_transport_test.py). `xla_gpu` is the xla backend as it runs on GPUs
+(the routing-weight gradient is XLA's reduction there, a fixed order on CPU: §2.1.4), the
+reference of `gpu_twin`. A new level kind or bottom is one more entry here.
+
+The references (`xla`, `xla_gpu`) are checked against the numpy model of §2.1; every other kind
+must give its reference's bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from transport_twin import JaxExchanges
+
+import jax_hybridep as hep
+from jax_hybridep.exchange import cuda_bottom, layouts, routes
+from jax_hybridep.ops import dispatch_with_route
+
+
+def _as_is(topo: hep.Topology) -> hep.Topology:
+    return topo
+
+
+def _across_processes(topo: hep.Topology) -> hep.Topology:
+    """As one process per node sees it: every level but the fastest crosses processes."""
+    local = (False,) * (len(topo.levels) - 1) + (len(topo.levels) > 1,)
+    return dataclasses.replace(topo, single_process=False, level_local=local)
+
+
+def _on_gpu(topo: hep.Topology) -> hep.Topology:
+    return dataclasses.replace(topo, platform="gpu")
+
+
+def _gpu_twin_route(topo: hep.Topology) -> routes.Route:
+    """The GPU route, its CUDA bottom's exchanges and layout swapped for pure-JAX ones."""
+    gpu = routes.route_for("ffi", topo)
+    assert isinstance(gpu.bottom, cuda_bottom.CudaBottom)
+    twin = cuda_bottom.CudaBottom(exchanges=JaxExchanges())
+    return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteKind:
+    """One way a dispatch runs (see the module docstring).
+
+    Attributes:
+      name: the registry key (a test id).
+      backend: the `DispatchConfig.backend` it runs with.
+      sees: the topology this kind runs on, from the mesh's.
+      explicit: the exchange route to force, from the topology it sees (None: the backend's).
+      reference: the kind whose bits this one must give; None: checked against the model.
+    """
+
+    name: str
+    backend: str
+    sees: Callable[[hep.Topology], hep.Topology] = _as_is
+    explicit: Callable[[hep.Topology], routes.Route] | None = None
+    reference: str | None = "xla"
+
+    def prepare(self, topo: hep.Topology, config: hep.DispatchConfig):
+        """(topology, config, route or None) this kind dispatches with on `topo`."""
+        seen = self.sees(topo)
+        route = self.explicit(seen) if self.explicit is not None else None
+        return seen, dataclasses.replace(config, backend=self.backend), route
+
+    def route(self, topo: hep.Topology) -> routes.Route:
+        """The steps this kind runs on `topo` (what the registry table says)."""
+        seen = self.sees(topo)
+        return self.explicit(seen) if self.explicit else routes.route_for(self.backend, seen)
+
+    def dispatch(self, x, topk_idx, topk_weights, *, topology, config) -> hep.Dispatched:
+        """`hep.dispatch` along this kind's route (inside shard_map, like `hep.dispatch`)."""
+        topology, config, route = self.prepare(topology, config)
+        return dispatch_with_route(route, x, topk_idx, topk_weights, topology=topology,
+                                   config=config)  # fmt: skip
+
+
+ROUTES = {
+    kind.name: kind
+    for kind in (
+        RouteKind("xla", "xla", reference=None),
+        RouteKind("xla_gpu", "xla", sees=_on_gpu, reference=None),
+        RouteKind("ffi", "ffi"),
+        RouteKind("ffi_packed", "ffi", sees=_across_processes),
+        RouteKind("gpu_twin", "ffi", sees=_on_gpu, explicit=_gpu_twin_route, reference="xla_gpu"),
+    )
+}
+
+
+def on_mesh(mesh, fn, in_specs=None, out_specs=None, num_args=3):
+    """jit(shard_map(fn)) over every mesh axis; specs default to P(all axes) for each of
+    `num_args` inputs and for the output."""
+    spec = P(tuple(mesh.axis_names))
+    in_specs = (spec,) * num_args if in_specs is None else in_specs
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                                 out_specs=spec if out_specs is None else out_specs))  # fmt: skip
+
+
+def bits(a) -> np.ndarray:
+    """An array's bits: floats viewed as unsigned ints of their width (NaN and -0 compare)."""
+    a = np.asarray(a)
+    if a.dtype.kind in "biu":
+        return a
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def same_bits_on(kinds, build, *args):
+    """Runs `build(kind)` (a jitted program) on `args` for each of `kinds` and its reference,
+    asserts every output leaf has the reference's bits, and returns the outputs per kind."""
+    out = {}
+    for kind in kinds:
+        for name in (ROUTES[kind].reference, kind):
+            if name not in out:
+                out[name] = jax.device_get(build(name)(*args))
+        pairs = zip(jax.tree_util.tree_leaves_with_path(out[kind]),
+                    jax.tree.leaves(out[ROUTES[kind].reference]), strict=True)  # fmt: skip
+        for (path, a), b in pairs:
+            np.testing.assert_array_equal(
+                bits(a), bits(b), err_msg=f"{kind}{jax.tree_util.keystr(path)}"
+            )
+    return out
