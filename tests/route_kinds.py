@@ -7,7 +7,6 @@ machine lacks the real one. On CPU that gives every step kind of jax_hybridep/ex
 | kind         | layout             | levels walked                         | bottom              |
 |--------------|--------------------|---------------------------------------|---------------------|
 | `xla`        | JnpLayout          | XlaLevel x L                          | XlaRows             |
-| `xla_gpu`    | JnpLayout          | XlaLevel x L                          | XlaRows             |
 | `ffi`        | HostLayout         | none (1 level) / HostDirectLevel x L  | HostFused / HostRows|
 | `ffi_packed` | HostGatheredLayout | HostPackedLevel x L, or x (L - 1) and | HostRows            |
 |              |                    | HostDirectLevel on the fastest        |                     |
@@ -19,12 +18,13 @@ all-to-alls, so it runs in this one process. `gpu_twin` is the GPU route with th
 exchanges issued by their pure-JAX twin (tests/transport_twin.py) and the jnp layout: everything
 else runs as on GPUs (slow levels by XLA all-to-alls, the bottom spanning the fastest level, the
 handle's receive map, combine and both VJPs); the kernels themselves are checked against the same
-order on a GPU (tests/cuda_transport_test.py). `xla_gpu` is the xla backend as it runs on GPUs
-(the routing-weight gradient is XLA's reduction there, a fixed order on CPU: §2.1.4), the
-reference of `gpu_twin`. A new level kind or bottom is one more entry here.
+order on a GPU (tests/cuda_transport_test.py). The twin keeps the CPU topology, so its
+routing-weight gradient takes the CPU's fixed summation order, as the reference does (on GPUs
+both backends take XLA's reduction there: jax_hybridep/weight_grad.py). A new level kind or
+bottom is one more entry here.
 
-The references (`xla`, `xla_gpu`) are checked against the numpy model of §2.1; every other kind
-must give its reference's bits.
+The reference (`xla`) is checked against the numpy model of §2.1; every other kind must give its
+bits.
 """
 
 from __future__ import annotations
@@ -52,13 +52,9 @@ def _across_processes(topo: hep.Topology) -> hep.Topology:
     return dataclasses.replace(topo, single_process=False, level_local=local)
 
 
-def _on_gpu(topo: hep.Topology) -> hep.Topology:
-    return dataclasses.replace(topo, platform="gpu")
-
-
 def _gpu_twin_route(topo: hep.Topology) -> routes.Route:
     """The GPU route, its CUDA bottom's exchanges and layout swapped for pure-JAX ones."""
-    gpu = routes.route_for("ffi", topo)
+    gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
     assert isinstance(gpu.bottom, cuda_bottom.CudaBottom)
     twin = cuda_bottom.CudaBottom(exchanges=JaxExchanges())
     return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
@@ -104,10 +100,9 @@ ROUTES = {
     kind.name: kind
     for kind in (
         RouteKind("xla", "xla", reference=None),
-        RouteKind("xla_gpu", "xla", sees=_on_gpu, reference=None),
         RouteKind("ffi", "ffi"),
         RouteKind("ffi_packed", "ffi", sees=_across_processes),
-        RouteKind("gpu_twin", "ffi", sees=_on_gpu, explicit=_gpu_twin_route, reference="xla_gpu"),
+        RouteKind("gpu_twin", "ffi", explicit=_gpu_twin_route),
     )
 }
 
