@@ -27,7 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_hybridep.values import check_bool, check_int
-from jax_hybridep.xdc import compress, cost, volumes, wire
+from jax_hybridep.xdc import wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, volumes
 
 # The Workload fields `volumes.expected_volumes` / `routed_volumes` take as they are.
 _VOLUME_FIELDS = ("num_experts", "hidden", "act_bytes", "expert_bytes", "expert_matrices",
@@ -70,7 +72,7 @@ class Workload:
     expert_bytes: int | None = None
     expert_matrices: tuple | None = None
     value_bytes: int = 4
-    migration: compress.Migration = compress.Migration()
+    migration: Migration = Migration()
     prefetch: bool = False
     layers: int = 1
     training: bool = True
@@ -99,7 +101,7 @@ class Workload:
             if not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
                 raise ValueError(f"Workload.{name} must be seconds >= 0, got {value!r}")
         check_bool("Workload.prefetch", self.prefetch)
-        if not isinstance(self.migration, compress.Migration):
+        if not isinstance(self.migration, Migration):
             raise TypeError(
                 f"Workload.migration must be a jax_hybridep.xdc.Migration, got {self.migration!r}"
             )
