@@ -25,7 +25,7 @@ DOC_PAGES = sorted([README, *(ROOT / "docs").glob("*.md")])
 # Where code and docs live; build outputs, virtual environments and raw results are not scanned.
 SCANNED_DIRS = ("jax_hybridep", "xla_ffi", "tests", "examples", "scripts", "docs", "bazel", ".ci")
 SCANNED_SUFFIXES = {".py", ".cc", ".h", ".cu", ".sh", ".md", ".toml", ".bzl", ".txt", ".cfg"}
-ROOT_FILES = ("README.md", "BUILD", "CMakeLists.txt", "pyproject.toml", ".ci/run")
+ROOT_FILES = ("README.md", "BUILD", "CMakeLists.txt", "pyproject.toml")
 RAW_RESULTS = ("docs/gpu/", "docs/sim/")
 
 # Spelled in pieces so that this file does not match itself.
