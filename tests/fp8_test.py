@@ -1,6 +1,6 @@
-"""FP8 on the wire (DESIGN §2.1.8, jax_hybridep/fp8.py): the quantisation's bits in jnp, the C++
-host code and ml_dtypes; FP8 dispatch on the xla and ffi backends bitwise equal, and equal to the
-16-bit dispatch of the dequantised tokens; f8 arrays in the compiled all-to-alls; the bytes;
+"""FP8 on the wire (docs/design.md §2.1.8, jax_hybridep/fp8.py): the quantisation's bits in jnp, the
+C++ host code and ml_dtypes; FP8 dispatch on the xla and ffi backends bitwise equal, and equal to
+the 16-bit dispatch of the dequantised tokens; f8 arrays in the compiled all-to-alls; the bytes;
 gradients straight-through."""
 
 from __future__ import annotations
@@ -280,8 +280,8 @@ def test_moe_block_trains_with_fp8_dispatch():
 
     def block(**wire):
         dispatch = hep.DispatchConfig(num_experts=8, **wire)
-        return hnn.MoEBlock(128, 32, router=router, mesh=mesh, topology=topo, dispatch=dispatch,
-                            rngs=nnx.Rngs(0))  # fmt: skip
+        return hnn.MoEBlock(128, router=router, experts=hnn.ExpertConfig(d_ff=32), mesh=mesh,
+                            topology=topo, dispatch=dispatch, rngs=nnx.Rngs(0))  # fmt: skip
 
     def loss(b, x):
         y, aux = b(x)
