@@ -1,8 +1,8 @@
 """The route kinds every contract case runs on (tests/contract_test.py): one registry entry each.
 
 A `RouteKind` says how one dispatch runs on a mesh: the backend its config asks for, how it sees
-the topology (a multi-process run's view, a GPU's), and an explicit exchange route where this
-machine lacks the real one. On CPU that gives every step kind of jax_hybridep/exchange/routes.py:
+the topology (e.g. as a multi-process run does), and an explicit exchange route where this machine
+lacks the real one. On CPU that gives every step kind of jax_hybridep/exchange/routes.py:
 
 | kind         | layout             | levels walked                         | bottom              |
 |--------------|--------------------|---------------------------------------|---------------------|
@@ -139,3 +139,21 @@ def same_bits_on(kinds, build, *args):
                 bits(a), bits(b), err_msg=f"{kind}{jax.tree_util.keystr(path)}"
             )
     return out
+
+
+def combine_vjp(mesh, topo, config, loss):
+    """`build` for `same_bits_on`: per kind, the jitted gradients (y, row weights) of
+    `loss(hep.combine(y, handle, weights=row_weights), x)` after a dispatch of (x, idx, w)."""
+
+    def build(kind):
+        def step(x, idx, w, y, row_weights):
+            d = ROUTES[kind].dispatch(x, idx, w, topology=topo, config=config)
+
+            def of(y, row_weights):
+                return loss(hep.combine(y, d.handle, weights=row_weights), x)
+
+            return jax.grad(of, (0, 1))(y, row_weights)
+
+        return on_mesh(mesh, step, num_args=5)
+
+    return build

@@ -4,12 +4,11 @@ strict mode failing alike): its validation, a budget that fits equals the worst-
 the fused weighted-combine VJP (`combine_vjp`) agreeing bitwise with the `xla` backend on
 negative and non-finite weights."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import make_mesh, moe_fn
-from route_kinds import ROUTES, bits, on_mesh, same_bits_on
+from route_kinds import bits, combine_vjp, same_bits_on
 
 import jax_hybridep as hep
 
@@ -72,20 +71,10 @@ def test_weighted_combine_vjp_with_negative_and_non_finite_weights(mesh_shape, d
     row_w[c - 2 :: c] = -1.0
     row_w[3::7] = -np.abs(row_w[3::7])
 
-    def program(kind):
-        cfg = hep.DispatchConfig(num_experts=E)
+    def loss(out, x):
+        return jnp.sum(out.astype(jnp.float32) ** 2)
 
-        def step(x, idx, w, y, row_w):
-            d = ROUTES[kind].dispatch(x, idx, w, topology=topo, config=cfg)
-
-            def loss(y, row_w):
-                out = hep.combine(y, d.handle, weights=row_w)
-                return jnp.sum(out.astype(jnp.float32) ** 2)
-
-            return jax.grad(loss, (0, 1))(y, row_w)
-
-        return on_mesh(mesh, step, num_args=5)
-
+    program = combine_vjp(mesh, topo, hep.DispatchConfig(num_experts=E), loss)
     # The host handlers' fused VJP against the reference (the contract suite runs the others).
     results = same_bits_on(("ffi",), program, x, idx, w, y, jnp.asarray(row_w))
     grad_y = np.asarray(results["ffi"][0].astype(jnp.float32)).reshape(EP, c, H)

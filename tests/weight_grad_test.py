@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import make_mesh
-from route_kinds import ROUTES, bits, on_mesh, same_bits_on
+from route_kinds import ROUTES, bits, combine_vjp, on_mesh, same_bits_on
 
 import jax_hybridep as hep
 from jax_hybridep import weight_grad
@@ -101,20 +101,10 @@ def test_ffi_weight_gradient_is_the_xla_backends_bitwise(mesh_name, hidden, dtyp
     y = y.at[5].multiply(1e-30)
     row_w = jnp.asarray(rng.normal(size=EP * c).astype(np.float32))
 
-    def program(kind):
-        cfg = hep.DispatchConfig(num_experts=E)
+    def loss(out, x):
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(x.astype(jnp.float32))) * 1e-12
 
-        def step(x, idx, w, y, row_w):
-            d = ROUTES[kind].dispatch(x, idx, w, topology=topo, config=cfg)
-
-            def loss(y, row_w):
-                out = hep.combine(y, d.handle, weights=row_w)
-                return jnp.sum(out.astype(jnp.float32) * jnp.cos(x.astype(jnp.float32))) * 1e-12
-
-            return jax.grad(loss, (0, 1))(y, row_w)
-
-        return on_mesh(mesh, step, num_args=5)
-
+    program = combine_vjp(mesh, topo, hep.DispatchConfig(num_experts=E), loss)
     results = same_bits_on(("ffi",), program, x, idx, w, y, row_w)
     grad_w = np.asarray(results["ffi"][1]).reshape(EP, c)
     assert np.signbit(grad_w[:, -1]).all() and (grad_w[:, -1] == 0).all()
