@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda/cuda_attrs.h"
 #include "xla_ffi/cuda/kernels.h"
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/cuda/windows.h"
@@ -140,28 +141,27 @@ ffi::Error CheckSendBlocks(int64_t send_blocks) {
 // Everything an exchange handler does before its kernels: site, window, context.
 ffi::ErrorOr<ExchangeContext> BeginExchange(cudaStream_t stream, int32_t device,
                                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                                            int64_t site_id, int64_t num_ranks, int64_t tokens,
-                                            int64_t k, int64_t row_bytes, int64_t send_blocks,
-                                            bool multi_process, int64_t timeout_ms) {
-  if (ffi::Error e = CheckSendBlocks(send_blocks); e.failure()) return ffi::Unexpected(e);
-  auto site = Site(site_id, device, stream, rank, group);
+                                            const TransportAttrs& attrs, int64_t tokens, int64_t k,
+                                            int64_t row_bytes) {
+  if (ffi::Error e = CheckSendBlocks(attrs.num_sms); e.failure()) return ffi::Unexpected(e);
+  auto site = Site(attrs.site, device, stream, rank, group);
   if (site.has_error()) return ffi::Unexpected(site.error());
-  if (ffi::Error e = EnsureWindow(*site.value(), device, num_ranks, tokens, k, row_bytes,
-                                  multi_process, timeout_ms);
+  if (ffi::Error e = EnsureWindow(*site.value(), device, attrs.num_ranks, tokens, k, row_bytes,
+                                  attrs.multi_process, attrs.timeout_ms);
       e.failure()) {
     return ffi::Unexpected(e);
   }
   // The next exchange on the site's window.
   RankWindow& w = *site.value()->window;
   return ExchangeContext{w.windows,
-                         num_ranks,
+                         attrs.num_ranks,
                          tokens,
                          k,
                          row_bytes,
                          site.value()->rank,
                          ++w.generation,
-                         static_cast<int32_t>(send_blocks),
-                         timeout_ms * 1000000,
+                         static_cast<int32_t>(attrs.num_sms),
+                         attrs.timeout_ms * 1000000,
                          w.error_device};
 }
 
@@ -171,17 +171,16 @@ ffi::ErrorOr<ExchangeContext> BeginExchange(cudaStream_t stream, int32_t device,
 // rows with the CUDA layout kernels (kernels.h), no host sync (strict mode syncs to raise).
 ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> topk_idx,
                       ffi::Buffer<ffi::S32> gathered, ffi::Buffer<ffi::S32> rank,
-                      ffi::Buffer<ffi::S32> group, int64_t site_id, int64_t num_ranks,
-                      int64_t num_slots, int64_t capacity, int64_t rows, int64_t pad_multiple,
-                      ffi::Span<const int64_t> expert_rank, ffi::Span<const int64_t> expert_slot,
-                      bool strict, ffi::ResultBuffer<ffi::S32> row_pos,
-                      ffi::ResultBuffer<ffi::S32> group_sizes,
+                      ffi::Buffer<ffi::S32> group, LayoutExchangeAttrs layout,
+                      ffi::ResultBuffer<ffi::S32> row_pos, ffi::ResultBuffer<ffi::S32> group_sizes,
                       ffi::ResultBuffer<ffi::S32> tokens_per_expert,
                       ffi::ResultBuffer<ffi::S64> dropped, ffi::ResultBuffer<ffi::S32> invalid) {
-  auto site_or = Site(site_id, device, stream, rank, group);
+  auto site_or = Site(layout.site, device, stream, rank, group);
   if (site_or.has_error()) return site_or.error();
   SiteState& site = *site_or.value();
   const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
+  const int64_t num_ranks = layout.num_ranks, num_slots = layout.num_slots;
+  const ffi::Span<const int64_t> expert_rank = layout.expert_rank, expert_slot = layout.expert_slot;
   const int64_t E = static_cast<int64_t>(expert_rank.size());
   cudaError_t s = cudaSuccess;
   if (site.expert_rank == nullptr) {  // First call: placement on the device, scratch.
@@ -216,7 +215,8 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32>
   }
   const Placement placement{site.expert_rank, site.expert_slot, E, num_ranks, num_slots};
   if (s == cudaSuccess) {
-    s = LaunchPlanGroups(site.all_counts, placement, CapacityPlan{capacity, rows, pad_multiple},
+    s = LaunchPlanGroups(site.all_counts, placement,
+                         CapacityPlan{layout.capacity, layout.rows, layout.pad_multiple},
                          site.keep_limit, site.group_offset, site.all_group_sizes,
                          tokens_per_expert->typed_data(), stream);
   }
@@ -230,15 +230,14 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32>
                         num_slots * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream);
   }
   if (s != cudaSuccess) return CudaError(s, "layout");
-  if (!strict) return ffi::Error::Success();
+  if (!layout.strict) return ffi::Error::Success();
   // Strict mode is a debugging aid: it waits for the counts to fail on every rank at once.
   std::vector<int32_t> host(num_ranks * (E + 1));
   s = cudaMemcpyAsync(host.data(), gathered.typed_data(), host.size() * sizeof(int32_t),
                       cudaMemcpyDeviceToHost, stream);
   if (s == cudaSuccess) s = cudaStreamSynchronize(stream);
   if (s != cudaSuccess) return CudaError(s, "strict-mode check");
-  const LayoutAttrs attrs = MakeLayoutAttrs(num_ranks, num_slots, capacity, rows, pad_multiple,
-                                            expert_rank, expert_slot, strict);
+  const LayoutAttrs attrs = MakeLayoutAttrs(layout);
   return ToError(StrictCheck(attrs, PlanGroup(attrs, host.data()), site.group));
 }
 
@@ -278,10 +277,10 @@ ffi::ErrorOr<Fp8Side> CheckFp8Side(ffi::DataType type, ffi::Span<const int64_t> 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> row_pos,
                         ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
-                        ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                        int64_t timeout_ms, int64_t num_sms, bool multi_process, int64_t fp8_hidden,
+                        ffi::Buffer<ffi::S32> group, TransportDispatchAttrs attrs,
                         ffi::Result<ffi::AnyBuffer> tokens, ffi::ResultBuffer<ffi::F32> row_weights,
                         ffi::ResultBuffer<ffi::S32> recv_row_pos) {
+  const int64_t fp8_hidden = attrs.fp8_hidden;
   Fp8Side send{false, Dtype::kF32}, receive{false, Dtype::kF32};
   if (fp8_hidden > 0) {
     auto x_side = CheckFp8Side(x.element_type(), x.dimensions(), fp8_hidden, "x");
@@ -296,8 +295,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   }
   const int64_t T = x.dimensions()[0], K = row_pos.dimensions()[1];
   const int64_t row_bytes = fp8_hidden > 0 ? Fp8WireBytes(fp8_hidden) : RowBytes(x);
-  auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, row_bytes, num_sms,
-                           multi_process, timeout_ms);
+  auto ctx = BeginExchange(stream, device, rank, group, attrs, T, K, row_bytes);
   if (ctx.has_error()) return ctx.error();
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(tokens->untyped_data());
@@ -322,14 +320,12 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 // scale[row] (rounded to g's dtype) in the same pass.
 ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, const float* scale,
                       ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> recv_row_pos,
-                      ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
-                      int64_t num_ranks, int64_t timeout_ms, int64_t num_sms, bool multi_process,
-                      int64_t num_rows, char* rows, char* scaled) {
+                      ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                      const TransportAttrs& attrs, int64_t num_rows, char* rows, char* scaled) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   const int64_t T = g.dimensions()[0], K = dest.dimensions()[1], row_bytes = RowBytes(g);
-  auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, row_bytes, num_sms,
-                           multi_process, timeout_ms);
+  auto ctx = BeginExchange(stream, device, rank, group, attrs, T, K, row_bytes);
   if (ctx.has_error()) return ctx.error();
   cudaError_t s =
       LaunchPrefillRedispatch(num_rows, row_bytes, dtype.value(), scale, rows, scaled, stream);
@@ -346,42 +342,36 @@ ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, con
 
 ffi::Error RedispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
                           ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> recv_row_pos,
-                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group, int64_t site,
-                          int64_t num_ranks, int64_t timeout_ms, int64_t num_sms,
-                          bool multi_process, ffi::Result<ffi::AnyBuffer> rows) {
-  return Redispatch(stream, device, g, nullptr, dest, recv_row_pos, rank, group, site, num_ranks,
-                    timeout_ms, num_sms, multi_process, rows->dimensions()[0],
-                    static_cast<char*>(rows->untyped_data()), nullptr);
+                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                          TransportAttrs attrs, ffi::Result<ffi::AnyBuffer> rows) {
+  return Redispatch(stream, device, g, nullptr, dest, recv_row_pos, rank, group, attrs,
+                    rows->dimensions()[0], static_cast<char*>(rows->untyped_data()), nullptr);
 }
 
 ffi::Error RedispatchScaledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
                                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> dest,
                                 ffi::Buffer<ffi::S32> recv_row_pos, ffi::Buffer<ffi::S32> rank,
-                                ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks,
-                                int64_t timeout_ms, int64_t num_sms, bool multi_process,
+                                ffi::Buffer<ffi::S32> group, TransportAttrs attrs,
                                 ffi::Result<ffi::AnyBuffer> rows,
                                 ffi::Result<ffi::AnyBuffer> scaled) {
-  return Redispatch(stream, device, g, scale.typed_data(), dest, recv_row_pos, rank, group, site,
-                    num_ranks, timeout_ms, num_sms, multi_process, rows->dimensions()[0],
-                    static_cast<char*>(rows->untyped_data()),
+  return Redispatch(stream, device, g, scale.typed_data(), dest, recv_row_pos, rank, group, attrs,
+                    rows->dimensions()[0], static_cast<char*>(rows->untyped_data()),
                     static_cast<char*>(scaled->untyped_data()));
 }
 
 ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                        ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> dest,
                        ffi::Buffer<ffi::S32> recv_row_pos, ffi::Buffer<ffi::S32> rank,
-                       ffi::Buffer<ffi::S32> group, int64_t site, int64_t num_ranks, bool weighted,
-                       int64_t timeout_ms, int64_t num_sms, bool multi_process,
+                       ffi::Buffer<ffi::S32> group, TransportCombineAttrs attrs,
                        ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = ToDtype(y.element_type(), "y");
   if (dtype.has_error()) return dtype.error();
   const int64_t T = out->dimensions()[0], K = dest.dimensions()[1];
-  auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, RowBytes(y), num_sms,
-                           multi_process, timeout_ms);
+  auto ctx = BeginExchange(stream, device, rank, group, attrs, T, K, RowBytes(y));
   if (ctx.has_error()) return ctx.error();
   cudaError_t s = LaunchSendPartials(
       ctx.value(), dtype.value(), static_cast<const char*>(y.untyped_data()),
-      weighted ? weights.typed_data() : nullptr, recv_row_pos.typed_data(), stream);
+      attrs.weighted ? weights.typed_data() : nullptr, recv_row_pos.typed_data(), stream);
   if (s == cudaSuccess) {
     s = LaunchReducePartials(ctx.value(), dtype.value(), dest.typed_data(),
                              static_cast<char*>(out->untyped_data()), stream);
@@ -392,11 +382,9 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 ffi::Error ReturnRowValuesImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::F32> values,
                                ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> recv_row_pos,
                                ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                               int64_t site, int64_t num_ranks, int64_t timeout_ms, int64_t num_sms,
-                               bool multi_process, ffi::ResultBuffer<ffi::F32> out) {
+                               TransportAttrs attrs, ffi::ResultBuffer<ffi::F32> out) {
   const int64_t T = out->dimensions()[0], K = out->dimensions()[1];
-  auto ctx = BeginExchange(stream, device, rank, group, site, num_ranks, T, K, 0, num_sms,
-                           multi_process, timeout_ms);
+  auto ctx = BeginExchange(stream, device, rank, group, attrs, T, K, 0);
   if (ctx.has_error()) return ctx.error();
   cudaError_t s =
       LaunchSendRowValues(ctx.value(), values.typed_data(), recv_row_pos.typed_data(), stream);
@@ -416,15 +404,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaLayout, LayoutImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // gathered counts [R, E + 1]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("num_slots")
-                           .Attr<int64_t>("capacity")
-                           .Attr<int64_t>("rows")
-                           .Attr<int64_t>("pad_multiple")
-                           .Attr<ffi::Span<const int64_t>>("expert_rank")
-                           .Attr<ffi::Span<const int64_t>>("expert_slot")
-                           .Attr<bool>("strict")
+                           .Attrs<LayoutExchangeAttrs>()
                            .Ret<ffi::Buffer<ffi::S32>>()    // row_pos [T, K]
                            .Ret<ffi::Buffer<ffi::S32>>()    // group_sizes [E_local]
                            .Ret<ffi::Buffer<ffi::S32>>()    // tokens_per_expert [E]
@@ -441,12 +421,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaDispatch, DispatchImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // dest [T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
-                           .Attr<int64_t>("num_sms")
-                           .Attr<bool>("multi_process")
-                           .Attr<int64_t>("fp8_hidden")     // H: FP8 on the wire; 0: none
+                           .Attrs<TransportDispatchAttrs>()
                            .Ret<ffi::AnyBuffer>()           // tokens [C, H] (or wire rows)
                            .Ret<ffi::Buffer<ffi::F32>>()    // row_weights [C]
                            .Ret<ffi::Buffer<ffi::S32>>());  // recv_row_pos [R * T, K]
@@ -460,11 +435,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaRedispatch, RedispatchImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R * T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
-                           .Attr<int64_t>("num_sms")
-                           .Attr<bool>("multi_process")
+                           .Attrs<TransportAttrs>()
                            .Ret<ffi::AnyBuffer>());  // rows [C, H]
 
 XLA_FFI_DEFINE_HANDLER(kCudaRedispatchScaled, RedispatchScaledImpl,
@@ -477,11 +448,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaRedispatchScaled, RedispatchScaledImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R * T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
-                           .Attr<int64_t>("num_sms")
-                           .Attr<bool>("multi_process")
+                           .Attrs<TransportAttrs>()
                            .Ret<ffi::AnyBuffer>()    // rows [C, H]
                            .Ret<ffi::AnyBuffer>());  // scaled [C, H]
 
@@ -495,12 +462,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaCombine, CombineImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R * T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<bool>("weighted")
-                           .Attr<int64_t>("timeout_ms")
-                           .Attr<int64_t>("num_sms")
-                           .Attr<bool>("multi_process")
+                           .Attrs<TransportCombineAttrs>()
                            .Ret<ffi::AnyBuffer>());  // out [T, H]
 
 XLA_FFI_DEFINE_HANDLER(kCudaReturnRowValues, ReturnRowValuesImpl,
@@ -512,11 +474,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaReturnRowValues, ReturnRowValuesImpl,
                            .Arg<ffi::Buffer<ffi::S32>>()  // recv_row_pos [R * T, K]
                            .Arg<ffi::Buffer<ffi::S32>>()  // rank []
                            .Arg<ffi::Buffer<ffi::S32>>()  // group []
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("num_ranks")
-                           .Attr<int64_t>("timeout_ms")
-                           .Attr<int64_t>("num_sms")
-                           .Attr<bool>("multi_process")
+                           .Attrs<TransportAttrs>()
                            .Ret<ffi::Buffer<ffi::F32>>());  // out [T, K]
 
 std::vector<HandlerEntry> CudaHandlers() {
