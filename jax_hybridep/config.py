@@ -20,6 +20,7 @@ from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_bool, check_int, is_real
 
 BACKENDS = ("auto", "xla", "ffi")
+GPU_TRANSPORTS = ("v1", "v2")
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
 # Test switch: with zero_padding=False, rows past sum(group_sizes) are filled with NaN (in the
@@ -70,6 +71,10 @@ class DispatchConfig:
         plus `d.scales [C, ceil(H / 128)]` float32, for an FP8 grouped GEMM, instead of
         dequantising them. Such rows carry no gradient (differentiating raises); `dispatch`
         then also takes an already quantised `x = (q [T, H] e4m3fn, scales [T, nb] float32)`.
+      gpu_transport: GPUs only: which CUDA transport the ffi backend runs over the fastest
+        level: "v1" (default) or "v2", built on Hybrid-EP's structure (persistent bulk-copy send
+        blocks on num_sms SMs, wide permute and unpermute on every SM; docs/gpu.md). Both
+        compute the same bits (DESIGN §2.1); v1 stays the default until an H200 has measured v2.
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
@@ -86,6 +91,7 @@ class DispatchConfig:
     timeout_s: float = 120.0
     row_budget: int | None = None
     num_sms: int = 16
+    gpu_transport: str = "v1"
     gpu_stream: str | int | None = None
     zero_padding: bool = True
     wire_dtype: str | None = None
@@ -126,6 +132,10 @@ class DispatchConfig:
                     "bounds the buffer)"
                 )
         self._set("num_sms", check_int("num_sms", self.num_sms, 1, MAX_SMS))
+        if not isinstance(self.gpu_transport, str) or self.gpu_transport not in GPU_TRANSPORTS:
+            raise ValueError(
+                f"gpu_transport must be one of {GPU_TRANSPORTS}, got {self.gpu_transport!r}"
+            )
         stream = self.gpu_stream
         if not (stream is None or stream == "collective" or (
             isinstance(stream, int | np.integer) and not isinstance(stream, bool) and stream >= 1

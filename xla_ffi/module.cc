@@ -19,6 +19,8 @@
 #include "xla_ffi/cuda/bench_bindings.h"
 #include "xla_ffi/cuda/bindings.h"
 #include "xla_ffi/cuda/cuda_handlers.h"
+#include "xla_ffi/cuda/v2_bindings.h"
+#include "xla_ffi/cuda/v2_handlers.h"
 #include "xla_ffi/cuda/windows.h"
 #endif
 
@@ -170,7 +172,11 @@ NB_MODULE(_hybridep, m) {
   m.attr("with_cuda") = true;
   m.def(
       "cuda_registrations",
-      [] { return jax_hybridep::Registrations(jax_hybridep::CudaHandlers()); },
+      [] {
+        std::vector<jax_hybridep::HandlerEntry> handlers = jax_hybridep::CudaHandlers();
+        for (const auto& entry : jax_hybridep::CudaV2Handlers()) handlers.push_back(entry);
+        return jax_hybridep::Registrations(handlers);
+      },
       "FFI target name -> handler capsule, for platform 'CUDA'.");
   m.def("cuda_window_error", &jax_hybridep::FirstWindowError,
         "The first device-side error recorded in any exchange window ('' when none).");
@@ -181,6 +187,7 @@ NB_MODULE(_hybridep, m) {
         "Frees every registered exchange window (called at exit).");
   jax_hybridep::RegisterCudaBindings(m);
   jax_hybridep::RegisterCudaBenchBindings(m);
+  jax_hybridep::RegisterV2Bindings(m);
 #else
   m.attr("with_cuda") = false;
 #endif
