@@ -39,6 +39,11 @@ def platforms() -> tuple[str, ...]:
     return ("cpu", "gpu") if _hybridep.with_cuda else ("cpu",)
 
 
+def has_cuda_v2() -> bool:
+    """Whether the built module has CUDA transport v2 (CMake JAX_HYBRIDEP_CUDA_V2)."""
+    return _hybridep is not None and bool(getattr(_hybridep, "with_cuda_v2", False))
+
+
 def module():
     """The native module; raises ImportError with the build hint when it is missing."""
     if _hybridep is None:

@@ -21,6 +21,7 @@ from jax_hybridep.values import check_bool, check_int, is_real
 
 BACKENDS = ("auto", "xla", "ffi")
 GPU_TRANSPORTS = ("v1", "v2")
+GPU_TRANSPORT_ENV = "JAX_HYBRIDEP_GPU_TRANSPORT"
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
 # Test switch: with zero_padding=False, rows past sum(group_sizes) are filled with NaN (in the
@@ -75,6 +76,7 @@ class DispatchConfig:
         level: "v1" (default) or "v2", built on Hybrid-EP's structure (persistent bulk-copy send
         blocks on num_sms SMs, wide permute and unpermute on every SM; docs/gpu.md). Both
         compute the same bits (DESIGN §2.1); v1 stays the default until an H200 has measured v2.
+        The env var JAX_HYBRIDEP_GPU_TRANSPORT overrides it.
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
@@ -150,6 +152,14 @@ class DispatchConfig:
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
+
+    @property
+    def resolved_gpu_transport(self) -> str:
+        """gpu_transport, or the env var JAX_HYBRIDEP_GPU_TRANSPORT when it is set."""
+        value = os.environ.get(GPU_TRANSPORT_ENV, self.gpu_transport)
+        if value not in GPU_TRANSPORTS:
+            raise ValueError(f"{GPU_TRANSPORT_ENV}={value!r}; expected one of {GPU_TRANSPORTS}")
+        return value
 
     @property
     def poison_padding(self) -> bool:

@@ -19,9 +19,11 @@
 #include "xla_ffi/cuda/bench_bindings.h"
 #include "xla_ffi/cuda/bindings.h"
 #include "xla_ffi/cuda/cuda_handlers.h"
+#include "xla_ffi/cuda/windows.h"
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
 #include "xla_ffi/cuda/v2_bindings.h"
 #include "xla_ffi/cuda/v2_handlers.h"
-#include "xla_ffi/cuda/windows.h"
+#endif
 #endif
 
 namespace nb = nanobind;
@@ -174,7 +176,9 @@ NB_MODULE(_hybridep, m) {
       "cuda_registrations",
       [] {
         std::vector<jax_hybridep::HandlerEntry> handlers = jax_hybridep::CudaHandlers();
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
         for (const auto& entry : jax_hybridep::CudaV2Handlers()) handlers.push_back(entry);
+#endif
         return jax_hybridep::Registrations(handlers);
       },
       "FFI target name -> handler capsule, for platform 'CUDA'.");
@@ -187,8 +191,14 @@ NB_MODULE(_hybridep, m) {
         "Frees every registered exchange window (called at exit).");
   jax_hybridep::RegisterCudaBindings(m);
   jax_hybridep::RegisterCudaBenchBindings(m);
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
+  m.attr("with_cuda_v2") = true;
   jax_hybridep::RegisterV2Bindings(m);
 #else
+  m.attr("with_cuda_v2") = false;
+#endif
+#else
   m.attr("with_cuda") = false;
+  m.attr("with_cuda_v2") = false;
 #endif
 }

@@ -126,4 +126,14 @@ def route_for(backend: str, topology: Topology, gpu_transport: str = "v1") -> Ro
 
 def route(config: DispatchConfig, topology: Topology, manual_axes) -> Route:
     """The route this call runs (backend selection included)."""
-    return route_for(backend_name(config, topology, manual_axes), topology, config.gpu_transport)
+    backend = backend_name(config, topology, manual_axes)
+    transport = config.resolved_gpu_transport
+    if backend == "ffi" and topology.platform == "gpu" and transport == "v2":
+        from jax_hybridep import _native  # noqa: PLC0415  (import registers the targets)
+
+        if not _native.has_cuda_v2():
+            raise ValueError(
+                "gpu_transport='v2' but this build has no CUDA transport v2 (built with "
+                "JAX_HYBRIDEP_CUDA_V2=OFF); use gpu_transport='v1'"
+            )
+    return route_for(backend, topology, transport)

@@ -26,8 +26,9 @@ using namespace v2;  // NOLINT: the kernels' device helpers
 
 __host__ __device__ int64_t Round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 __host__ __device__ int64_t Round128(int64_t bytes) { return (bytes + 127) / 128 * 128; }
-// Static shared memory a send block uses besides the plan's dynamic bytes (barriers), with room.
-constexpr int64_t kStaticReserve = 1024;
+// Shared memory a send block uses besides the plan's dynamic bytes (its barriers, and the 1 KiB
+// the system reserves per block), with room.
+constexpr int64_t kStaticReserve = 2048;
 
 // What a send kernel moves: rows of `src` to the destinations its row map names.
 struct SendArgs {
@@ -188,8 +189,11 @@ __device__ void StorePiece(const V2Peers& peers, const SendArgs& a, char* stage,
   BulkCommit();
 }
 
+// At most kV2SendRegisters registers a thread (no spills: tests/cuda_v2_sass_test.py reads the
+// compiled module), so a send block takes 12 K of an SM's 64 K registers and leaves the rest to
+// compute kernels running beside the transport on the same SM.
 template <bool kCombine, Dtype kDtype, bool kQuantize>
-__global__ void __launch_bounds__(kV2SendThreads, 1)
+__global__ void __maxnreg__(kV2SendRegisters)
     SendKernel(const __grid_constant__ V2Peers peers, const SendArgs a) {
   extern __shared__ __align__(128) char smem[];
   __shared__ __align__(8) uint64_t full[kV2MaxStages], empty[kV2MaxStages];
@@ -310,6 +314,19 @@ cudaError_t Launch(const V2Peers& peers, const SendArgs& a, cudaStream_t stream)
   return cudaGetLastError();
 }
 
+// The dynamic shared memory a send block may opt into on this device (at most kV2SharedBudget:
+// the plan tests check is the one an H200 runs).
+int64_t DeviceBudget() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return kV2SharedBudget;
+  }
+  return std::min<int64_t>(optin, kV2SharedBudget);
+}
+
 cudaError_t CheckExchange(const V2Exchange& ex) {
   if (ex.send_blocks < 1 || ex.send_blocks > kMaxSendBlocks || ex.ranks < 1 ||
       ex.ranks > kMaxWindowRanks || ex.rank < 0 || ex.rank >= ex.ranks ||
@@ -363,7 +380,7 @@ cudaError_t LaunchV2SendRows(const V2Exchange& ex, const V2Peers& peers, const c
   a.map_words = ex.ranks;
   a.bulk_load = reinterpret_cast<uintptr_t>(x) % 16 == 0 && x_row_bytes % 16 == 0;
   a.hidden = fp8_hidden;
-  a.plan = PlanV2Send(x_row_bytes, ex.ranks, fp8_hidden);
+  a.plan = PlanV2Send(x_row_bytes, ex.ranks, fp8_hidden, DeviceBudget());
   if (a.plan.stages == 0) return cudaErrorInvalidValue;
   if (!quantize) return Launch<false, Dtype::kF32, false>(peers, a, stream);
   switch (fp8_dtype) {
@@ -389,7 +406,7 @@ cudaError_t LaunchV2SendPartials(const V2Exchange& ex, const V2Peers& peers, con
   a.map_words = 1;
   a.received = info;
   a.bulk_load = reinterpret_cast<uintptr_t>(partials) % 16 == 0 && ex.row_bytes % 16 == 0;
-  a.plan = PlanV2Send(ex.row_bytes, 1, 0);
+  a.plan = PlanV2Send(ex.row_bytes, 1, 0, DeviceBudget());
   if (a.plan.stages == 0) return cudaErrorInvalidValue;
   return Launch<true, Dtype::kF32, false>(peers, a, stream);
 }

@@ -48,6 +48,7 @@ namespace jax_hybridep {
 // The send block: one G2S warp (loads), kV2S2GWarps warps storing to the peers.
 constexpr int kV2S2GWarps = 3;
 constexpr int kV2SendThreads = 32 * (1 + kV2S2GWarps);
+constexpr int kV2SendRegisters = 96;
 // Whole-row stages a send block keeps in flight, at most, and the fewest a row may be cut into
 // pieces for (rows too large for kV2MinStages whole stages travel in pieces).
 constexpr int kV2MaxStages = 12;
