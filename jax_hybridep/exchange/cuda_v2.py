@@ -45,6 +45,9 @@ from jax_hybridep.exchange.steps import (
 
 # Items per send chunk; the layout's maps are padded to whole chunks (xla_ffi/cuda/v2_layout.h).
 CHUNK = 64
+# The widest token the send kernel quantises to FP8: 4 whole tokens fit its shared memory (wider
+# 16-bit rows travel in pieces, but a token is quantised whole; xla_ffi/cuda/v2_send.cu).
+MAX_FP8_TOKEN_BYTES = 48 * 1024
 
 
 def padded(n: int) -> int:
@@ -185,6 +188,15 @@ class CudaV2Bottom:
                 f"the CUDA transport takes top-k <= {MAX_TOP_K} (topk_idx has k={plan.k}); "
                 "use backend='xla'"
             )
+        rows = held.rows
+        if plan.config.wire_dtype is not None and rows.dtype != jnp.uint8:
+            token_bytes = rows.shape[1] * rows.dtype.itemsize
+            if token_bytes > MAX_FP8_TOKEN_BYTES:
+                raise ValueError(
+                    f"FP8 dispatch over gpu_transport='v2' quantises each token whole in shared "
+                    f"memory, at most {MAX_FP8_TOKEN_BYTES} bytes (x has H={rows.shape[1]} of "
+                    f"{rows.dtype}); use gpu_transport='v1'"
+                )
         fast = fast_level(plan, shard)
         dest = fast_dest(fast, held.dest)
         gathered = gather_routing(plan, fast, dest, held.pos, held.weights)

@@ -59,12 +59,11 @@ __device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(flag), "l"(v) : "memory");
 }
 
-// Records this rank's first failed wait in the mapped host record. Out of line and by value, so
-// the kernels keep no stack frame for it and their own stores are what their SASS shows.
-static __device__ __noinline__ void RecordFailure(TransportError* error, uint32_t* claim,
-                                                  uint32_t code, int32_t rank, int64_t peer,
-                                                  int64_t block, uint64_t generation, uint64_t seen,
-                                                  uint64_t expected) {
+// Records this rank's first failed wait in the mapped host record (system-scope stores, the only
+// narrow ones the wide kernels may hold: tests/cuda_v2_sass_test.py).
+__device__ inline void RecordFailure(TransportError* error, uint32_t* claim, uint32_t code,
+                                     int32_t rank, int64_t peer, int64_t block, uint64_t generation,
+                                     uint64_t seen, uint64_t expected) {
   if (atomicCAS(claim, 0u, 1u) != 0u) return;
   volatile TransportError* e = error;
   e->rank = static_cast<uint32_t>(rank);
@@ -110,23 +109,22 @@ __device__ inline bool WaitFlag(char* own, const V2Exchange& ex, uint64_t genera
 // Block-wide: every (source, send block) flag of this exchange, polled by the block's threads
 // side by side; true when all came.
 __device__ inline bool BlockWaitAll(char* own, const V2Exchange& ex, uint64_t generation) {
-  const int64_t flags = static_cast<int64_t>(ex.ranks) * ex.send_blocks;
+  const int flags = ex.ranks * ex.send_blocks;  // <= 128 * 256
   bool ok = true;
-  for (int64_t i = threadIdx.x; i < flags && ok; i += blockDim.x) {
+  for (int i = threadIdx.x; i < flags && ok; i += blockDim.x) {
     ok = WaitFlag(own, ex, generation, i / ex.send_blocks, i % ex.send_blocks);
   }
   return __syncthreads_and(ok) != 0;
 }
 
 // The end of an exchange's final kernel: the last block to finish advances this rank's epoch, so
-// the next exchange's kernels (later on the stream) read the next number. Out of line, as
-// RecordFailure.
-static __device__ __noinline__ void CountBlockDone(uint32_t* done, uint64_t* epoch,
-                                                   uint32_t blocks) {
+// the next exchange's kernels (later on the stream) read the next number (atomics: no plain
+// stores besides the rows).
+__device__ inline void CountBlockDone(uint32_t* done, uint64_t* epoch, uint32_t blocks) {
   __threadfence();
   if (atomicAdd(done, 1u) == blocks - 1) {
-    *done = 0;
-    *epoch += 1;
+    atomicExch(done, 0u);
+    atomicAdd(reinterpret_cast<unsigned long long*>(epoch), 1ull);
     __threadfence();
   }
 }

@@ -140,21 +140,26 @@ __device__ void PermuteSlot(const PermuteArgs& a, const char* payload, const Ent
         LoadGroup<kDtype, kN>(payload, e, v[b]);
       }
     }
-    ForKept(rows, [&](int32_t r) {
+    // The kept rows in ascending k, written out (no lambda: the groups must stay in registers).
 #pragma unroll
-      for (int b = 0; b < kInFlight; ++b) {
-        const int64_t e = base + (Lane() + 32 * b) * kN;
-        if (e >= a.hidden) continue;
-        StoreGroup<kDtype, kN>(a.out + r * a.out_row_bytes, e, v[b]);
-        if constexpr (kScaled) {
-          const float s = a.scale[r];
-          float w[kN];
+    for (int h = 0; h < 2; ++h) {
+      for (uint32_t m = rows.kept[h]; m != 0; m &= m - 1) {
+        const int32_t r = __shfl_sync(kAllLanes, rows.value[h], __ffs(m) - 1);
+        const float s = kScaled ? a.scale[r] : 0.0f;
 #pragma unroll
-          for (int i = 0; i < kN; ++i) w[i] = __fmul_rn(v[b][i], s);
-          StoreGroup<kDtype, kN>(a.out_scaled + r * a.out_row_bytes, e, w);
+        for (int b = 0; b < kInFlight; ++b) {
+          const int64_t e = base + (Lane() + 32 * b) * kN;
+          if (e >= a.hidden) continue;
+          StoreGroup<kDtype, kN>(a.out + r * a.out_row_bytes, e, v[b]);
+          if constexpr (kScaled) {
+            float w[kN];
+#pragma unroll
+            for (int i = 0; i < kN; ++i) w[i] = __fmul_rn(v[b][i], s);
+            StoreGroup<kDtype, kN>(a.out_scaled + r * a.out_row_bytes, e, w);
+          }
         }
       }
-    });
+    }
   }
 }
 
@@ -183,36 +188,34 @@ __device__ void CopySlot(const PermuteArgs& a, const char* payload, const Entrie
 }
 
 // Rows nobody fills, below the zero line: zero, and with kScaled 0 * scale in the scaled rows;
-// thread by thread over 16-byte words (kWide) or bytes, elements for the scaled rows.
+// a warp per row (no index division), its lanes over 16-byte words (kWide) or bytes, elements
+// for the scaled rows.
 template <Dtype kDtype, bool kScaled, bool kWide>
 __device__ void ZeroPadding(const PermuteArgs& a) {
-  const int64_t pad = a.fill.pad_multiple;
-  const int64_t last = a.info[1];
-  const int64_t line = pad == 0 ? a.fill.rows : (last + pad - 1) / pad * pad;
+  // 32-bit: rows and pad multiples are int32 (a 64-bit division would be a subroutine call,
+  // around which live registers go to the stack).
+  const int32_t pad = static_cast<int32_t>(a.fill.pad_multiple), last = a.info[1];
+  const int64_t line = pad == 0 ? a.fill.rows : static_cast<int64_t>((last + pad - 1) / pad) * pad;
   const int64_t end = line < a.fill.rows ? line : a.fill.rows;
-  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  if constexpr (!kScaled) {
-    using Word = std::conditional_t<kWide, uint4, uint8_t>;
-    const int64_t words = a.out_row_bytes / static_cast<int64_t>(sizeof(Word));
-    for (int64_t i = first; i < end * words; i += step) {
-      const int64_t r = i / words;
-      if (a.row_slot[r] < 0) reinterpret_cast<Word*>(a.out + r * a.out_row_bytes)[i % words] = {};
-    }
-  } else {
-    constexpr int kN = kGroup<kDtype, kWide>;
-    const int64_t groups = (a.hidden + kN - 1) / kN;
-    for (int64_t i = first; i < end * groups; i += step) {
-      const int64_t r = i / groups, e = (i % groups) * kN;
-      if (a.row_slot[r] >= 0) continue;
-      float v[kN];
-#pragma unroll
-      for (int n = 0; n < kN; ++n) v[n] = 0.0f;
-      StoreGroup<kDtype, kN>(a.out + r * a.out_row_bytes, e, v);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; r < end;
+       r += warps) {
+    if (a.row_slot[r] >= 0) continue;
+    char* row = a.out + r * a.out_row_bytes;
+    if constexpr (!kScaled) {
+      using Word = std::conditional_t<kWide, uint4, uint8_t>;
+      const int64_t words = a.out_row_bytes / static_cast<int64_t>(sizeof(Word));
+      for (int64_t w = Lane(); w < words; w += 32) reinterpret_cast<Word*>(row)[w] = {};
+    } else {
+      constexpr int kN = kGroup<kDtype, kWide>;
       const float s = __fmul_rn(0.0f, a.scale[r]);
+      float zero[kN], scaled[kN];
 #pragma unroll
-      for (int n = 0; n < kN; ++n) v[n] = s;
-      StoreGroup<kDtype, kN>(a.out_scaled + r * a.out_row_bytes, e, v);
+      for (int n = 0; n < kN; ++n) zero[n] = 0.0f, scaled[n] = s;
+      for (int64_t e = Lane() * kN; e < a.hidden; e += 32 * kN) {
+        StoreGroup<kDtype, kN>(row, e, zero);
+        StoreGroup<kDtype, kN>(a.out_scaled + r * a.out_row_bytes, e, scaled);
+      }
     }
   }
 }

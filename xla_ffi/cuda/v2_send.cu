@@ -64,8 +64,8 @@ struct Destinations {
   template <typename F>
   __device__ void ForEach(F&& f) const {
     if constexpr (kCombine) {
-      const int32_t v = entries[0];
-      if (v >= 0) f(static_cast<int>(v / ex->items), ex->rank * ex->items + v % ex->items);
+      const int32_t v = entries[0], items = static_cast<int32_t>(ex->items);  // < 2^31
+      if (v >= 0) f(v / items, static_cast<int64_t>(ex->rank) * items + v % items);
     } else {
       for (int p = 0; p < ex->ranks; ++p) {
         const int32_t slot = entries[p];
@@ -350,8 +350,8 @@ V2SendPlan PlanV2Send(int64_t staged_bytes, int64_t map_words, int64_t fp8_hidde
   plan.stage_bytes = whole;
   plan.stages = std::min<int64_t>(kV2MaxStages, room / whole);
   if (plan.stages < kV2MinStages) {
-    if (fp8_hidden > 0) {  // quantising needs the whole token in one stage
-      plan.stages = plan.stages >= 2 ? plan.stages : 0;
+    if (fp8_hidden > 0) {  // quantising needs the whole token in one stage: no plan
+      plan.stages = 0;
     } else {  // cut rows into pieces so that kV2MinStages of them fit
       plan.pieces = (whole * kV2MinStages + room - 1) / room;
       plan.stage_bytes = Round16((whole + plan.pieces - 1) / plan.pieces);

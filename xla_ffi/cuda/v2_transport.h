@@ -53,6 +53,9 @@ constexpr int kV2SendRegisters = 96;
 // pieces for (rows too large for kV2MinStages whole stages travel in pieces).
 constexpr int kV2MaxStages = 12;
 constexpr int kV2MinStages = 4;
+// A stage goes back to the G2S warp when its S2G warp commits its next row, so the ring must be
+// deeper than the S2G warps (or the G2S warp could wait for a stage no warp will release).
+static_assert(kV2MinStages > kV2S2GWarps, "the ring must be deeper than the S2G warps");
 // Dynamic shared memory a block may opt into on sm_90 and sm_100 (227 KiB).
 constexpr int64_t kV2SharedBudget = 232448;
 
