@@ -29,6 +29,7 @@
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cuda/hook_support.h"
 #include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/testing/transport_harness.h"
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/cuda/windows.h"
 #include "xla_ffi/exchange.h"
