@@ -1,8 +1,15 @@
-"""Loads the native module `_hybridep` and registers its XLA FFI targets once, at import."""
+"""Loads the native module `_hybridep` and registers its XLA FFI targets once, at import.
+
+`_hybridep` is the production module: handler registrations and the few runtime services the
+package needs. Tests and the GPU transport benchmark reach the self-tests, harness, benchmark hooks
+and introspection through `testing_module()`, the `_hybridep_testing` module built beside it on the
+same runtime library (so it sees the same handlers' state).
+"""
 
 from __future__ import annotations
 
 import atexit
+import functools
 
 import jax
 
@@ -26,6 +33,8 @@ else:
         # Registered windows are freed before the interpreter (and the CUDA runtime) goes away.
         atexit.register(_hybridep.release_cuda_windows)
 
+_BUILD_HINT = "Build it with `pip install -e .` (see README)"
+
 
 def available() -> bool:
     """Whether the native module is built and its host handlers are registered."""
@@ -44,7 +53,23 @@ def module():
     if _hybridep is None:
         raise ImportError(
             "jax_hybridep was installed without its native module (_hybridep); the 'ffi' backend "
-            "needs it. Build it with `pip install -e .` (see README), or use backend='xla'. "
-            f"Import error: {IMPORT_ERROR}"
+            f"needs it. {_BUILD_HINT}, or use backend='xla'. Import error: {IMPORT_ERROR}"
         )
     return _hybridep
+
+
+@functools.cache
+def testing_module():
+    """The test module `_hybridep_testing` (self-tests, the virtual-rank harness, benchmark hooks,
+    introspection), its CPU probe handlers registered on first use; ImportError when missing."""
+    module()  # the same build hint when nothing native was built
+    try:
+        from jax_hybridep import _hybridep_testing  # noqa: PLC0415  (tests and benchmarks only)
+    except ImportError as err:
+        raise ImportError(
+            f"jax_hybridep's test module (_hybridep_testing) is missing. {_BUILD_HINT}. "
+            f"Import error: {err}"
+        ) from err
+    for name, capsule in _hybridep_testing.cpu_registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return _hybridep_testing

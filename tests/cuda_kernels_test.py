@@ -1,6 +1,6 @@
 """CUDA per-rank kernels against the host kernels and a numpy model, bit for bit (DESIGN §2.1, §5).
 
-The native module's `cuda_selftest_*` hooks run one layout or exchange step on the GPU, or with
+The test module's `cuda_selftest_*` hooks run one layout or exchange step on the GPU, or with
 `reference=True` the host kernel of the same name, on the same host inputs. Tests marked `gpu`
 compare the two (and a numpy model of §2.1); they skip without a CUDA build or a GPU, and fail
 instead when JAX_HYBRIDEP_REQUIRE_GPU=1. The unmarked tests run anywhere the module was built with
@@ -20,7 +20,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_hybridep import _hybridep as native
+from jax_hybridep import _native
+
+native = _native.testing_module()
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -33,7 +35,8 @@ def test_built_with_cuda_when_nvcc_present():
     )
     if nvcc is None:
         pytest.skip("no nvcc on this machine")
-    assert native.with_cuda, f"nvcc is at {nvcc} but _hybridep was built without CUDA"
+    assert _native.module().with_cuda, f"nvcc is at {nvcc} but _hybridep was built without CUDA"
+    assert native.with_cuda, "the test module was built without CUDA beside a CUDA _hybridep"
     assert native.cuda_device_count() >= 0  # and it must not raise without a driver
 
 

@@ -46,7 +46,7 @@ def _run_worker(*flags: str, env=GPU_ENV) -> dict:
 
 def _local_gpus(at_least: int, even: bool = False) -> int:
     """The visible GPU count; skips the test with fewer (or an odd count when `even`)."""
-    count = _native.module().cuda_device_count()
+    count = _native.testing_module().cuda_device_count()
     if count < at_least or (even and count % 2):
         pytest.skip(f"{count} GPU(s) visible; this test needs {'an even number ' if even else ''}"
                     f">= {at_least}")  # fmt: skip

@@ -36,7 +36,7 @@ def gpu_name() -> str:
 def measure(dtype="bfloat16", tokens=4096, hidden=7168, k=8, experts=8, sms=(1, 2, 4, 8, 16, 24),
             iters=20, warmup=3) -> dict:  # fmt: skip
     """Runs the hook and derives bandwidths (GB/s = 1e9 bytes/s)."""
-    raw = _native.module().cuda_bench_transport(
+    raw = _native.testing_module().cuda_bench_transport(
         dtype, tokens, hidden, k, experts, list(sms), iters=iters, warmup=warmup
     )
     payload = tokens * hidden * DTYPE_BYTES[dtype]  # unique tokens received (all local here)

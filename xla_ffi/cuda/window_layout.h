@@ -7,12 +7,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "xla_ffi/limits.h"   // kMaxWindowRanks, kMaxSendBlocks
 #include "xla_ffi/numeric.h"  // JAX_HYBRIDEP_HOST_DEVICE
 
 namespace jax_hybridep {
-
-// Most ranks in one window group.
-constexpr int64_t kMaxWindowRanks = 128;
 
 // Geometry a window is sized for.
 struct WindowGeometry {

@@ -1,4 +1,4 @@
-// Self-test hooks of the CUDA kernels (kernels.h) on the native module, for tests marked `gpu`.
+// Self-test hooks of the CUDA kernels on the test module, for tests marked `gpu`.
 //
 // Each cuda_selftest_* takes host numpy arrays, runs one step on the GPU (or, with
 // reference=True, the host kernel of the same name on the same inputs) and returns host arrays, so
@@ -6,7 +6,7 @@
 // the host kernel write out of bounds and the CUDA kernel fault, and rows or tokens written twice
 // would make the result depend on the order of writes. Plain C++: compiled by the host compiler
 // against the CUDA runtime API, linked with the nvcc-built launchers.
-#include "xla_ffi/cuda/bindings.h"
+#include "xla_ffi/cuda/testing/selftest_hooks.h"
 
 #include <cuda_runtime_api.h>
 
@@ -27,14 +27,15 @@
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
-#include "xla_ffi/cuda/hook_support.h"
 #include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
 #include "xla_ffi/cuda/testing/transport_harness.h"
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/cuda/windows.h"
 #include "xla_ffi/exchange.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/numeric.h"
+#include "xla_ffi/testing/transport_reference.h"
 
 namespace nb = nanobind;
 
@@ -315,26 +316,10 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
                            HostArray<float> scale, HostArray<float> values, int64_t send_blocks,
                            bool per_rank_streams, int64_t timeout_ms, int64_t ipc_rank,
                            int64_t ipc_group) {
-  const Dtype dtype = ParseDtype(dtype_name);
-  Require(x.ndim() == 4 && dest.ndim() == 4, "x: expected [N, R, T, row_bytes], dest [N, R, T, K]");
-  const int64_t N = x.shape(0), R = x.shape(1), T = x.shape(2), row_bytes = x.shape(3);
-  const int64_t K = dest.shape(3), C = rows;
-  Require(N >= 1 && R >= 1 && R <= kMaxWindowRanks, "need N >= 1 rounds and 1 <= R <= 128");
-  Require(K >= 1 && K <= 64, "K must be in [1, 64]");
-  Require(row_bytes % DtypeBytes(dtype) == 0, "x: row_bytes is not whole elements");
-  RequireShape(dest, "dest", {N, R, T, K});
-  RequireShape(row_pos, "row_pos", {N, R, T, K});
-  RequireShape(weights, "weights", {N, R, T, K});
-  RequireShape(y, "y", {N, R, C, row_bytes});
-  if (y_weights) RequireShape(*y_weights, "y_weights", {N, R, C});
-  RequireShape(g, "g", {N, R, T, row_bytes});
-  RequireShape(scale, "scale", {N, R, C});
-  RequireShape(values, "values", {N, R, C});
-  RequireRange(dest.data(), dest.size(), R, "dest");
-  RequireRange(row_pos.data(), row_pos.size(), C, "row_pos");
-  for (size_t i = 0; i < dest.size(); ++i) {
-    Require((dest.data()[i] < 0) == (row_pos.data()[i] < 0), "dest and row_pos disagree on -1");
-  }
+  const TransportRounds in = CheckTransportRounds(dtype_name, rows, x, dest, row_pos, weights, y,
+                                                  y_weights, g, scale, values);
+  const Dtype dtype = in.dtype;
+  const int64_t N = in.N, R = in.R, T = in.T, K = in.K, C = in.C, row_bytes = in.row_bytes;
   int resident = 0;
   CheckCuda(HarnessResidentBlocks(R, &resident), "HarnessResidentBlocks");
   Require(send_blocks >= 1 && send_blocks <= resident,
@@ -551,7 +536,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
 
 }  // namespace
 
-void RegisterCudaBindings(nb::module_& m) {
+void RegisterCudaSelftests(nb::module_& m) {
   m.def("cuda_device_count", &CudaDeviceCount,
         "Visible CUDA devices; 0 when there is no driver or GPU.");
   m.def("cuda_selftest_layout", &SelftestLayout, nb::arg("topk_idx"), nb::arg("num_experts"),

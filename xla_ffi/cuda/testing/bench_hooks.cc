@@ -2,7 +2,7 @@
 // every byte goes through HBM), timed with CUDA events per phase and per SM count (16-bit and FP8
 // dispatch, combine), beside the layout kernels and a device-to-device copy of the same machine
 // (python -m jax_hybridep.bench.gpu_transport prints and records the table).
-#include "xla_ffi/cuda/bench_bindings.h"
+#include "xla_ffi/cuda/testing/bench_hooks.h"
 
 #include <cuda_runtime_api.h>
 
@@ -15,8 +15,8 @@
 
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "xla_ffi/cuda/hook_support.h"
 #include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/fp8.h"
 #include "xla_ffi/layout.h"
@@ -243,7 +243,7 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
 
 }  // namespace
 
-void RegisterCudaBenchBindings(nb::module_& m) {
+void RegisterCudaBench(nb::module_& m) {
   m.def("cuda_bench_transport", &BenchTransport, nb::arg("dtype"), nb::arg("tokens"),
         nb::arg("hidden"), nb::arg("k"), nb::arg("num_experts"), nb::arg("sms"),
         nb::arg("iters") = 20, nb::arg("warmup") = 3, nb::arg("copy_bytes") = int64_t{1} << 30,
