@@ -172,6 +172,28 @@ def test_transport_reuses_windows(gpu, per_rank_streams, send_blocks, hidden):
         _assert_round(got[n], case.expected(weighted=True), f"round {n} ({routings[n]})")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_transport_nonfinite_combine(gpu, dtype):
+    """inf and NaN in the expert outputs: the same bits as the host kernels everywhere but NaN
+    payloads. A NaN made or propagated by float arithmetic has the platform's own payload (x86:
+    0xffc00000 for inf - inf; NVIDIA GPUs: canonical 0x7fffffff), so those compare as "both NaN"."""
+    case = Round("random", dtype, 8, R=4)
+    case.y[:, ::3, 0] = np.inf
+    case.y[:, 1::3, 1] = -np.inf
+    case.y[:, ::2, 1] = np.nan
+    case.y[:, 1::4, 2] = DTYPES[dtype](-np.inf)
+    case.y[:, ::4, 2] = DTYPES[dtype](np.inf)
+    (want,) = run_rounds([case], True, reference=True)
+    (got,) = run_rounds([case], True, send_blocks=2)
+    want_rows = want["combined"].view(case.np_dtype).astype(np.float32)
+    got_rows = got["combined"].view(case.np_dtype).astype(np.float32)
+    nan = np.isnan(want_rows)
+    assert nan.any() and np.isinf(want_rows).any()
+    np.testing.assert_array_equal(np.isnan(got_rows), nan)
+    np.testing.assert_array_equal(_bits(got_rows[~nan]), _bits(want_rows[~nan]))
+
+
 def test_transport_hook_rejects_bad_shapes(cuda_build):
     case = Round("random", "float32", 4, R=2)
     args = {k: None if v is None else v[None] for k, v in case.inputs(weighted=False).items()}

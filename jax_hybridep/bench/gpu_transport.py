@@ -5,8 +5,8 @@ kernels' rate (what could fill an NVLink direction) without peers. Per SM count 
 transport kernel): dispatch (send + receive-and-expand) and combine (partials + reduce) in payload
 bandwidth as Hybrid-EP defines it (received unique tokens x H x bytes / time, self traffic
 included), and FP8 dispatch (quantised in the send kernel, dequantised in the receive) in the
-same payload units and in wire bytes (e4m3fn payload + scales), beside the layout kernels and a
-device-to-device copy measured in the same run.
+same payload units and in wire bytes (e4m3fn payload + scales), beside the layout handler's kernels
+(plan and assign over the gathered counts) and a device-to-device copy measured in the same run.
 Needs a GPU and a CUDA build.
 """
 

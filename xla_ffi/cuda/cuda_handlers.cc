@@ -24,7 +24,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cuda/cuda_attrs.h"
-#include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/layout_kernels.h"
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/cuda/windows.h"
 #include "xla_ffi/ffi_support.h"
