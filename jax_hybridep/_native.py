@@ -26,8 +26,11 @@ else:
         jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
     if _hybridep.with_cuda:
         # Registered whether or not a GPU is present: XLA keeps them until a CUDA backend starts.
-        for _name, _capsule in _hybridep.cuda_registrations().items():
-            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+        # The handlers' per-site state (owned by each executable) has its type registered first.
+        for _name, _registration in _hybridep.cuda_state_type_registrations().items():
+            compat.register_ffi_state_type(_name, _registration, platform="CUDA")
+        for _name, _stages in _hybridep.cuda_registrations().items():
+            jax.ffi.register_ffi_target(_name, _stages, platform="CUDA")
         # Window handles of EP groups that span processes travel through jax.distributed.
         _hybridep.set_kv_exchange(compat.kv_exchange)
         # Registered windows are freed before the interpreter (and the CUDA runtime) goes away.
@@ -70,6 +73,8 @@ def testing_module():
             f"jax_hybridep's test module (_hybridep_testing) is missing. {_BUILD_HINT}. "
             f"Import error: {err}"
         ) from err
-    for name, capsule in _hybridep_testing.cpu_registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    for name, registration in _hybridep_testing.cpu_state_type_registrations().items():
+        compat.register_ffi_state_type(name, registration, platform="cpu")
+    for name, handler in _hybridep_testing.cpu_registrations().items():
+        jax.ffi.register_ffi_target(name, handler, platform="cpu")
     return _hybridep_testing

@@ -176,7 +176,8 @@ def test_fp8_dispatch_quantises_in_the_send_kernel_on_one_level(levels):
 
 
 # Each CUDA target's attribute struct (xla_ffi/cuda/cuda_attrs.h; the layout takes the host's
-# LayoutExchangeAttrs) and the test module's CPU probe decoding it with the same decoder.
+# LayoutAttrsView, as layout_gathered does) and the test module's CPU probe decoding it with the
+# same decoder.
 PROBES = {
     "jax_hybridep_cuda_layout": "layout",
     "jax_hybridep_cuda_dispatch": "transport_dispatch",
@@ -197,8 +198,6 @@ _MEMBERS = {
         "rows",
         "pad_multiple",
         "strict",
-        "site",
-        "timeout_ms",
         "expert_rank",
         "expert_slot",
     ),  # fmt: skip

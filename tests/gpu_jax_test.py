@@ -67,6 +67,11 @@ def _check(result: dict, devices: int, processes: int = 1):
     assert result["fp8_element_bitwise"]  # XLA quantises on the device below slower levels
     # The transport's kernels quantise (send) and dequantise (receive) every bf16 pattern as jnp.
     assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)
+    # Per-site state belongs to the executable: every re-jitted program holds the same number
+    # (one per CUDA call site: layout, dispatch, combine) and nothing outlives it.
+    states = result["site_states"]
+    assert states["per_program"] == [states["per_program"][0]] * 4, states
+    assert states["per_program"][0] >= 3 and states["after"] == 0, states
     if result["train"] is not None:  # the example LM trains alike on both backends
         ffi, xla = result["train"]["ffi"], result["train"]["xla"]
         assert ffi["backend"].startswith("ffi") and xla["backend"].startswith("xla")
@@ -141,6 +146,8 @@ def test_worker_runs_on_cpu_devices():
     assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
     assert result["fp8_element_bitwise"]
     assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)
+    # No CUDA handler ran: no per-site state (None from a build without CUDA).
+    assert result["site_states"] in (None, dict(per_program=[0, 0], after=0))
     for name, case in result["cases"].items():
         assert not case["ran_cuda"], name
         for key in ("dispatch_bitwise", "rerun_bitwise", "out_bitwise", "grads_bitwise"):

@@ -35,8 +35,8 @@ def test_production_module_registers_handlers_only():
     production = _native.module()
     names = {n for n in dir(production) if not n.startswith("__")}
     registrations = {n for n in names if n.endswith("_registrations")}
-    assert registrations == ({"cpu_registrations", "cuda_registrations"} if production.with_cuda
-                             else {"cpu_registrations"})  # fmt: skip
+    cuda = {"cuda_registrations", "cuda_state_type_registrations"}  # the handlers, their state
+    assert registrations == {"cpu_registrations"} | (cuda if production.with_cuda else set())
     cuda_only = {"cuda_window_error", "set_kv_exchange", "release_cuda_windows"}
     services = set(PRODUCTION_SERVICES) - (set() if production.with_cuda else cuda_only)
     assert names - registrations == services

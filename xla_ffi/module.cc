@@ -1,9 +1,10 @@
 // The production native module, _hybridep: the FFI handlers' capsules for registration at import,
 // and the few runtime services the package's Python needs (with_cuda; the failures the handlers
 // recorded, for hep.check_errors(); for the CUDA transport, the key-value exchange of window
-// handles between processes and the release of the windows at exit). Self-tests, the virtual-rank
-// harness, benchmark hooks and introspection live in the test module built beside it
-// (xla_ffi/testing/module.cc); both run on the one runtime library.
+// handles between processes and the release of the windows at exit). The CUDA handlers come with
+// their state type (the per-site state each executable owns, xla_ffi/cuda/site_state.h).
+// Self-tests, the virtual-rank harness, benchmark hooks and introspection live in the test module
+// built beside it (xla_ffi/testing/module.cc); both run on the one runtime library.
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -43,6 +44,31 @@ nb::list TakeErrors() {
 }
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
+// Every CUDA handler with its stages: the shared instantiate (the executable's per-site state) and
+// its own execute.
+nb::dict CudaRegistrations() {
+  nb::dict out;
+  for (const HandlerEntry& entry : CudaHandlers()) {
+    nb::dict stages;
+    stages["instantiate"] = nb::capsule(reinterpret_cast<void*>(SiteStateInstantiate()));
+    stages["execute"] = nb::capsule(reinterpret_cast<void*>(entry.handler));
+    out[entry.name] = stages;
+  }
+  return out;
+}
+
+nb::dict StateTypeRegistrations(const std::vector<StateType>& types) {
+  nb::dict out;
+  for (const StateType& type : types) {
+    nb::dict registration;
+    registration["type_id"] = nb::capsule(reinterpret_cast<void*>(type.id));
+    registration["type_info"] =
+        nb::capsule(reinterpret_cast<void*>(const_cast<xla::ffi::TypeInfo*>(type.info)));
+    out[type.name] = registration;
+  }
+  return out;
+}
+
 // Routes the multi-process windows' key-value exchange to a Python callable
 // fn(prefix, rank, mine: bytes, count, timeout_ms) -> list[bytes]; it runs on XLA's threads,
 // holding the GIL while it runs.
@@ -82,10 +108,13 @@ NB_MODULE(_hybridep, m) {
         "'strict_mode' or 'transport'; the log is empty afterwards.");
 #ifdef JAX_HYBRIDEP_WITH_CUDA
   m.attr("with_cuda") = true;
+  m.def("cuda_registrations", &jax_hybridep::CudaRegistrations,
+        "FFI target name -> {'instantiate', 'execute'} handler capsules, for platform 'CUDA'.");
   m.def(
-      "cuda_registrations",
-      [] { return jax_hybridep::Registrations(jax_hybridep::CudaHandlers()); },
-      "FFI target name -> handler capsule, for platform 'CUDA'.");
+      "cuda_state_type_registrations",
+      [] { return jax_hybridep::StateTypeRegistrations(jax_hybridep::CudaStateTypes()); },
+      "FFI type name -> {'type_id', 'type_info'} capsules of the CUDA handlers' state, for "
+      "platform 'CUDA' (registered before the handlers).");
   m.def("cuda_window_error", &jax_hybridep::FirstWindowError,
         "The first device-side error recorded in any exchange window ('' when none).");
   m.def("set_kv_exchange", &jax_hybridep::SetPythonKvExchange, nb::arg("fn"),

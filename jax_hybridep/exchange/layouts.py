@@ -152,7 +152,6 @@ class CudaLayout:
         _, _, gathered = gather_counts(plan, topk_idx)
         row_pos, sizes, per_expert, dropped, invalid = call(
             "cuda_layout", _layout_types(plan, topk_idx, jnp.int64), topk_idx, gathered,
-            shard.rank, shard.group, like=(topk_idx, gathered), plan=plan,
-            **layout_attrs(plan) | exchange_attrs(plan, plan.ep_size),
+            shard.rank, shard.group, like=(topk_idx, gathered), plan=plan, **layout_attrs(plan),
         )  # fmt: skip
         return Layout(row_pos, sizes, per_expert, dropped.astype(jnp.int32), invalid)

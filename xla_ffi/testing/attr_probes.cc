@@ -1,9 +1,9 @@
 // CPU handlers that decode the CUDA handlers' attribute structs (xla_ffi/cuda/cuda_attrs.h, and
-// the host layout bundle the CUDA layout takes) with the very decoders the CUDA handlers use, and
-// write back what they decoded: a test emits them with the attributes the Python side builds for
-// each CUDA custom call, so a bundle that drifts from its struct (a member missing, renamed or of
-// another type) fails on a machine without a GPU. Each writes int32 values into `out`, in the
-// struct's member order; the layout probe appends the placement spans.
+// the host layout bundle the CUDA layout takes, LayoutAttrsView) with the very decoders the CUDA
+// handlers use, and write back what they decoded: a test emits them with the attributes the Python
+// side builds for each CUDA custom call, so a bundle that drifts from its struct (a member missing,
+// renamed or of another type) fails on a machine without a GPU. Each writes int32 values into
+// `out`, in the struct's member order; the layout probe appends the placement spans.
 #include "xla_ffi/testing/attr_probes.h"
 
 #include <algorithm>
@@ -48,9 +48,8 @@ ffi::Error TransportCombine(TransportCombineAttrs a, ffi::ResultBuffer<ffi::S32>
   return Write(v, out);
 }
 
-ffi::Error Layout(LayoutExchangeAttrs a, ffi::ResultBuffer<ffi::S32> out) {
-  std::vector<int64_t> v = {a.num_ranks,    a.num_slots, a.capacity, a.rows,
-                            a.pad_multiple, a.strict,    a.site,     a.timeout_ms};
+ffi::Error Layout(LayoutAttrsView a, ffi::ResultBuffer<ffi::S32> out) {
+  std::vector<int64_t> v = {a.num_ranks, a.num_slots, a.capacity, a.rows, a.pad_multiple, a.strict};
   v.insert(v.end(), a.expert_rank.begin(), a.expert_rank.end());
   v.insert(v.end(), a.expert_slot.begin(), a.expert_slot.end());
   return Write(v, out);
@@ -67,7 +66,7 @@ XLA_FFI_DEFINE_HANDLER(
     kProbeTransportCombine, TransportCombine,
     ffi::Ffi::Bind().Attrs<TransportCombineAttrs>().Ret<ffi::Buffer<ffi::S32>>());
 XLA_FFI_DEFINE_HANDLER(kProbeLayout, Layout,
-                       ffi::Ffi::Bind().Attrs<LayoutExchangeAttrs>().Ret<ffi::Buffer<ffi::S32>>());
+                       ffi::Ffi::Bind().Attrs<LayoutAttrsView>().Ret<ffi::Buffer<ffi::S32>>());
 
 std::vector<HandlerEntry> AttrProbeHandlers() {
   return {
