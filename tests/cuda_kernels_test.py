@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +38,37 @@ def test_built_with_cuda_when_nvcc_present():
     assert _native.module().with_cuda, f"nvcc is at {nvcc} but _hybridep was built without CUDA"
     assert native.with_cuda, "the test module was built without CUDA beside a CUDA _hybridep"
     assert native.cuda_device_count() >= 0  # and it must not raise without a driver
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from $CUOBJDUMP, PATH or the CUDA toolkit (not every toolkit install has it)."""
+    for candidate in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
+                      "/usr/local/cuda/bin/cuobjdump"):  # fmt: skip
+        if candidate and pathlib.Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def _device_code(tool: str, library: pathlib.Path, listing: str) -> set[str]:
+    """The architectures of `library`'s cubins (listing 'elf') or PTX (listing 'ptx')."""
+    proc = subprocess.run([tool, f"--list-{listing}", str(library)], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    return set(re.findall(r"\.(sm_\d+a?)\.", proc.stdout))
+
+
+def test_device_code_for_hopper_blackwell_and_ptx(cuda_build):
+    """The runtime library (every kernel the handlers launch) and the test module (the harness)
+    carry SASS for sm_90a and sm_100a and compute_90 PTX for the rest (CMakeLists.txt); the
+    production module carries none of its own."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (set CUOBJDUMP, or install nvidia-cuda-cuobjdump)")
+    testing = pathlib.Path(native.__file__)
+    for library in (testing.with_name("libhybridep_runtime.so"), testing):
+        assert _device_code(tool, library, "elf") == {"sm_90a", "sm_100a"}, library
+        assert _device_code(tool, library, "ptx") == {"sm_90"}, library
+    production = pathlib.Path(_native.module().__file__)
+    assert _device_code(tool, production, "elf") == set()
 
 
 # ---- Routings (R source ranks, T tokens, K slots, E experts) ----
