@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (DESIGN §5), for a lent NVIDIA GPU machine without network:
+# The one prepared GPU check (docs/design.md §5), for a lent NVIDIA GPU machine without network:
 #   build      the native modules with CUDA (sm_90a SASS only, to be quick: _hybridep, the test
 #              module _hybridep_testing and their libhybridep_runtime.so), placed in the source
 #              tree; or, when .gpu/ holds modules built elsewhere for this Python and jaxlib

@@ -1,4 +1,5 @@
-"""The CUDA layout kernels against the host kernels and a numpy model, bit for bit (DESIGN §2.1).
+"""The CUDA layout kernels against the host kernels and a numpy model, bit for bit
+(docs/design.md §2.1.2-3).
 
 The test module's `cuda_selftest_layout` runs the layout handler's kernels (PlanGroups and
 AssignRows over the counts XLA all-gathers in production) on the GPU, or with `reference=True`

@@ -1,8 +1,8 @@
-"""The ffi backend's CUDA lowering, checked on any machine (DESIGN §5).
+"""The ffi backend's CUDA lowering, checked on any machine (docs/design.md §5).
 
 Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
 the custom-call targets: with backend="ffi", a one-level EP group in one process runs the CUDA
-handlers of xla_ffi/cuda/cuda_handlers.cc and nothing of the host's (whether its GPUs share a
+handlers of xla_ffi/cuda/*_handlers.cc and nothing of the host's (whether its GPUs share a
 process or not); under slower levels the transport spans the fastest level and the others go
 through XLA all-to-alls. "auto" keeps to the xla backend on GPUs until the CUDA path has been
 verified on hardware.

@@ -1,9 +1,11 @@
-// The steps of one exchange level on the host (DESIGN §2.1, §3), as the host handlers run them.
+// The steps of one exchange level on the host (docs/design.md §2.1, §3), as the host handlers run
+// them.
 //
 // Inside one process every rank reads its peers' inputs once all have arrived ("pull transport"):
 // a destination copies each of its rows straight from the source's x, and a source sums its
 // partials from the destinations' rows, each partial rounded to the row dtype before the source
-// adds it (the order of DESIGN §2.1.4: ascending k within a destination, ascending destination).
+// adds it (the order of docs/design.md §2.1.4: ascending k within a destination, ascending
+// destination).
 // The GPU transport (xla_ffi/cuda/transport.h) writes the same rows and sums by writing into its
 // peers instead, bit for bit (tests/cuda_transport_test.py checks both against one numpy model).
 //

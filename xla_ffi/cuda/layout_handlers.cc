@@ -1,7 +1,8 @@
-// The CUDA layout handler (DESIGN §2.1.2-3): every (t, k) gets its destination row from the
-// per-(source rank, expert) counts an XLA collective all-gathered over the EP group [R, E + 1],
-// by the CUDA layout kernels (layout_kernels.h), with no host sync (strict mode syncs to raise).
-// The placement and the kernels' scratch are the call site's, on each device (site_state.h).
+// The CUDA layout handler (docs/design.md §2.1.2-3): every (t, k) gets its destination row from
+// the per-(source rank, expert) counts an XLA collective all-gathered over the EP group
+// [R, E + 1], by the CUDA layout kernels (layout_kernels.h), with no host sync (strict mode syncs
+// to raise). The placement and the kernels' scratch are the call site's, on each device
+// (site_state.h).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -25,7 +26,7 @@ ffi::Error CudaError(cudaError_t status, const char* what) {
 }
 
 // Layout from the counts all-gathered by an XLA collective [R, E + 1]: plan groups and assign
-// rows with the CUDA layout kernels (kernels.h), no host sync (strict mode syncs to raise).
+// rows with the CUDA layout kernels (layout_kernels.h), no host sync (strict mode syncs to raise).
 ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, SiteState* state,
                       ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> gathered,
                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,

@@ -1,5 +1,6 @@
 // CUDA layout kernels: the device twins of PlanGroups and AssignRows (layout.cc), giving the same
-// plan and rows bit for bit (DESIGN §2.1). The counts they start from come all-gathered by XLA.
+// plan and rows bit for bit (docs/design.md §2.1). The counts they start from come all-gathered by
+// XLA.
 //
 // Everything here is integer arithmetic. Atomics only add integers or take their maximum, which
 // does not depend on the order, so every output is deterministic; the one order-sensitive step

@@ -1,5 +1,6 @@
-// Host-callable launchers of the CUDA layout kernels: the device twins of layout.h's PlanGroups and
-// AssignRows (DESIGN §2.1.2-3), over the per-(source rank, expert) counts XLA all-gathered.
+// Host-callable launchers of the CUDA layout kernels: the device twins of layout.h's PlanGroups
+// and AssignRows (docs/design.md §2.1.2-3), over the per-(source rank, expert) counts XLA
+// all-gathered.
 //
 // Framework-free: raw device pointers and a stream, no XLA or nanobind headers, so the FFI handler
 // and the self-tests share them. Each launcher enqueues its work on `stream` and returns the
