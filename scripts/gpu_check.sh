@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (DESIGN §5), for a lent NVIDIA GPU machine without network: the CUDA
-# transports v1 and v2 measured side by side in one lease (docs/gpu.md "What a lease measures").
+# The one prepared GPU check (docs/design.md §5), for a lent NVIDIA GPU machine without network:
+# the CUDA transports v1 and v2 measured side by side in one lease (docs/gpu.md "What a lease
+# measures").
 # Default steps, in order:
-#   build       the native module: the one scripts/gpu_check.sh --prebuild made in .gpu/ (for this
-#               Python and jaxlib) if it imports with CUDA, else built here (sm_90a SASS only), and
-#               if transport v2 fails to build, built without it so v1's figures still come
+#   build       the native libraries (_hybridep, the test module _hybridep_testing and their
+#               libhybridep_runtime.so): those scripts/gpu_check.sh --prebuild made in .gpu/ (for
+#               this Python and jaxlib) if they import with CUDA, else built here (sm_90a SASS
+#               only), and if transport v2 fails to build, built without it so v1's figures still
+#               come; failing all that, the verified set in .gpu_fallback/
 #   csm         C_sm: what 1 and 8 SMs copy by 16-byte LSU accesses and by bulk copies
 #   transport_v2, transport
 #               each transport alone on one rank through HBM at 1..24 SMs against the device-to-
@@ -18,7 +21,8 @@
 #   bench_v2    the same for ffi-v2, only once v2kernels and v2jax passed (never time a wrong v2)
 #   memcheck    compute-sanitizer memcheck on both harnesses (R = 2, tiny sizes)
 # On request (STEPS=...): kernels and jaxgpu (v1's correctness), racecheck, layer, lowering,
-# profile (Nsight Compute at 8 SMs), sass.
+# profile (Nsight Compute at 8 SMs), sass (the runtime's and the test module's SASS, to read
+# sanitizer offsets against).
 # GPU tests run with JAX_HYBRIDEP_REQUIRE_GPU=1 (a skip for want of a GPU fails). Steps run in that
 # order inside one time budget (DEADLINE_S, default 540 s, under the device tool's 600 s per call):
 # a step gets what is left, and steps that no longer fit are reported as skipped. A failing step
@@ -32,14 +36,15 @@
 #   bash scripts/gpu_check.sh --prebuild               # here: build .gpu/ for the GPU machine
 #   bash scripts/gpu_check.sh --dry-run                # here: the steps' logic, commands echoed
 #                                                      # (DRY_RUN_FAIL="step ..." fails those)
-# A module already verified on a GPU may ride along in .gpu_fallback/ (carry both folders): if the
-# v1 kernel tests or the imports fail with .gpu/, the remaining steps run on it.
+# Libraries already verified on a GPU may ride along in .gpu_fallback/ (carry both folders; all
+# three files, built together): if nothing imports or builds, or v1's kernel tests fail with .gpu/,
+# the remaining steps run on them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-# build_module DIR DEST [CMAKE_ARGS...]: builds the wheel with CUDA (sm_90a) offline in DIR and
-# puts its native module into DEST.
+# build_module DIR DEST [CMAKE_DEFINES...]: builds the wheel with CUDA (sm_90a) offline in DIR and
+# puts its native libraries (the two modules and the runtime they share) into DEST.
 build_module() {
   local dir=$1 dest=$2
   shift 2
@@ -51,9 +56,10 @@ build_module() {
     "${defines[@]}" -w "$dir" . || return 1
   "$PY" -c "import glob, sys, zipfile
 z = zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0])
-for n in z.namelist():
-    if n.startswith('jax_hybridep/_hybridep') and n.endswith('.so'):
-        open(sys.argv[2] + '/' + n.split('/')[-1], 'wb').write(z.read(n))" "$dir" "$dest"
+names = [n for n in z.namelist() if n.startswith('jax_hybridep/') and n.endswith('.so')]
+assert len(names) == 3, names  # _hybridep, _hybridep_testing, libhybridep_runtime
+for n in names:
+    open(sys.argv[2] + '/' + n.split('/')[-1], 'wb').write(z.read(n))" "$dir" "$dest"
 }
 
 DRY_RUN=
@@ -63,9 +69,10 @@ case "${1:-}" in
     PY=${PYTHON:-python3}
     rm -rf .gpu
     build_module build/gpu_prebuild .gpu && ls -l .gpu &&
-      "$PY" -c "import sys; sys.path.insert(0, '.gpu'); import _hybridep as m
-assert m.with_cuda and m.with_cuda_v2, 'built without CUDA or without transport v2'
-print('prebuilt:', m.__file__, 'CUDA handlers:', len(m.cuda_registrations()))"
+      "$PY" -c "import sys; sys.path.insert(0, '.gpu'); import _hybridep as m, _hybridep_testing as t
+handlers = m.cuda_registrations()
+assert m.with_cuda and 'jax_hybridep_cuda_v2_dispatch' in handlers and t.cuda_v2_plan_send, m
+print('prebuilt:', m.__file__, t.__file__, 'CUDA handlers:', len(handlers))"
     exit
     ;;
   --dry-run) DRY_RUN=1 ;;
@@ -155,31 +162,38 @@ ok() { [[ "${RESULT[$1]:-}" == ok* ]]; }
 } >"$LOGS/env.log" 2>&1
 cat "$LOGS/env.log"
 
-# imports_with_cuda LABEL: whether the module in the source tree imports, built with CUDA; it
-# prints whether transport v2 is in it.
+# imports_with_cuda LABEL: whether the modules in the source tree import, built with CUDA; it
+# prints whether transport v2 is in them.
 imports_with_cuda() {
-  "$PY" -c "from jax_hybridep import _hybridep as m; assert m.with_cuda
-print('$1', m.__file__, 'transport v2:', getattr(m, 'with_cuda_v2', False))"
+  "$PY" -c "from jax_hybridep import _hybridep as m, _hybridep_testing as t
+assert m.with_cuda and t.with_cuda
+print('$1', m.__file__, t.__file__, 'transport v2:',
+      'jax_hybridep_cuda_v2_dispatch' in m.cuda_registrations())"
 }
 
-# The module: the prebuilt one if it imports with CUDA here, else built here with v2, else built
-# here without v2 (v1's figures must come whatever v2 does).
+# The libraries: the prebuilt ones if they import with CUDA here, else built here with v2, else
+# built here without v2 (v1's figures must come whatever v2 does), else the verified fallback.
+clear_libraries() { rm -f jax_hybridep/_hybridep*.so jax_hybridep/libhybridep_runtime.so; }
 build() {
-  local so
-  rm -f jax_hybridep/_hybridep*.so
-  for so in .gpu/_hybridep*.so; do
-    [ -f "$so" ] || continue
-    cp "$so" jax_hybridep/
+  clear_libraries
+  if compgen -G ".gpu/*.so" >/dev/null; then
+    cp .gpu/*.so jax_hybridep/
     imports_with_cuda prebuilt && return 0
-    echo "prebuilt module unusable here; building"
-    rm -f jax_hybridep/_hybridep*.so
-  done
+    echo "prebuilt libraries unusable here; building"
+    clear_libraries
+  fi
   build_module build/gpu_check jax_hybridep && imports_with_cuda built && return 0
   echo "building with transport v2 failed; building v1 alone"
-  build_module build/gpu_check_v1 jax_hybridep JAX_HYBRIDEP_CUDA_V2=OFF && imports_with_cuda built
+  clear_libraries
+  build_module build/gpu_check_v1 jax_hybridep JAX_HYBRIDEP_CUDA_V2=OFF &&
+    imports_with_cuda "built (v1 alone)" && return 0
+  compgen -G ".gpu_fallback/*.so" >/dev/null || return 1
+  echo "nothing built: the verified fallback"
+  clear_libraries
+  cp .gpu_fallback/*.so jax_hybridep/ && imports_with_cuda fallback
 }
 export PY
-export -f build build_module imports_with_cuda # `timeout` runs programs: functions go via bash
+export -f build build_module clear_libraries imports_with_cuda # `timeout` runs programs: functions go via bash
 run build 200 bash -c build
 
 # One hung test fails alone, not the whole step, where pytest-timeout is installed.
@@ -187,8 +201,9 @@ PYTEST=("$PY" -m pytest -q -rfE -p no:cacheprovider)
 HAS_PYTEST_TIMEOUT=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo 1)
 per_test_limit() { [ -n "$HAS_PYTEST_TIMEOUT" ] && echo "--timeout=$1"; }
 export JAX_HYBRIDEP_REQUIRE_GPU=1
-HAS_V2=$([ -n "$DRY_RUN" ] && echo 1 || "$PY" -c "from jax_hybridep import _native
-print(1 if _native.has_cuda_v2() else '')" 2>/dev/null)
+HAS_V2=$([ -n "$DRY_RUN" ] && echo 1 || "$PY" -c "from jax_hybridep import _hybridep as m
+print(1 if m.with_cuda and 'jax_hybridep_cuda_v2_dispatch' in m.cuda_registrations() else '')" \
+  2>/dev/null)
 [ -z "$HAS_V2" ] && echo "the module has no transport v2: its steps are skipped"
 v2() {
   if [ -n "$HAS_V2" ]; then run "$@"; else RESULT[$1]="skipped (no transport v2)"; fi
@@ -227,8 +242,9 @@ KERNEL_TESTS=(tests/cuda_kernels_test.py tests/cuda_transport_test.py)
 run kernels 60 "${PYTEST[@]}" $(per_test_limit 60) -m gpu --junitxml="$LOGS/kernels.xml" \
   "${KERNEL_TESTS[@]}"
 MODULE="the module of the build step"
-if [[ "${RESULT[kernels]:-}" == FAILED* ]] && compgen -G ".gpu_fallback/_hybridep*.so" >/dev/null; then
-  cp .gpu_fallback/_hybridep*.so jax_hybridep/
+if [[ "${RESULT[kernels]:-}" == FAILED* ]] && compgen -G ".gpu_fallback/*.so" >/dev/null; then
+  clear_libraries
+  cp .gpu_fallback/*.so jax_hybridep/
   MODULE=".gpu_fallback"
   STEPS="$STEPS kernels_fallback"
   run kernels_fallback 60 "${PYTEST[@]}" $(per_test_limit 60) -m gpu \
@@ -256,7 +272,8 @@ run profile 90 ncu --clock-control none \
   -c 6 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --section Occupancy "$PY" -m jax_hybridep.bench.gpu_transport --sms 8 --iters 1 --warmup 0 \
   --json ''
-run sass 60 bash -c "cuobjdump -sass jax_hybridep/_hybridep*.so | gzip > $LOGS/sass.txt.gz"
+run sass 60 bash -c "for f in jax_hybridep/libhybridep_runtime.so jax_hybridep/_hybridep_testing*.so; \
+  do echo \"== \$f\"; cuobjdump -sass \$f; done | gzip > $LOGS/sass.txt.gz"
 
 {
   echo

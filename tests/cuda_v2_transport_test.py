@@ -19,8 +19,9 @@ import pytest
 from cuda_kernels_test import _bits
 from cuda_transport_test import Round
 
-from jax_hybridep import _hybridep as native
-from jax_hybridep import fp8
+from jax_hybridep import _native, fp8
+
+native = _native.testing_module()
 
 
 def _as_bytes(a):

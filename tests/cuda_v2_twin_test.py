@@ -22,8 +22,9 @@ from transport_v2_twin import (
     numpy_unpermute,
 )
 
-from jax_hybridep import _hybridep as native
-from jax_hybridep import fp8
+from jax_hybridep import _native, fp8
+
+native = _native.testing_module()
 
 pytestmark = pytest.mark.usefixtures("cuda_build")
 

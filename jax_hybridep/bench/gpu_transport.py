@@ -6,11 +6,12 @@ per SM count (blocks per transport kernel), dispatch (send + receive-and-expand)
 (partials + reduce) in payload bandwidth as Hybrid-EP defines it (received unique tokens x H x
 bytes / time, self traffic included), and FP8 dispatch (quantised in the send kernel, dequantised
 in the receive) in the same payload units and in wire bytes (e4m3fn payload + scales), beside the
-layout kernels and a device-to-device copy measured in the same run. `--transport v2`: transport
-v2's send, FP8 send and combine send per SM count, and its wide permute, unpermute and reduce
-(every SM) against the same copy; the rows are checked against the host references first.
-`--transport csm`: C_sm, what 1 and 8 SMs copy by 16-byte LSU accesses and by the bulk-copy
-engine (the per-SM ceilings v1's and v2's sends are built on).
+layout handler's kernels (plan and assign over the gathered counts) and a device-to-device copy
+measured in the same run. `--transport v2`: transport v2's send, FP8 send and combine send per SM
+count, and its wide permute, unpermute and reduce (every SM) against the same copy; the rows are
+checked against the host references first. `--transport csm`: C_sm, what 1 and 8 SMs copy by
+16-byte LSU accesses and by the bulk-copy engine (the per-SM ceilings v1's and v2's sends are
+built on).
 Needs a GPU and a CUDA build.
 """
 
@@ -40,7 +41,7 @@ def gpu_name() -> str:
 def measure(dtype="bfloat16", tokens=4096, hidden=7168, k=8, experts=8, sms=(1, 2, 4, 8, 16, 24),
             iters=20, warmup=3) -> dict:  # fmt: skip
     """Runs the hook and derives bandwidths (GB/s = 1e9 bytes/s)."""
-    raw = _native.module().cuda_bench_transport(
+    raw = _native.testing_module().cuda_bench_transport(
         dtype, tokens, hidden, k, experts, list(sms), iters=iters, warmup=warmup
     )
     payload = tokens * hidden * DTYPE_BYTES[dtype]  # unique tokens received (all local here)
@@ -93,7 +94,7 @@ def measure_v2(dtype="bfloat16", tokens=4096, hidden=7168, k=8, experts=8,
                sms=(1, 2, 4, 8, 16, 24), iters=20, warmup=3, raw=None) -> dict:  # fmt: skip
     """Runs transport v2's hook (or derives from `raw`, its result) into GB/s (1e9 bytes/s)."""
     if raw is None:
-        raw = _native.module().cuda_bench_v2(
+        raw = _native.testing_module().cuda_bench_v2(
             dtype, tokens, hidden, k, experts, list(sms), iters=iters, warmup=warmup
         )
     payload = tokens * hidden * DTYPE_BYTES[dtype]  # unique tokens received (all local here)
@@ -169,7 +170,7 @@ def table_v2(result: dict) -> str:
 def measure_copy_ceiling(copy_bytes=1 << 28, blocks=(1, 8), iters=10, warmup=2, raw=None):
     """C_sm: GB/s (payload copied, and read + write) per block count, LSU and bulk copies."""
     if raw is None:
-        raw = _native.module().cuda_bench_copy_ceiling(
+        raw = _native.testing_module().cuda_bench_copy_ceiling(
             copy_bytes, list(blocks), iters=iters, warmup=warmup
         )
     rows = []

@@ -1,4 +1,4 @@
-"""The CUDA transport (xla_ffi/cuda/cuda_handlers.cc) as the bottom spanning the fastest level.
+"""The CUDA transport (xla_ffi/cuda/transport_handlers.cc) as the bottom spanning the fastest level.
 
 Each GPU writes one copy per (item, destination GPU) into the destinations' registered windows,
 which expand them into expert-major rows; combine sends each (item, destination) partial back the

@@ -1,4 +1,5 @@
-"""Layout steps: every (t, k) gets its destination row before anything moves (DESIGN §2.1.2-3).
+"""Layout steps: every (t, k) gets its destination row before anything moves (docs/design.md
+§2.1.2-3).
 
 All of them all-gather per-(source rank, expert) counts over the EP group, so every sender knows
 its drops without a host sync, and plan the groups the same way: the jnp layout (the oracle), the
@@ -152,7 +153,6 @@ class CudaLayout:
         _, _, gathered = gather_counts(plan, topk_idx)
         row_pos, sizes, per_expert, dropped, invalid = call(
             "cuda_layout", _layout_types(plan, topk_idx, jnp.int64), topk_idx, gathered,
-            shard.rank, shard.group, like=(topk_idx, gathered), plan=plan,
-            **layout_attrs(plan) | exchange_attrs(plan, plan.ep_size),
+            shard.rank, shard.group, like=(topk_idx, gathered), plan=plan, **layout_attrs(plan),
         )  # fmt: skip
         return Layout(row_pos, sizes, per_expert, dropped.astype(jnp.int32), invalid)

@@ -18,8 +18,8 @@ struct TransportAttrs : ExchangeAttrs {
   bool multi_process;  // some peers live in other processes: their windows come by CUDA IPC
 };
 
-// dispatch: the transport, and FP8 on the wire (DESIGN §2.1.8): rows of fp8_hidden = H elements
-// travel as FP8 wire rows; 0: rows travel as they are.
+// dispatch: the transport, and FP8 on the wire (docs/design.md §2.1.8): rows of fp8_hidden = H
+// elements travel as FP8 wire rows; 0: rows travel as they are.
 struct TransportDispatchAttrs : TransportAttrs {
   int64_t fp8_hidden;
 };

@@ -6,23 +6,20 @@
 //   way cuda_v2_redispatch(_scaled)  the same along an existing layout (combine's VJP)
 //   cuda_v2_unpermute   each received item's rows summed in ascending k (local, wide)
 //   cuda_v2_combine     the partials sent back (num_sms blocks) + reduce (wide)
-// Only the exchanges keep per-site host state: the rank and group (read from their operands once
-// per call site and device, as transport v1 does) and the site's v2 window. Exchange numbers are
-// not counted on the host: the kernels read them from the window (v2_transport.h).
-#include "xla_ffi/cuda/v2_handlers.h"
-
+// The exchanges keep, per call site and device, what v1's do (site_state.h, owned by the
+// executable): the rank and group (read from their operands on the first execution) and the
+// site's window, here a v2 window (windows.h, transport 2). Exchange numbers are not counted on
+// the host: the kernels read them from the window (v2_transport.h).
 #include <cuda_runtime_api.h>
 
 #include <chrono>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cuda/cuda_attrs.h"
+#include "xla_ffi/cuda/cuda_handlers.h"
+#include "xla_ffi/cuda/site_state.h"
 #include "xla_ffi/cuda/v2_layout.h"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/cuda/windows.h"
@@ -72,51 +69,6 @@ ffi::Error Launched(cudaError_t status, const char* what) {
   return status == cudaSuccess ? ffi::Error::Success() : CudaError(status, what);
 }
 
-// What one exchanging call site keeps per device: its rank and group in the level, and its window
-// per row size (a site's exchanges all move rows of one size; the map keeps it general).
-struct V2Site {
-  int32_t rank = 0, group = 0;
-  std::map<int64_t, RankWindow*> windows;  // by row bytes
-};
-
-std::mutex sites_mu;
-std::map<std::pair<int64_t, int32_t>, std::unique_ptr<V2Site>>& Sites() {
-  static auto* sites = new std::map<std::pair<int64_t, int32_t>, std::unique_ptr<V2Site>>();
-  return *sites;
-}
-
-// The state of (site, device), created on first use with the rank and group read from their
-// operands (one synchronous 8-byte copy per site and device; no lock held meanwhile: it waits for
-// this rank's earlier exchanges, which may wait for peers at their own first calls).
-ffi::ErrorOr<V2Site*> Site(int64_t site, int32_t device, cudaStream_t stream,
-                           ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group) {
-  {
-    std::lock_guard<std::mutex> lock(sites_mu);
-    auto it = Sites().find({site, device});
-    if (it != Sites().end()) return it->second.get();
-  }
-  int32_t ids[2];
-  cudaError_t s = cudaSetDevice(device);
-  if (s == cudaSuccess) {
-    s = cudaMemcpyAsync(&ids[0], rank.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToHost,
-                        stream);
-  }
-  if (s == cudaSuccess) {
-    s = cudaMemcpyAsync(&ids[1], group.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToHost,
-                        stream);
-  }
-  if (s == cudaSuccess) s = cudaStreamSynchronize(stream);
-  if (s != cudaSuccess) return ffi::Unexpected(CudaError(s, "reading the EP rank"));
-  std::lock_guard<std::mutex> lock(sites_mu);
-  std::unique_ptr<V2Site>& state = Sites()[{site, device}];
-  if (!state) {
-    state = std::make_unique<V2Site>();
-    state->rank = ids[0];
-    state->group = ids[1];
-  }
-  return state.get();
-}
-
 // One exchange's kernel parameters: the window (acquired on the site's first exchange), its
 // regions and every peer's base.
 struct Begun {
@@ -124,29 +76,30 @@ struct Begun {
   V2Peers peers;
 };
 
-ffi::ErrorOr<Begun> BeginExchange(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> rank,
-                                  ffi::Buffer<ffi::S32> group, const TransportAttrs& attrs,
-                                  int64_t items, int64_t row_bytes) {
+ffi::ErrorOr<Begun> BeginExchange(cudaStream_t stream, int32_t device, SiteState* state,
+                                  ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                                  const TransportAttrs& attrs, int64_t items, int64_t row_bytes) {
   if (attrs.num_sms < 1 || attrs.num_sms > kMaxSendBlocks) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument("jax_hybridep: num_sms must be in [1, " +
-                                                       std::to_string(kMaxSendBlocks) + "], got " +
-                                                       std::to_string(attrs.num_sms)));
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jax_hybridep: num_sms must be in [1, " + std::to_string(kMaxSendBlocks) + "], got " +
+        std::to_string(attrs.num_sms)));
   }
-  auto site_or = Site(attrs.site, device, stream, rank, group);
+  auto site_or = state->OnDevice(device, stream, rank, group);
   if (site_or.has_error()) return ffi::Unexpected(site_or.error());
-  V2Site& site = *site_or.value();
-  // K plays no part in a v2 window: 0 lets every K share it.
+  DeviceSite& site = *site_or.value();
+  // K plays no part in a v2 window: 0 lets every K share it. A site's exchanges all move rows of
+  // one size, so its one window is the v2 window of that size.
   const WindowGeometry geometry{attrs.num_ranks, items, 0, row_bytes};
-  RankWindow*& view = site.windows[row_bytes];
-  if (view == nullptr) {
+  if (site.window == nullptr) {
     const WindowKey key{site.group, geometry, attrs.multi_process, /*transport=*/2};
-    const Status s =
-        AcquireWindow(key, site.rank, device, std::chrono::milliseconds(attrs.timeout_ms), &view);
+    const Status s = AcquireWindow(key, site.rank, device,
+                                   std::chrono::milliseconds(attrs.timeout_ms), &site.window);
     if (!s.ok()) {
-      view = nullptr;
+      site.window = nullptr;
       return ffi::Unexpected(ToError(s));
     }
   }
+  RankWindow* view = site.window;
   if (Status s = WindowError(*view); !s.ok()) return ffi::Unexpected(ToError(s));
   Begun b{};
   b.ex.window = V2Layout(geometry);
@@ -219,7 +172,7 @@ ffi::Error LayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> gathered,
 
 // ----------------------------------------------------------------------------- dispatch
 
-ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> recv_rows,
                         ffi::Buffer<ffi::S32> row_slot, ffi::Buffer<ffi::S32> info,
                         ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
@@ -238,7 +191,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   }
   const int64_t M = x.dimensions()[0], K = recv_rows.dimensions()[1];
   const int64_t row_bytes = hidden > 0 ? Fp8WireBytes(hidden) : RowBytes(x);
-  auto begun = BeginExchange(stream, device, rank, group, attrs, M, row_bytes);
+  auto begun = BeginExchange(stream, device, state, rank, group, attrs, M, row_bytes);
   if (begun.has_error()) return begun.error();
   const Begun& b = begun.value();
   cudaError_t s =
@@ -254,7 +207,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 }
 
 // Combine's VJP: g [M, H] along the dispatch's layout into rows; with `scale`, also rows * scale.
-ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, const float* scale,
+ffi::Error Redispatch(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer g, const float* scale,
                       ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> recv_rows,
                       ffi::Buffer<ffi::S32> row_slot, ffi::Buffer<ffi::S32> info,
                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
@@ -263,7 +216,7 @@ ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, con
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   const int64_t M = g.dimensions()[0], K = recv_rows.dimensions()[1], row_bytes = RowBytes(g);
-  auto begun = BeginExchange(stream, device, rank, group, attrs, M, row_bytes);
+  auto begun = BeginExchange(stream, device, state, rank, group, attrs, M, row_bytes);
   if (begun.has_error()) return begun.error();
   const Begun& b = begun.value();
   cudaError_t s = LaunchV2SendRows(b.ex, b.peers, static_cast<const char*>(g.untyped_data()),
@@ -280,23 +233,23 @@ ffi::Error Redispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, con
   return Launched(s, "v2 redispatch");
 }
 
-ffi::Error RedispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
+ffi::Error RedispatchImpl(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer g,
                           ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> recv_rows,
                           ffi::Buffer<ffi::S32> row_slot, ffi::Buffer<ffi::S32> info,
                           ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                           V2RowsAttrs attrs, ffi::Result<ffi::AnyBuffer> rows) {
-  return Redispatch(stream, device, g, nullptr, send_slot, recv_rows, row_slot, info, rank, group,
+  return Redispatch(stream, device, state, g, nullptr, send_slot, recv_rows, row_slot, info, rank, group,
                     attrs, rows->dimensions(), static_cast<char*>(rows->untyped_data()), nullptr);
 }
 
-ffi::Error RedispatchScaledImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
+ffi::Error RedispatchScaledImpl(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer g,
                                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> send_slot,
                                 ffi::Buffer<ffi::S32> recv_rows, ffi::Buffer<ffi::S32> row_slot,
                                 ffi::Buffer<ffi::S32> info, ffi::Buffer<ffi::S32> rank,
                                 ffi::Buffer<ffi::S32> group, V2RowsAttrs attrs,
                                 ffi::Result<ffi::AnyBuffer> rows,
                                 ffi::Result<ffi::AnyBuffer> scaled) {
-  return Redispatch(stream, device, g, scale.typed_data(), send_slot, recv_rows, row_slot, info,
+  return Redispatch(stream, device, state, g, scale.typed_data(), send_slot, recv_rows, row_slot, info,
                     rank, group, attrs, rows->dimensions(),
                     static_cast<char*>(rows->untyped_data()),
                     static_cast<char*>(scaled->untyped_data()));
@@ -321,7 +274,7 @@ ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi:
       "v2 unpermute");
 }
 
-ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer partials,
+ffi::Error CombineImpl(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer partials,
                        ffi::Buffer<ffi::S32> recv_item, ffi::Buffer<ffi::S32> info,
                        ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
                        ffi::Buffer<ffi::S32> group, TransportAttrs attrs,
@@ -329,7 +282,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer parti
   auto dtype = ToDtype(partials.element_type(), "the partials");
   if (dtype.has_error()) return dtype.error();
   const int64_t M = out->dimensions()[0], K = dest.dimensions()[1];
-  auto begun = BeginExchange(stream, device, rank, group, attrs, M, RowBytes(partials));
+  auto begun = BeginExchange(stream, device, state, rank, group, attrs, M, RowBytes(partials));
   if (begun.has_error()) return begun.error();
   const Begun& b = begun.value();
   cudaError_t s =
@@ -361,6 +314,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaV2Dispatch, DispatchImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
+                           .Ctx<ffi::State<SiteState>>()
                            .Arg<ffi::AnyBuffer>()         // x [M, H] (or FP8 wire rows)
                            .Arg<ffi::Buffer<ffi::S32>>()  // send_slot [Mp, S]
                            .Arg<ffi::Buffer<ffi::S32>>()  // recv_rows [Np, K]
@@ -375,6 +329,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaV2Redispatch, RedispatchImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
+                           .Ctx<ffi::State<SiteState>>()
                            .Arg<ffi::AnyBuffer>()         // g [M, H]
                            .Arg<ffi::Buffer<ffi::S32>>()  // send_slot [Mp, S]
                            .Arg<ffi::Buffer<ffi::S32>>()  // recv_rows [Np, K]
@@ -389,6 +344,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaV2RedispatchScaled, RedispatchScaledImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
+                           .Ctx<ffi::State<SiteState>>()
                            .Arg<ffi::AnyBuffer>()         // g [M, H]
                            .Arg<ffi::Buffer<ffi::F32>>()  // scale [C]
                            .Arg<ffi::Buffer<ffi::S32>>()  // send_slot [Mp, S]
@@ -415,6 +371,7 @@ XLA_FFI_DEFINE_HANDLER(kCudaV2Combine, CombineImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
+                           .Ctx<ffi::State<SiteState>>()
                            .Arg<ffi::AnyBuffer>()         // partials [Np, H]
                            .Arg<ffi::Buffer<ffi::S32>>()  // recv_item [Np]
                            .Arg<ffi::Buffer<ffi::S32>>()  // info [2]

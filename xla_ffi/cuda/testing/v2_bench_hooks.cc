@@ -20,11 +20,11 @@
 
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "xla_ffi/cuda/hook_support.h"
-#include "xla_ffi/cuda/v2_bench.h"
-#include "xla_ffi/cuda/v2_bindings.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
+#include "xla_ffi/cuda/testing/copy_ceiling.h"
+#include "xla_ffi/cuda/testing/v2_hooks.h"
 #include "xla_ffi/cuda/v2_layout.h"
-#include "xla_ffi/cuda/v2_reference.h"
+#include "xla_ffi/cuda/testing/v2_reference.h"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/fp8.h"
 
@@ -320,7 +320,7 @@ nb::dict KernelInfo() {
 
 }  // namespace
 
-void RegisterV2BenchBindings(nb::module_& m) {
+void RegisterCudaV2Bench(nb::module_& m) {
   m.def("cuda_bench_copy_ceiling", &BenchCopyCeiling, nb::arg("bytes"), nb::arg("blocks"),
         nb::arg("iters") = 10, nb::arg("warmup") = 2,
         "Median microseconds of a copy of `bytes` by 16-byte LSU accesses (lsu_us) and by the "

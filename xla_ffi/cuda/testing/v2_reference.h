@@ -1,8 +1,8 @@
 // Host references of transport v2's row steps (v2_transport.h), element for element in the
 // kernels' order, so tests compare the CUDA kernels and the numpy twin
 // (tests/transport_v2_twin.py) with them bit for bit. Plain C++ (v2_reference.cc).
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_V2_REFERENCE_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_V2_REFERENCE_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_V2_REFERENCE_H_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_V2_REFERENCE_H_
 
 #include <cstdint>
 
@@ -31,4 +31,4 @@ void V2ReduceHost(const V2LayoutShape& shape, Dtype dtype, int64_t hidden, const
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_V2_REFERENCE_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_V2_REFERENCE_H_

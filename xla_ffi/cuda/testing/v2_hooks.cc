@@ -3,7 +3,7 @@
 // (tests/transport_v2_twin.py) is checked against bit for bit; and the layout kernels on a GPU
 // against the same reference. Inputs are validated first: a bad index would make the reference
 // write out of bounds.
-#include "xla_ffi/cuda/v2_bindings.h"
+#include "xla_ffi/cuda/testing/v2_hooks.h"
 
 #include <cuda_runtime_api.h>
 
@@ -17,9 +17,9 @@
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
-#include "xla_ffi/cuda/hook_support.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
 #include "xla_ffi/cuda/v2_layout.h"
-#include "xla_ffi/cuda/v2_reference.h"
+#include "xla_ffi/cuda/testing/v2_reference.h"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/fp8.h"
 
@@ -192,7 +192,7 @@ nb::object ReferenceReduce(const std::string& dtype_name, HostArray<uint8_t> par
 
 }  // namespace
 
-void RegisterV2Bindings(nb::module_& m) {
+void RegisterCudaV2Hooks(nb::module_& m) {
   m.def("cuda_v2_plan_send", &PlanSend, nb::arg("staged_bytes"), nb::arg("map_words"),
         nb::arg("fp8_hidden") = 0, nb::arg("budget") = kV2SharedBudget,
         "The v2 send kernel's staging plan for rows of staged_bytes (stages, stage and "
@@ -215,8 +215,8 @@ void RegisterV2Bindings(nb::module_& m) {
         nb::arg("dest"),
         "Host reference of the v2 reduce (partials [S, M, row_bytes] at [source d, item m]). "
         "Returns [M, row_bytes], uint8.");
-  RegisterV2HarnessBindings(m);
-  RegisterV2BenchBindings(m);
+  RegisterCudaV2Harness(m);
+  RegisterCudaV2Bench(m);
 }
 
 }  // namespace jax_hybridep

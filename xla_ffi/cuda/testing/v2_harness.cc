@@ -20,8 +20,8 @@
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
-#include "xla_ffi/cuda/hook_support.h"
-#include "xla_ffi/cuda/v2_bindings.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
+#include "xla_ffi/cuda/testing/v2_hooks.h"
 #include "xla_ffi/cuda/v2_layout.h"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/fp8.h"
@@ -240,7 +240,7 @@ nb::dict SelftestV2Transport(const std::string& dtype_name, int64_t rows, HostAr
 
 }  // namespace
 
-void RegisterV2HarnessBindings(nb::module_& m) {
+void RegisterCudaV2Harness(nb::module_& m) {
   m.def("cuda_selftest_v2_transport", &SelftestV2Transport, nb::arg("dtype"), nb::arg("rows"),
         nb::arg("x"), nb::arg("dest"), nb::arg("row_pos"), nb::arg("weights"), nb::arg("y"),
         nb::arg("y_weights").none(), nb::arg("g"), nb::arg("scale"), nb::arg("send_blocks"),

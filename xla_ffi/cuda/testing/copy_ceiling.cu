@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "xla_ffi/cuda/v2_bench.h"
+#include "xla_ffi/cuda/testing/copy_ceiling.h"
 #include "xla_ffi/cuda/v2_device.cuh"
 
 namespace jax_hybridep {

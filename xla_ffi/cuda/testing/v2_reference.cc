@@ -1,7 +1,7 @@
 // Host references of transport v2's layout and row steps (v2_layout.h, v2_reference.h): the
 // specification the CUDA kernels and the numpy twin are checked against, written as plainly as
 // the steps allow.
-#include "xla_ffi/cuda/v2_reference.h"
+#include "xla_ffi/cuda/testing/v2_reference.h"
 
 #include <algorithm>
 #include <cstring>
