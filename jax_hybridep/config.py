@@ -75,8 +75,8 @@ class DispatchConfig:
       gpu_transport: GPUs only: which CUDA transport the ffi backend runs over the fastest
         level: "v1" (default) or "v2", built on Hybrid-EP's structure (persistent bulk-copy send
         blocks on num_sms SMs, wide permute and unpermute on every SM; docs/gpu.md). Both
-        compute the same bits (DESIGN §2.1); v1 stays the default until an H200 has measured v2.
-        The env var JAX_HYBRIDEP_GPU_TRANSPORT overrides it.
+        compute the same bits (docs/design.md §2.1); v1 stays the default until an H200 has
+        measured v2. The env var JAX_HYBRIDEP_GPU_TRANSPORT overrides it.
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's

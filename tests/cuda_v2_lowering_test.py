@@ -1,4 +1,4 @@
-"""The ffi backend's CUDA lowering over transport v2, checked on any machine (DESIGN §5).
+"""The ffi backend's CUDA lowering over transport v2, checked on any machine (docs/design.md §5).
 
 As tests/cuda_lowering_test.py does for transport v1: dispatch/combine and their VJPs lowered for
 an abstract CUDA mesh with `DispatchConfig(gpu_transport="v2")`, asserting on the custom calls.

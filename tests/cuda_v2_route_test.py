@@ -5,7 +5,7 @@ bottom (the routing all-gather, the layout, the record, both VJPs, row values ba
 the custom calls through the pure-JAX twin of transport v2 (tests/transport_v2_twin.py), and the
 layout is the jnp one. Everything else is the GPU path as it runs on GPUs. Values, gradients, FP8
 rows and the counted traffic must equal the xla backend's bit for bit, on 1-, 2- and 3-level
-meshes, dropless and with a capacity (DESIGN §2.1).
+meshes, dropless and with a capacity (docs/design.md §2.1).
 """
 
 from __future__ import annotations

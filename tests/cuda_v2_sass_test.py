@@ -1,13 +1,14 @@
-"""Transport v2's kernels as compiled, read without a GPU (DESIGN §5; docs/gpu.md).
+"""Transport v2's kernels as compiled, read without a GPU (docs/design.md §5; docs/gpu.md).
 
 The runtime library's device code (libhybridep_runtime.so, where every kernel the handlers launch
 lives) is read with cuobjdump (and nvdisasm for the SASS; both pip packages of the test extras),
 for each architecture it carries SASS for (sm_90a and sm_100a; tests/cuda_kernels_test.py checks
-that list and the PTX): the send kernels fit their register budget with no stack or spills and move rows with the bulk-copy
-engine (UBLKCP: shared -> global stores, global -> shared loads), their only global stores being
-the 64-bit system-scope flags; the wide permute, unpermute and reduce store rows 16 bytes a lane
-(STG.E.128), nothing narrower, and spill nothing. The staging plan gives the issue's figures for
-H = 7168 bf16. What only a GPU can show (the rates) is owed to scripts/gpu_check.sh.
+that list and the PTX): the send kernels fit their register budget with no stack or spills and
+move rows with the bulk-copy engine (UBLKCP: shared -> global stores, global -> shared loads),
+their only global stores being the 64-bit system-scope flags; the wide permute, unpermute and
+reduce store rows 16 bytes a lane (STG.E.128), nothing narrower, and spill nothing. The staging
+plan gives the issue's figures for H = 7168 bf16. What only a GPU can show (the rates) is owed to
+scripts/gpu_check.sh.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Transport v2's kernels on one GPU, bit for bit (DESIGN §2.1; xla_ffi/cuda/v2_transport.h).
+"""Transport v2's kernels on one GPU, bit for bit (docs/design.md §2.1; v2_transport.h).
 
 `cuda_selftest_v2_transport` runs R virtual ranks on one GPU, each with its own window, through
 the kernels of the FFI handlers: the layout kernels, the send, the wide permute, the unpermute,
@@ -90,8 +90,8 @@ def test_v2_transport_reuses_windows(gpu, send_blocks, hidden):
 @pytest.mark.gpu
 def test_v2_fp8_dispatch_of_every_bf16_pattern(gpu):
     """The send quantises each token into its wire row (fp8.h), the permute dequantises it: the
-    jnp quantisation's bits (DESIGN §2.1.8) for every bfloat16 pattern, H = 128 in pattern order
-    and H = 200 shuffled (short last blocks)."""
+    jnp quantisation's bits (docs/design.md §2.1.8) for every bfloat16 pattern, H = 128 in
+    pattern order and H = 200 shuffled (short last blocks)."""
     patterns = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16)
     for hidden, values in ((128, patterns), (200, np.random.default_rng(7).permutation(patterns))):
         ranks, T = 4, -(-patterns.size // (4 * hidden))

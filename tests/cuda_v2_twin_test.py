@@ -1,6 +1,6 @@
 """Transport v2's steps without a GPU: the numpy twins (tests/transport_v2_twin.py) against the
 host references the CUDA kernels mirror (xla_ffi/cuda/v2_reference.cc) and against the §2.1
-model, bit for bit (DESIGN §2.1, §5).
+model, bit for bit (docs/design.md §2.1, §5).
 
 The references run on any machine with a CUDA build (`cuda_build`); the kernels themselves are
 held against the same references on a GPU (tests/cuda_v2_transport_test.py). The §2.1 model is
@@ -119,8 +119,8 @@ def test_v2_pipeline_gives_the_model(routing, dtype, ranks):
 
 @pytest.mark.parametrize("routing", ["random", "duplicates"])
 def test_v2_pipeline_fp8_gives_the_model(routing):
-    """FP8 on the wire (DESIGN §2.1.8): the rows are the model's tokens quantised and dequantised
-    once, as every backend computes them."""
+    """FP8 on the wire (docs/design.md §2.1.8): the rows are the model's tokens quantised and
+    dequantised once, as every backend computes them."""
     case = Round(routing, "bfloat16", 200, R=3, T=24, K=3, seed=2)
     got = _v2_pipeline(case, weighted=True, fp8_hidden=200)
     flat = case.x.reshape(-1, 200)

@@ -1,7 +1,8 @@
 """Transport v2 (xla_ffi/cuda/v2_handlers.cc) as the bottom spanning the fastest GPU level.
 
 Selected by `DispatchConfig(gpu_transport="v2")`; the same contract and bits as transport v1
-(exchange/cuda_bottom.py, DESIGN §2.1), on Hybrid-EP's structure (docs/gpu.md "Transport v2"):
+(exchange/cuda_bottom.py, docs/design.md §2.1), on Hybrid-EP's structure (docs/gpu.md,
+"Transport v2"):
 
 1. The held items' routing (destination GPU in the level, row there, weight) is all-gathered over
    the level by XLA, and a layout kernel gives every (item, destination GPU) its dense slot in the

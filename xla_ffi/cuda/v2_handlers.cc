@@ -1,17 +1,18 @@
 // XLA FFI handlers (platform CUDA) of transport v2 (v2_transport.h), selected by
 // DispatchConfig(gpu_transport="v2") beside transport v1's (cuda_handlers.cc), same contract and
-// bits (DESIGN §2.1; jax_hybridep/exchange/cuda_v2.py issues them):
+// bits (docs/design.md §2.1; jax_hybridep/exchange/cuda_v2.py issues them):
 //   cuda_v2_layout      gathered routing -> send slots, the receiver's row map, row weights (local)
 //   cuda_v2_dispatch    send (num_sms blocks) + permute (wide); FP8 quantised/dequantised on the
 //   way cuda_v2_redispatch(_scaled)  the same along an existing layout (combine's VJP)
 //   cuda_v2_unpermute   each received item's rows summed in ascending k (local, wide)
-//   cuda_v2_combine     the partials sent back (num_sms blocks) + reduce (wide)
+//   cuda_v2_combine     the partials sent back (num_sms blocks, at most 8) + reduce (wide)
 // The exchanges keep, per call site and device, what v1's do (site_state.h, owned by the
 // executable): the rank and group (read from their operands on the first execution) and the
 // site's window, here a v2 window (windows.h, transport 2). Exchange numbers are not counted on
 // the host: the kernels read them from the window (v2_transport.h).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -80,9 +81,9 @@ ffi::ErrorOr<Begun> BeginExchange(cudaStream_t stream, int32_t device, SiteState
                                   ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                                   const TransportAttrs& attrs, int64_t items, int64_t row_bytes) {
   if (attrs.num_sms < 1 || attrs.num_sms > kMaxSendBlocks) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "jax_hybridep: num_sms must be in [1, " + std::to_string(kMaxSendBlocks) + "], got " +
-        std::to_string(attrs.num_sms)));
+    return ffi::Unexpected(ffi::Error::InvalidArgument("jax_hybridep: num_sms must be in [1, " +
+                                                       std::to_string(kMaxSendBlocks) + "], got " +
+                                                       std::to_string(attrs.num_sms)));
   }
   auto site_or = state->OnDevice(device, stream, rank, group);
   if (site_or.has_error()) return ffi::Unexpected(site_or.error());
@@ -207,12 +208,12 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, SiteState* state, f
 }
 
 // Combine's VJP: g [M, H] along the dispatch's layout into rows; with `scale`, also rows * scale.
-ffi::Error Redispatch(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer g, const float* scale,
-                      ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> recv_rows,
-                      ffi::Buffer<ffi::S32> row_slot, ffi::Buffer<ffi::S32> info,
-                      ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
-                      const V2RowsAttrs& attrs, ffi::Span<const int64_t> out_dims, char* rows,
-                      char* scaled) {
+ffi::Error Redispatch(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer g,
+                      const float* scale, ffi::Buffer<ffi::S32> send_slot,
+                      ffi::Buffer<ffi::S32> recv_rows, ffi::Buffer<ffi::S32> row_slot,
+                      ffi::Buffer<ffi::S32> info, ffi::Buffer<ffi::S32> rank,
+                      ffi::Buffer<ffi::S32> group, const V2RowsAttrs& attrs,
+                      ffi::Span<const int64_t> out_dims, char* rows, char* scaled) {
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   const int64_t M = g.dimensions()[0], K = recv_rows.dimensions()[1], row_bytes = RowBytes(g);
@@ -238,19 +239,20 @@ ffi::Error RedispatchImpl(cudaStream_t stream, int32_t device, SiteState* state,
                           ffi::Buffer<ffi::S32> row_slot, ffi::Buffer<ffi::S32> info,
                           ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                           V2RowsAttrs attrs, ffi::Result<ffi::AnyBuffer> rows) {
-  return Redispatch(stream, device, state, g, nullptr, send_slot, recv_rows, row_slot, info, rank, group,
-                    attrs, rows->dimensions(), static_cast<char*>(rows->untyped_data()), nullptr);
+  return Redispatch(stream, device, state, g, nullptr, send_slot, recv_rows, row_slot, info, rank,
+                    group, attrs, rows->dimensions(), static_cast<char*>(rows->untyped_data()),
+                    nullptr);
 }
 
-ffi::Error RedispatchScaledImpl(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer g,
-                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> send_slot,
-                                ffi::Buffer<ffi::S32> recv_rows, ffi::Buffer<ffi::S32> row_slot,
-                                ffi::Buffer<ffi::S32> info, ffi::Buffer<ffi::S32> rank,
-                                ffi::Buffer<ffi::S32> group, V2RowsAttrs attrs,
-                                ffi::Result<ffi::AnyBuffer> rows,
+ffi::Error RedispatchScaledImpl(cudaStream_t stream, int32_t device, SiteState* state,
+                                ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
+                                ffi::Buffer<ffi::S32> send_slot, ffi::Buffer<ffi::S32> recv_rows,
+                                ffi::Buffer<ffi::S32> row_slot, ffi::Buffer<ffi::S32> info,
+                                ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                                V2RowsAttrs attrs, ffi::Result<ffi::AnyBuffer> rows,
                                 ffi::Result<ffi::AnyBuffer> scaled) {
-  return Redispatch(stream, device, state, g, scale.typed_data(), send_slot, recv_rows, row_slot, info,
-                    rank, group, attrs, rows->dimensions(),
+  return Redispatch(stream, device, state, g, scale.typed_data(), send_slot, recv_rows, row_slot,
+                    info, rank, group, attrs, rows->dimensions(),
                     static_cast<char*>(rows->untyped_data()),
                     static_cast<char*>(scaled->untyped_data()));
 }
@@ -274,15 +276,17 @@ ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi:
       "v2 unpermute");
 }
 
-ffi::Error CombineImpl(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer partials,
-                       ffi::Buffer<ffi::S32> recv_item, ffi::Buffer<ffi::S32> info,
-                       ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,
-                       ffi::Buffer<ffi::S32> group, TransportAttrs attrs,
-                       ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error CombineImpl(cudaStream_t stream, int32_t device, SiteState* state,
+                       ffi::AnyBuffer partials, ffi::Buffer<ffi::S32> recv_item,
+                       ffi::Buffer<ffi::S32> info, ffi::Buffer<ffi::S32> dest,
+                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
+                       TransportAttrs attrs, ffi::Result<ffi::AnyBuffer> out) {
   auto dtype = ToDtype(partials.element_type(), "the partials");
   if (dtype.has_error()) return dtype.error();
   const int64_t M = out->dimensions()[0], K = dest.dimensions()[1];
-  auto begun = BeginExchange(stream, device, state, rank, group, attrs, M, RowBytes(partials));
+  TransportAttrs capped = attrs;
+  capped.num_sms = std::min<int64_t>(attrs.num_sms, kV2CombineMaxBlocks);
+  auto begun = BeginExchange(stream, device, state, rank, group, capped, M, RowBytes(partials));
   if (begun.has_error()) return begun.error();
   const Begun& b = begun.value();
   cudaError_t s =

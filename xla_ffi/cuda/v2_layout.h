@@ -5,9 +5,9 @@
 // Input: gathered [S, M, K, 3] int32, per (source rank s, item m, k): the destination coordinate
 // in the level (-1: none), the destination's row (-1 exactly where the coordinate is -1), and the
 // routing weight's float32 bits. Item m of s goes to p when any of its k has destination p
-// (DESIGN §2.1.1: one copy per destination). Destination p's receive buffer is dense: its slots
-// hold the items it receives in (source, item) order, so source s's items start at
-// base(s, p) = the items of sources before s sent to p.
+// (docs/design.md §2.1.1: one copy per destination). Destination p's receive buffer is dense: its
+// slots hold the items it receives in (source, item) order, so source s's items start at base(s, p)
+// = the items of sources before s sent to p.
 //
 // Outputs for rank `rank`:
 //   send_slot   [round_up(M, kV2Chunk), S]: item m's slot at p, -1 when m does not go to p

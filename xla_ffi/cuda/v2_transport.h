@@ -1,5 +1,5 @@
 // Transport v2 of the fastest level on GPUs, on Hybrid-EP's structure (docs/gpu.md "Transport
-// v2"; DESIGN §2.1 is the contract, the same bits as transport v1 in transport.h).
+// v2"; docs/design.md §2.1 is the contract, the same bits as transport v1 in transport.h).
 //
 // What moves and where. The layout (v2_layout.h) gives every (item, destination GPU) its dense
 // slot in the destination's receive buffer and every receiver the map of its slots to rows, both
@@ -49,6 +49,10 @@ namespace jax_hybridep {
 constexpr int kV2S2GWarps = 3;
 constexpr int kV2SendThreads = 32 * (1 + kV2S2GWarps);
 constexpr int kV2SendRegisters = 96;
+// Combine sends one partial per (source, item), on at most this many blocks (DispatchConfig's
+// num_sms when fewer): 8 SMs at the ~56 GB/s an SM's bulk stores are built for fill an NVLink4
+// direction (450 GB/s); the wide unpermute before it runs on every SM.
+constexpr int kV2CombineMaxBlocks = 8;
 // Whole-row stages a send block keeps in flight, at most, and the fewest a row may be cut into
 // pieces for (rows too large for kV2MinStages whole stages travel in pieces).
 constexpr int kV2MaxStages = 12;

@@ -20,11 +20,11 @@
 
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "xla_ffi/cuda/testing/hook_support.h"
 #include "xla_ffi/cuda/testing/copy_ceiling.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
 #include "xla_ffi/cuda/testing/v2_hooks.h"
-#include "xla_ffi/cuda/v2_layout.h"
 #include "xla_ffi/cuda/testing/v2_reference.h"
+#include "xla_ffi/cuda/v2_layout.h"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/fp8.h"
 

@@ -18,8 +18,8 @@
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cuda/testing/hook_support.h"
-#include "xla_ffi/cuda/v2_layout.h"
 #include "xla_ffi/cuda/testing/v2_reference.h"
+#include "xla_ffi/cuda/v2_layout.h"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/fp8.h"
 
