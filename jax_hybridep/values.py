@@ -9,6 +9,7 @@ docs/errors.md lists what each public function checks.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Sequence
@@ -161,6 +162,18 @@ def check_output_path(name: str, path) -> str:
     if not os.access(target, os.W_OK | (os.X_OK if target == parent else 0)):
         raise ValueError(f"{name}={path!r} is not writable (no write permission on {target!r})")
     return path
+
+
+def output_path_arg(text: str) -> str:
+    """argparse `type=` for an output path flag: '' (skip the output) or a path that
+    check_output_path accepts, so a bad path fails at parse time with argparse's one-line usage
+    error (exit 2) before anything is computed."""
+    if text == "":
+        return text
+    try:
+        return check_output_path("path", text)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("path=")) from None
 
 
 def make_parent_dirs(path: str) -> None:
