@@ -113,8 +113,8 @@ def padded_level_bytes(topology: Topology, tokens: int, hidden: int, dtype) -> l
 
 def padded_buffer_bytes(level_sizes, tokens: int, hidden: int, itemsize: int) -> list[int]:
     """`padded_level_bytes` from the level sizes alone."""
-    level_sizes = check_ints("level_sizes", level_sizes, 1)
-    check_int("tokens", tokens, 1)
+    level_sizes = check_ints("level_sizes", level_sizes, 1, min_len=0)  # none: nothing moves
+    check_int("tokens", tokens, 0)
     check_int("hidden", hidden, 1)
     check_int("itemsize", itemsize, 1)
     out, held = [], tokens

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep.values import check_int
+from jax_hybridep.values import check_int, check_ints
 from jax_hybridep.xdc import wire
 
 SHARED_VARIANTS = ("persistent", "mean", "none")
@@ -97,6 +97,8 @@ class Migration:
 
 def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
     """k: entries of one matrix sent at compression `compression` (all of them when None)."""
+    check_int("num_entries", num_entries, 0)
+    wire.compressed(compression)  # ValueError unless None or a finite number > 0
     if compression is None:
         return num_entries
     return wire.topk_count(num_entries, compression, np.dtype(dtype).itemsize)
@@ -104,6 +106,7 @@ def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
 
 def sent_bytes(matrix_shape, dtype, compression: float | None) -> int:
     """Bytes one expert matrix of `matrix_shape` costs on the wire."""
+    check_ints("matrix_shape", matrix_shape, 0, min_len=0)
     n, value_bytes = math.prod(matrix_shape), np.dtype(dtype).itemsize
     if compression is None:
         return n * value_bytes
@@ -112,6 +115,7 @@ def sent_bytes(matrix_shape, dtype, compression: float | None) -> int:
 
 def top_k(rows, k: int):
     """(values, int32 indices) of the k entries of largest magnitude of each row [..., n]."""
+    check_int("k", k, 1, jnp.shape(rows)[-1], what=f"an int in [1, n={jnp.shape(rows)[-1]}]")
     _, index = jax.lax.top_k(jnp.abs(rows), k)
     return jnp.take_along_axis(rows, index, axis=-1), index.astype(jnp.int32)
 

@@ -31,6 +31,7 @@ import jax
 
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
+from jax_hybridep.values import check_int, check_type, is_int
 from jax_hybridep.xdc import compress, geometry, migrate
 from jax_hybridep.xdc.compress import Migration
 
@@ -77,7 +78,19 @@ class ExpertDomains:
           grad_compression: top-k ratio of the gradients' reduce-scatter with error feedback,
             or None / <= 1 for none (exact). Not exact when set.
         """
+        check_type("mesh", mesh, jax.sharding.Mesh, "a jax.sharding.Mesh")
+        check_type("topology", topology, Topology, "a jax_hybridep.Topology")
+        if (tuple(mesh.axis_names), tuple(mesh.devices.shape)) != (
+            topology.mesh_axes,
+            topology.mesh_shape,
+        ):
+            raise ValueError(
+                f"the topology was built for mesh {topology.mesh_dict}, not this mesh "
+                f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}"
+            )
         names = [level[0] for level in topology.levels]
+        if isinstance(sizes, str) or not isinstance(sizes, Mapping | Sequence):
+            raise TypeError(f"sizes must be {{level: S}} or one S per level, got {sizes!r}")
         if isinstance(sizes, Mapping):
             unknown = sorted(set(sizes) - set(names))
             if unknown:
@@ -86,6 +99,9 @@ class ExpertDomains:
                     f"{topology.levels}"
                 )
             sizes = [sizes.get(name, 1) for name in names]
+        bad = [s for s in sizes if not is_int(s)]
+        if bad:  # a fractional size would be truncated (1.5 -> 1: plain EP without a word)
+            raise ValueError(f"domain sizes must be ints, got {list(sizes)}")
         sizes = tuple(int(s) for s in sizes)
         if len(sizes) != len(topology.levels):
             raise ValueError(
@@ -161,6 +177,7 @@ class ExpertDomains:
 
     def local_experts(self, num_experts: int) -> int:
         """E_local: experts each rank owns."""
+        check_int("num_experts", num_experts, 1)
         ep = self.topology.ep_size
         if num_experts % ep:
             raise ValueError(
@@ -182,6 +199,7 @@ class ExpertDomains:
 
     def dispatch_config(self, config: DispatchConfig) -> DispatchConfig:
         """`config` with the replica placement and S * E_local slots per rank."""
+        check_type("config", config, DispatchConfig, "a jax_hybridep.DispatchConfig")
         e = config.num_experts
         return dataclasses.replace(
             config,
@@ -226,6 +244,8 @@ class ExpertDomains:
     def gather_bytes(self, weights: Sequence[jax.Array]) -> dict[str, int]:
         """Bytes one rank receives per inner axis in the forward all-gather of `weights`
         (shapes per shard, [E_local, ...]), as sent: compressed when compression is on."""
+        if not isinstance(weights, Sequence) or not weights:
+            raise TypeError(f"weights must be a non-empty sequence of arrays, got {weights!r}")
         per_expert = sum(
             compress.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights
         )

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hybridep import compat
+from jax_hybridep.values import check_ints
 from jax_hybridep.xdc.compress import Migration, kept_entries, scatter_rows, top_k
 
 GATHER_SCOPE = "xdc_gather"  # named scopes, so op_names tell the migration's collectives apart
@@ -174,6 +175,8 @@ def feedback_shapes(shapes: Sequence[tuple[int, ...]], sizes: Sequence[int]):
     """Per inner axis (sizes `S_i`, slow -> fast), per matrix of per-shard shape [E, ...], the
     per-shard shape of its error-feedback residual: the gradient entering that axis's
     reduce-scatter, `[prod_{m <= i} S_m * E, ...]`."""
+    sizes = check_ints("sizes", sizes, 1, min_len=0)
+    shapes = [check_ints("shapes[i]", s, 0) for s in shapes]
     out, held = [], 1
     for size in sizes:
         held *= size
