@@ -208,6 +208,10 @@ class ExpertDomains:
           feedback: per inner axis per matrix, the error-feedback residuals (gradient
             compression; shapes `feedback_shapes`).
         """
+        if isinstance(weights, str) or not isinstance(weights, Sequence):  # not one array
+            raise TypeError(
+                f"weights must be a sequence of arrays (one per matrix), got {weights!r}"
+            )
         weights = tuple(weights)
         if not self.inner_axes:
             return weights
