@@ -15,8 +15,10 @@
 * `paper` and `reproduction` (imported on their own, or run as `python -m jax_hybridep.xdc.paper`):
   the paper's tables reproduced, with pass / fail tiers.
 
-The SR compression ratio (full bytes / bytes sent) is called `compression` throughout; the Flax
-block and the training examples name it `domain_compression`, beside `expert_domains`.
+`Migration` is the one value of cross-DC EP everywhere (the Flax block, the planner's `Workload`,
+`volumes`, the examples): the domains and how experts travel. Its SR compression ratio (full
+bytes / bytes sent) is called `compression` throughout; the training examples' flag is
+`--domain_compression`, beside `--domains`.
 """
 
 from jax_hybridep.xdc import compress, cost, domains, migrate, planner, replanning, volumes

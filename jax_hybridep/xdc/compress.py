@@ -54,12 +54,12 @@ class Migration:
         {axis: S} mapping or ((axis, S), ...) pairs (kept as pairs); levels left out have S = 1.
         Empty: no domains (plain EP); the planner (`xdc.plan`) chooses domains itself and does
         not read them.
-      compression: SR compression ratio of the forward gather (full bytes / bytes sent); None
-        (or <= 1 when built by `make`) sends experts whole, exact.
+      compression: SR compression ratio of the forward gather (full bytes / bytes sent, > 1);
+        None sends experts whole, exact.
       shared: the SR reference, one of `SHARED_VARIANTS` (used only with compression).
       sync_every: "persistent": steps between refreshes of the shared expert (>= 1).
-      grad_compression: ratio of the gradients' reduce-scatter, top-k with error feedback; None
-        returns gradients whole (exact). Opt-in; not exact.
+      grad_compression: ratio (> 1) of the gradients' reduce-scatter, top-k with error feedback;
+        None returns gradients whole (exact). Opt-in; not exact.
     """
 
     domains: tuple[tuple[str, int], ...] = ()
@@ -82,15 +82,6 @@ class Migration:
                 f"Migration.shared must be one of {SHARED_VARIANTS}, got {self.shared!r}"
             )
         check_int("Migration.sync_every", self.sync_every, 1)
-
-    @classmethod
-    def make(
-        cls, compression=None, shared="persistent", sync_every=1, grad_compression=None
-    ) -> Migration:
-        """Settings (no domains) from user values: a ratio that is None or <= 1 means "off"
-        (ValueError for one that is not a positive number)."""
-        off = lambda r: None if not wire.compressed(r) else float(r)  # noqa: E731
-        return cls((), off(compression), shared, sync_every, off(grad_compression))
 
     def with_domains(self, domains) -> Migration:
         """These settings over other domains (a mapping or pairs, as `domains`)."""

@@ -31,7 +31,7 @@ import sys
 import numpy as np
 
 from jax_hybridep.values import make_parent_dirs, output_path_arg
-from jax_hybridep.xdc import cost, planner, volumes
+from jax_hybridep.xdc import compress, cost, planner, volumes
 
 MB = 1e6  # the paper's MB
 GBPS = 1e9 / 8  # bytes/s per Gbit/s
@@ -175,8 +175,8 @@ def workload(
         hidden=HIDDEN,
         act_bytes=ACT_BYTES,
         expert_bytes=expert_bytes,
-        compression=compression,
-        shared="mean",  # as recorded in docs/crossdc_model.md: the shared expert synced each step
+        # As recorded in docs/crossdc_model.md: the shared expert synced each step.
+        migration=compress.Migration(compression=compression, shared="mean"),
         layers=LAYERS,
         training=True,
         compute=compute,
