@@ -26,7 +26,7 @@ from train_moe import TrainConfig, model_config
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
 from jax_hybridep.nn.router import route
-from jax_hybridep.xdc import migrate
+from jax_hybridep.xdc.runtime import migrate
 
 ACT_BYTES = 4  # the example model's float32 activations and parameters
 

@@ -26,8 +26,8 @@ from train_harness import EXAMPLES, TINY, train_config, train_moe
 from train_harness import train as _train
 
 from jax_hybridep import traffic, xdc
-from jax_hybridep.xdc import migrate
-from jax_hybridep.xdc.domains import INNER_SUFFIX
+from jax_hybridep.xdc.runtime import migrate
+from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
 
 @pytest.fixture(autouse=True)

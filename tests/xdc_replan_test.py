@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jax_hybridep import xdc
-from jax_hybridep.xdc import cost, planner
+from jax_hybridep.xdc.model import cost, planner
 
 GBPS = 1e9 / 8
 

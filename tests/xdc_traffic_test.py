@@ -18,7 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import traffic
-from jax_hybridep.xdc import compress, cost, domains, migrate, volumes
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, volumes
+from jax_hybridep.xdc.runtime import domains, migrate
 
 GROUPS = "mesh['dc'=2,'local'=2]"
 HLO = f"""
@@ -109,11 +111,11 @@ def _compressed_step(mesh, topo, migration, layers):
 
 
 SR_CASES = [  # (layers, DCs, domain, migration: SR 8x with ...)
-    (2, 2, 2, compress.Migration(compression=8.0, shared="mean")),
-    (4, 4, 4, compress.Migration(compression=8.0, shared="mean")),
-    (2, 4, 4, compress.Migration(compression=8.0, shared="persistent")),
-    (2, 2, 2, compress.Migration(compression=8.0, shared="none", grad_compression=8.0)),
-    (2, 4, 2, compress.Migration(compression=8.0, shared="persistent", grad_compression=4.0)),
+    (2, 2, 2, Migration(compression=8.0, shared="mean")),
+    (4, 4, 4, Migration(compression=8.0, shared="mean")),
+    (2, 4, 4, Migration(compression=8.0, shared="persistent")),
+    (2, 2, 2, Migration(compression=8.0, shared="none", grad_compression=8.0)),
+    (2, 4, 2, Migration(compression=8.0, shared="persistent", grad_compression=4.0)),
 ]
 
 

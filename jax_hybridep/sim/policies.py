@@ -6,8 +6,8 @@ from __future__ import annotations
 from jax_hybridep.sim.cluster import Datacenters, MoELayer
 from jax_hybridep.sim.moe_step import StepTime, check_inputs, step_time
 from jax_hybridep.values import check_int, check_real
-from jax_hybridep.xdc import cost, planner
-from jax_hybridep.xdc.compress import Migration
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, planner
 
 
 def lower_bound(c: Datacenters, w: MoELayer, domain: int) -> float:

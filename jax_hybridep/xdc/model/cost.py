@@ -24,7 +24,7 @@ import numbers
 from collections.abc import Sequence
 
 from jax_hybridep.values import check_bool, check_int, check_real, check_type
-from jax_hybridep.xdc.volumes import Volumes
+from jax_hybridep.xdc.model.volumes import Volumes
 
 # -- 1. The paper's stream model -------------------------------------------------------------
 

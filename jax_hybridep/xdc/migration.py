@@ -1,44 +1,15 @@
-"""What travels when experts migrate inside a domain: the settings (`Migration`) and the top-k
-value-index code that SR compression and gradient compression share.
-
-SR compression (HybridEP's parameter-efficient migration) sends each migrated expert as the top-k
-entries, by magnitude, of its residual from a reference expert, per matrix, in value-index form:
-`k = max(1, floor(n * value_bytes / (ratio * (value_bytes + 4))))` values in the weights' dtype and
-k int32 indices for a matrix of n entries, so `ratio` is full bytes / bytes sent (`wire`). The
-receiver decodes reference + scatter(values at indices). The reference (`Migration.shared`):
-
-* "persistent" (the paper's, the default): one shared expert per layer, initialised as the mean of
-  the layer's experts and kept as state; every `sync_every` steps it is refreshed to the mean of
-  the current experts by an all-reduce whose result is used from the next step on, so nothing in
-  the step waits for it. Between refreshes it is stale: what is decoded is not a function of the
-  current experts alone (not exact, as no SR is).
-* "mean": the mean of the domain's experts, recomputed every step by an all-reduce over the
-  domain before the gather (on the critical path).
-* "none": no reference, the top-k of the weights themselves (the paper's "w/o shared expert"
-  ablation).
-
-Decoding is lossless exactly when a residual has at most k nonzero entries per matrix (then values
-and gradients equal plain EP's); otherwise SR is lossy. Gradients are straight-through: each
-decoded replica is treated as its owner's exact expert.
-
-Gradient compression (`Migration.grad_compression`, opt-in, not exact): the replicas' gradients
-return to their owners as the top-k (same k rule) of gradient + error-feedback residual; what is
-not sent stays in the sender's residual and is added to the next step's gradient, so over steps
-every gradient entry is eventually delivered (the sum delivered plus the residual left equals the
-sum of the true gradients).
+"""`Migration`: cross-DC expert parallelism as one value, the domains (where experts move) and
+how they travel (SR compression and its reference, gradient compression). Plain Python, shared by
+the runtime (`runtime.domains`, `runtime.migrate`), the cost model and planner (`model`) and the
+Flax block (`nn.MoEBlock(migration=...)`); what each setting does is in `runtime.compress`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jax_hybridep.values import check_int, check_ints
+from jax_hybridep.values import check_int
 from jax_hybridep.xdc import wire
 
 SHARED_VARIANTS = ("persistent", "mean", "none")
@@ -116,34 +87,3 @@ def _domain_pairs(domains) -> tuple[tuple[str, int], ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"Migration.domains names a level twice: {names}")
     return tuple((name, int(size)) for name, size in pairs)
-
-
-def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
-    """k: entries of one matrix sent at compression `compression` (all of them when None)."""
-    check_int("num_entries", num_entries, 0)
-    wire.compressed(compression)  # ValueError unless None or a finite number > 0
-    if compression is None:
-        return num_entries
-    return wire.topk_count(num_entries, compression, np.dtype(dtype).itemsize)
-
-
-def sent_bytes(matrix_shape, dtype, compression: float | None) -> int:
-    """Bytes one expert matrix of `matrix_shape` costs on the wire."""
-    check_ints("matrix_shape", matrix_shape, 0, min_len=0)
-    n, value_bytes = math.prod(matrix_shape), np.dtype(dtype).itemsize
-    if compression is None:
-        return n * value_bytes
-    return kept_entries(n, dtype, compression) * (value_bytes + wire.INDEX_BYTES)
-
-
-def top_k(rows, k: int):
-    """(values, int32 indices) of the k entries of largest magnitude of each row [..., n]."""
-    check_int("k", k, 1, jnp.shape(rows)[-1], what=f"an int in [1, n={jnp.shape(rows)[-1]}]")
-    _, index = jax.lax.top_k(jnp.abs(rows), k)
-    return jnp.take_along_axis(rows, index, axis=-1), index.astype(jnp.int32)
-
-
-def scatter_rows(base, values, index):
-    """base [R, n] + values [R, k] added at `index` [R, k] (rows decoded from value-index form)."""
-    rows = jnp.arange(values.shape[0])[:, None]
-    return base.at[rows, index].add(values.astype(base.dtype))

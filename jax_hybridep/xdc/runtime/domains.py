@@ -32,8 +32,9 @@ import jax
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_int, check_type
-from jax_hybridep.xdc import compress, geometry, migrate
-from jax_hybridep.xdc.compress import Migration
+from jax_hybridep.xdc import geometry, wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.runtime import migrate
 
 INNER_SUFFIX = "_domain"
 
@@ -227,9 +228,7 @@ class ExpertDomains:
         (shapes per shard, [E_local, ...]), as sent: compressed when compression is on."""
         if not isinstance(weights, Sequence) or not weights:
             raise TypeError(f"weights must be a non-empty sequence of arrays, got {weights!r}")
-        per_expert = sum(
-            compress.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights
-        )
+        per_expert = sum(wire.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights)
         e_local, held, out = weights[0].shape[0], 1, {}
         for axis, size in zip(self.inner_axes, self.inner_sizes, strict=True):
             out[axis] = (size - 1) * held * e_local * per_expert

@@ -34,7 +34,9 @@ from jax_hybridep.values import (
     check_type,
     is_real,
 )
-from jax_hybridep.xdc import compress, cost, volumes, wire
+from jax_hybridep.xdc import wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, volumes
 
 # The Workload fields `volumes.expected_volumes` / `routed_volumes` take as they are.
 _VOLUME_FIELDS = ("num_experts", "hidden", "act_bytes", "expert_bytes", "expert_matrices",
@@ -77,7 +79,7 @@ class Workload:
     expert_bytes: int | None = None
     expert_matrices: tuple | None = None
     value_bytes: int = 4
-    migration: compress.Migration = compress.Migration()
+    migration: Migration = Migration()
     prefetch: bool = False
     layers: int = 1
     training: bool = True
@@ -107,7 +109,7 @@ class Workload:
                 raise ValueError(f"Workload.{name} must be seconds >= 0, got {value!r}")
         check_bool("Workload.prefetch", self.prefetch)
         check_bool("Workload.training", self.training)
-        if not isinstance(self.migration, compress.Migration):
+        if not isinstance(self.migration, Migration):
             raise TypeError(
                 f"Workload.migration must be a jax_hybridep.xdc.Migration, got {self.migration!r}"
             )
