@@ -185,6 +185,7 @@ class MoEBlock(nnx.Module):
         `experts`: this block's gather, already done (`nn.migration.prefetch_experts`); by
         default a block with domains gathers its experts itself.
         """
+        _check_input(x, self.router.gate.shape[0], experts)
         lead, d_model = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, d_model)
         shards = self.mesh.devices.size
@@ -312,8 +313,21 @@ class MoEBlock(nnx.Module):
     def update_state(self, aux: MoEAux):
         """After a training step: the router bias step and, with a persistent SR shared
         expert, its value after the step (and its clock)."""
+        if not isinstance(aux, MoEAux):
+            raise TypeError(f"aux must be the MoEAux the block returned, got {aux!r}")
         self.update_router_bias(aux.tokens_per_expert)
         if aux.sr_shared is not None:
             for ref, value in zip(self.sr_reference, aux.sr_shared, strict=True):
                 ref[...] = value
             self.sr_clock[...] = self.sr_clock[...] + 1
+
+
+def _check_input(x, d_model: int, experts) -> None:
+    """MoEBlock's call arguments at trace time: x [..., d_model] floating (integer input would
+    be computed in the experts' dtype and cast back to integers), experts Gathered or None."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"MoEBlock: x must be floating point, got {jnp.result_type(x)}")
+    if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != d_model:
+        raise ValueError(f"MoEBlock: x must be [..., d_model={d_model}], got shape {jnp.shape(x)}")
+    if experts is not None and not isinstance(experts, Gathered):
+        raise TypeError(f"experts must be a Gathered (prefetch_experts) or None, got {experts!r}")

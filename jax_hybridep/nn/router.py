@@ -104,6 +104,7 @@ jax.tree_util.register_dataclass(
 def route(logits, bias, config: RouterConfig) -> RouterOutput:
     """Routes tokens from gate logits [N, E]; `bias` [E] only steers selection (aux-loss-free)."""
     logits = logits.astype(jnp.float32)
+    _check_route(logits, bias, config)
     n, num_experts = logits.shape
     if config.score_fn == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
@@ -141,6 +142,9 @@ class Router(nnx.Module):
     def __init__(
         self, d_model: int, config: RouterConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32
     ):
+        check_int("d_model", d_model, 1)
+        if not isinstance(config, RouterConfig):
+            raise TypeError(f"config must be a jax_hybridep.nn.RouterConfig, got {config!r}")
         self.config = config
         init = nnx.initializers.normal(stddev=d_model**-0.5)
         self.gate = nnx.Param(init(rngs.params(), (d_model, config.num_experts), param_dtype))
@@ -153,8 +157,25 @@ class Router(nnx.Module):
 
     def update_bias(self, tokens_per_expert):
         """DeepSeek-V3's auxiliary-loss-free step: raise the bias of under-loaded experts."""
+        if jnp.shape(tokens_per_expert) != (self.config.num_experts,):
+            raise ValueError(
+                f"tokens_per_expert must be [E] = [{self.config.num_experts}], got shape "
+                f"{jnp.shape(tokens_per_expert)}"
+            )
         if self.config.bias_update_rate == 0.0:
             return
         load = tokens_per_expert.astype(jnp.float32)
         step = self.config.bias_update_rate * jnp.sign(jnp.mean(load) - load)
         self.bias[...] = self.bias[...] + step
+
+
+def _check_route(logits, bias, config) -> None:
+    """route's arguments at trace time: config a RouterConfig, logits [N, E] and bias [E] with E
+    the config's experts."""
+    if not isinstance(config, RouterConfig):
+        raise TypeError(f"config must be a jax_hybridep.nn.RouterConfig, got {config!r}")
+    e = config.num_experts
+    if logits.ndim != 2 or logits.shape[1] != e:
+        raise ValueError(f"logits must be [N, E={e}] (one per expert), got shape {logits.shape}")
+    if jnp.shape(bias) != (e,):
+        raise ValueError(f"bias must be [E] = [{e}], got shape {jnp.shape(bias)}")
