@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import traffic
-from jax_hybridep.xdc import cost, domains, migrate, volumes
+from jax_hybridep.xdc import compress, cost, domains, migrate, volumes
 
 GROUPS = "mesh['dc'=2,'local'=2]"
 HLO = f"""
@@ -72,7 +72,9 @@ def _compressed_step(mesh, topo, sizes, layers, compression, **migration):
     """HLO of the forward and backward of the SR-compressed gathers of `layers` layers' three
     expert matrices (E = 16), with the persistent reference and the error feedback as inputs
     where the migration keeps them, and the reference's refresh as a block runs it."""
-    doms = domains.ExpertDomains.from_mesh(mesh, topo, sizes, compression, **migration)
+    doms = domains.ExpertDomains.from_mesh(
+        mesh, topo, compress.Migration(sizes, compression, **migration)
+    )
     mig = doms.migration
     shapes = [(16, 8, 12), (16, 8, 12), (16, 12, 8)] * layers
     spec, every = P(doms.expert_axes), P(tuple(doms.mesh.axis_names))

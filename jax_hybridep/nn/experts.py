@@ -1,4 +1,5 @@
-"""Per-shard expert computation over expert-major rows (the output of `dispatch`).
+"""The experts' settings (`ExpertConfig`) and their per-shard computation over expert-major rows
+(the output of `dispatch`).
 
 `group_sizes[e]` consecutive rows belong to local expert e, packed from row 0; rows after the
 last group are padding. On GPUs the experts run as `jax.lax.ragged_dot`. On CPU `ragged_dot`
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hybridep import compat
-from jax_hybridep.values import check_bool, check_real
+from jax_hybridep.values import check_bool, check_int, check_real
 
 GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 ACTIVATIONS = GATED_ACTIVATIONS + ("relu", "gelu", "gelu_tanh")
@@ -95,6 +96,77 @@ class FFN:
 
         gate = proj("gate", x) if self.gated else None
         return proj("down", self.hidden(proj("up", x), gate))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertConfig:
+    """What each routed expert (and the optional always-on shared expert) is.
+
+    Attributes:
+      d_ff: each routed expert's hidden width F.
+      shared_ff: hidden width of an always-on shared expert applied to every token, or None
+        for none.
+      dtype: compute dtype of the experts (the dispatched rows travel in it); a floating dtype.
+      param_dtype: dtype the expert (and router) parameters are stored in; a floating dtype.
+      activation: the experts' FFN (`ACTIVATIONS`): "swiglu", GPT-OSS's "clamped_swiglu", or
+        non-gated "relu", "gelu", "gelu_tanh" (no w_gate). The shared expert uses it too.
+      glu_limit, glu_alpha: "clamped_swiglu"'s clamp and sigmoid slope (GPT-OSS: 7.0, 1.702).
+      expert_bias: each expert projection has a bias (b_gate, b_up [E, F], b_down [E, H];
+        GPT-OSS, NLLB-MoE); the shared expert has none.
+      shared_gate: the shared expert's output is scaled per token by sigmoid(x @ w [H, 1])
+        (Qwen2-MoE); needs shared_ff.
+      weight_input: the routing weight scales each row before its expert and the outputs are
+        combined unweighted (Llama-4), instead of weighting the outputs.
+    """
+
+    d_ff: int
+    shared_ff: int | None = None
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    activation: str = "swiglu"
+    glu_limit: float = 7.0
+    glu_alpha: float = 1.702
+    expert_bias: bool = False
+    shared_gate: bool = False
+    weight_input: bool = False
+
+    def __post_init__(self):
+        check_int("ExpertConfig.d_ff", self.d_ff, 1)
+        if self.shared_ff is not None:
+            check_int("ExpertConfig.shared_ff", self.shared_ff, 1)
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, _floating(f"ExpertConfig.{name}", getattr(self, name)))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"ExpertConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}"
+            )
+        check_real("ExpertConfig.glu_limit", self.glu_limit, positive=True)
+        check_real("ExpertConfig.glu_alpha", self.glu_alpha, positive=True)
+        for name in ("expert_bias", "shared_gate", "weight_input"):
+            check_bool(f"ExpertConfig.{name}", getattr(self, name))
+        if self.shared_gate and self.shared_ff is None:
+            raise ValueError("ExpertConfig.shared_gate=True gates a shared expert: set shared_ff")
+
+    @property
+    def ffn(self) -> FFN:
+        """The routed experts' rule."""
+        return FFN(self.activation, self.glu_limit, self.glu_alpha, self.expert_bias)
+
+    @property
+    def shared_ffn(self) -> FFN:
+        """The shared expert's rule (the same activation, no biases)."""
+        return FFN(self.activation, self.glu_limit, self.glu_alpha, False)
+
+
+def _floating(name: str, value) -> jnp.dtype:
+    """value as a floating jnp dtype (TypeError otherwise)."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype (e.g. jnp.bfloat16), got {value!r}")
+    return dtype
 
 
 def swiglu(x, w_gate, w_up, w_down):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +46,14 @@ SHARED_VARIANTS = ("persistent", "mean", "none")
 
 @dataclasses.dataclass(frozen=True)
 class Migration:
-    """How experts travel inside a domain.
+    """Cross-DC expert parallelism as one value: where experts move (the domains) and how they
+    travel (SR compression and its reference, gradient compression).
 
     Attributes:
+      domains: per EP level (named by its first mesh axis), the domain size S, as a
+        {axis: S} mapping or ((axis, S), ...) pairs (kept as pairs); levels left out have S = 1.
+        Empty: no domains (plain EP); the planner (`xdc.plan`) chooses domains itself and does
+        not read them.
       compression: SR compression ratio of the forward gather (full bytes / bytes sent); None
         (or <= 1 when built by `make`) sends experts whole, exact.
       shared: the SR reference, one of `SHARED_VARIANTS` (used only with compression).
@@ -56,12 +62,14 @@ class Migration:
         returns gradients whole (exact). Opt-in; not exact.
     """
 
+    domains: tuple[tuple[str, int], ...] = ()
     compression: float | None = None
     shared: str = "persistent"
     sync_every: int = 1
     grad_compression: float | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "domains", _domain_pairs(self.domains))
         for name in ("compression", "grad_compression"):
             value = getattr(self, name)
             if value is not None and not wire.compressed(value):
@@ -79,10 +87,14 @@ class Migration:
     def make(
         cls, compression=None, shared="persistent", sync_every=1, grad_compression=None
     ) -> Migration:
-        """Settings from user values: a ratio that is None or <= 1 means "off" (ValueError for
-        one that is not a positive number)."""
+        """Settings (no domains) from user values: a ratio that is None or <= 1 means "off"
+        (ValueError for one that is not a positive number)."""
         off = lambda r: None if not wire.compressed(r) else float(r)  # noqa: E731
-        return cls(off(compression), shared, sync_every, off(grad_compression))
+        return cls((), off(compression), shared, sync_every, off(grad_compression))
+
+    def with_domains(self, domains) -> Migration:
+        """These settings over other domains (a mapping or pairs, as `domains`)."""
+        return dataclasses.replace(self, domains=domains)
 
     @property
     def exact(self) -> bool:
@@ -93,6 +105,26 @@ class Migration:
     def persistent(self) -> bool:
         """Whether a persistent shared expert is kept as state (SR with shared="persistent")."""
         return self.compression is not None and self.shared == "persistent"
+
+
+def _domain_pairs(domains) -> tuple[tuple[str, int], ...]:
+    """`Migration.domains` as ((axis, S), ...): names unique, sizes ints >= 1."""
+    items = domains.items() if isinstance(domains, Mapping) else domains
+    try:
+        pairs = tuple((name, size) for name, size in items)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"Migration.domains must map level axes to domain sizes, e.g. {{'dc': 2}}, got "
+            f"{domains!r}"
+        ) from None
+    for name, size in pairs:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Migration.domains names a level by {name!r}, not an axis name")
+        check_int(f"Migration.domains[{name!r}]", size, 1)
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Migration.domains names a level twice: {names}")
+    return tuple((name, int(size)) for name, size in pairs)
 
 
 def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
