@@ -1,0 +1,255 @@
+"""HuggingFace MoE tensor layouts: which tensors hold a layer's router, experts, biases and shared
+expert, and how each becomes one of the block's parameters.
+
+Names are relative to the layer's MoE module (e.g. "model.layers.3.mlp"). HF linear weights are
+stored [out, in]; the block's are [in, out], experts stacked [E, in, out]. A `PerExpert` source is
+one tensor per expert (Mixtral, Qwen, DeepSeek, ...); a `Fused` one holds every expert along its
+first axis (DBRX, Granite-MoE, Llama-4, GPT-OSS, transformers' in-memory "stacked" layout), so
+any set of experts is read as slices of it: a loader that reads lazily (safetensors) reads only
+those experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+
+def _t(a):
+    """[n, out, in] -> [n, in, out]."""
+    return np.swapaxes(a, -1, -2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerExpert:
+    """One tensor per expert: `template` with {i}; `transpose`: HF [out, in] -> [in, out]."""
+
+    template: str
+    transpose: bool = True
+
+    def expected(self, num_experts: int, per_expert: tuple, dims: Mapping) -> dict[str, tuple]:
+        """Every tensor it reads -> its expected shape."""
+        shape = per_expert[::-1] if self.transpose else per_expert
+        return {self.template.format(i=i): shape for i in range(num_experts)}
+
+    def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
+        arrays = [np.asarray(get(self.template.format(i=int(e)))[...]) for e in experts]
+        stacked = np.stack(arrays)
+        return _t(stacked) if self.transpose else stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """One tensor, `rows(dims)` rows per expert on its first axis; `stored(E, dims)` its shape;
+    `take(a, dims)` turns the rows of n experts (concatenated) into the block's [n, ...]."""
+
+    name: str
+    stored: Callable[[int, Mapping], tuple]
+    take: Callable[[np.ndarray, Mapping], np.ndarray]
+    rows: Callable[[Mapping], int] = lambda dims: 1
+
+    def expected(self, num_experts: int, per_expert: tuple, dims: Mapping) -> dict[str, tuple]:
+        """Every tensor it reads -> its expected shape."""
+        return {self.name: self.stored(num_experts, dims)}
+
+    def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
+        tensor, r = get(self.name), self.rows(dims)
+        parts = [np.asarray(tensor[int(e) * r : (int(e) + 1) * r]) for e in experts]
+        return self.take(np.concatenate(parts), dims)
+
+
+def _cat_gate(a, d):  # [n, 2F, H], gate rows first -> [n, H, F]
+    return _t(a[:, : d["F"]])
+
+
+def _cat_up(a, d):
+    return _t(a[:, d["F"] :])
+
+
+def _stacked(gate_up: str, down: str) -> dict:
+    """transformers' in-memory layout (and Granite-MoE's files): gate_up [E, 2F, H] (gate rows
+    first), down [E, H, F]."""
+    return {
+        "w_gate": Fused(gate_up, lambda e, d: (e, 2 * d["F"], d["H"]), _cat_gate),
+        "w_up": Fused(gate_up, lambda e, d: (e, 2 * d["F"], d["H"]), _cat_up),
+        "w_down": Fused(down, lambda e, d: (e, d["H"], d["F"]), lambda a, d: _t(a)),
+    }
+
+
+def _per_expert(gate: str, up: str, down: str) -> dict:
+    return {"w_gate": PerExpert(gate), "w_up": PerExpert(up), "w_down": PerExpert(down)}
+
+
+def _dbrx(name):
+    return Fused(
+        f"experts.mlp.{name}",
+        lambda e, d: (e * d["F"], d["H"]),
+        # w1, v1 rows are [F, H] per expert ([out, in]); w2's are [F, H] as the block keeps them.
+        (lambda a, d: a.reshape(-1, d["F"], d["H"]))
+        if name == "w2"
+        else (lambda a, d: _t(a.reshape(-1, d["F"], d["H"]))),
+        rows=lambda d: d["F"],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One family's tensor names under a layer's MoE module.
+
+    Attributes:
+      name: what to call it in messages.
+      router: the gate weight [E, H].
+      experts: the block's expert parameter name -> its source.
+      logit_bias: the router's learned bias [E], if the family has one.
+      selection_bias: the auxiliary-loss-free selection bias [E] (DeepSeek-V3's
+        e_score_correction_bias), if the family has one (then it is required).
+      shared: module names a shared expert may have (gate_proj/up_proj/down_proj in it).
+      shared_gate: the shared expert's sigmoid gate weight [1, H], if the family has one.
+    """
+
+    name: str
+    router: str
+    experts: Mapping
+    logit_bias: str | None = None
+    selection_bias: str | None = None
+    shared: tuple[str, ...] = ()
+    shared_gate: str | None = None
+
+    @property
+    def signature(self) -> tuple[str, ...]:
+        """Tensors whose presence says the layout is this one (expert 0's, for per-expert)."""
+        first = [
+            src.template.format(i=0) if isinstance(src, PerExpert) else src.name
+            for src in self.experts.values()
+        ]
+        return (self.router, *dict.fromkeys(first))
+
+
+_SHARED = dict(shared=("shared_expert", "shared_experts"), shared_gate="shared_expert_gate.weight")
+_V3 = "gate.e_score_correction_bias"
+
+MIXTRAL = Layout(
+    "mixtral (per expert w1/w3/w2)",
+    "gate.weight",
+    _per_expert("experts.{i}.w1.weight", "experts.{i}.w3.weight", "experts.{i}.w2.weight"),
+)
+PER_EXPERT = Layout(
+    "per-expert gate_proj/up_proj/down_proj",
+    "gate.weight",
+    _per_expert(
+        "experts.{i}.gate_proj.weight", "experts.{i}.up_proj.weight", "experts.{i}.down_proj.weight"
+    ),
+    **_SHARED,
+)
+PER_EXPERT_V3 = dataclasses.replace(
+    PER_EXPERT, name="per-expert with e_score_correction_bias", selection_bias=_V3
+)
+JAMBA = dataclasses.replace(
+    PER_EXPERT, name="jamba (router + per-expert)", router="router.weight", shared=(),
+    shared_gate=None,
+)
+STACKED = Layout(
+    "stacked experts.gate_up_proj [E, 2F, H] / down_proj [E, H, F]",
+    "gate.weight",
+    _stacked("experts.gate_up_proj", "experts.down_proj"),
+    **_SHARED,
+)
+STACKED_V3 = dataclasses.replace(
+    STACKED, name="stacked with e_score_correction_bias", selection_bias=_V3
+)
+JAMBA_STACKED = dataclasses.replace(
+    STACKED, name="jamba stacked", router="router.weight", shared=(), shared_gate=None
+)
+DBRX = Layout(
+    "dbrx (experts.mlp.w1/v1/w2 [E*F, H])",
+    "router.layer.weight",
+    {"w_gate": _dbrx("w1"), "w_up": _dbrx("v1"), "w_down": _dbrx("w2")},
+)
+GRANITE = Layout(
+    "granitemoe (input_linear [E, 2F, H] / output_linear [E, H, F])",
+    "router.layer.weight",
+    _stacked("input_linear.weight", "output_linear.weight"),
+)
+LLAMA4 = Layout(
+    "llama4 (experts.gate_up_proj [E, H, 2F] / down_proj [E, F, H])",
+    "router.weight",
+    {
+        "w_gate": Fused(
+            "experts.gate_up_proj",
+            lambda e, d: (e, d["H"], 2 * d["F"]),
+            lambda a, d: a[..., : d["F"]],
+        ),
+        "w_up": Fused(
+            "experts.gate_up_proj",
+            lambda e, d: (e, d["H"], 2 * d["F"]),
+            lambda a, d: a[..., d["F"] :],
+        ),
+        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
+    },
+    shared=("shared_expert",),
+)
+GPT_OSS = Layout(
+    "gpt_oss (experts.gate_up_proj [E, H, 2F] interleaved, biases)",
+    "router.weight",
+    {
+        "w_gate": Fused(
+            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 0::2]
+        ),
+        "w_up": Fused(
+            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 1::2]
+        ),
+        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
+        "b_gate": Fused(
+            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 0::2]
+        ),
+        "b_up": Fused(
+            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 1::2]
+        ),
+        "b_down": Fused("experts.down_proj_bias", lambda e, d: (e, d["H"]), lambda a, d: a),
+    },
+    logit_bias="router.bias",
+)
+SWITCH = Layout(
+    "switch_transformers (experts.expert_{i}.wi/wo)",
+    "router.classifier.weight",
+    {
+        "w_up": PerExpert("experts.expert_{i}.wi.weight"),
+        "w_down": PerExpert("experts.expert_{i}.wo.weight"),
+    },
+    logit_bias="router.classifier.bias",
+)
+NLLB = Layout(
+    "nllb_moe (experts.expert_{i}.fc1/fc2 with biases)",
+    "router.classifier.weight",
+    {
+        "w_up": PerExpert("experts.expert_{i}.fc1.weight"),
+        "w_down": PerExpert("experts.expert_{i}.fc2.weight"),
+        "b_up": PerExpert("experts.expert_{i}.fc1.bias", transpose=False),
+        "b_down": PerExpert("experts.expert_{i}.fc2.bias", transpose=False),
+    },
+    logit_bias="router.classifier.bias",
+)
+
+# Each family's layouts: its hub files' first, then transformers' in-memory stacked one.
+FAMILY_LAYOUTS: dict[str, tuple[Layout, ...]] = {
+    "mixtral": (MIXTRAL, STACKED),
+    "qwen2_moe": (PER_EXPERT, STACKED),
+    "qwen3_moe": (PER_EXPERT, STACKED),
+    "deepseek_v2": (PER_EXPERT, STACKED),
+    "deepseek_v3": (PER_EXPERT_V3, STACKED_V3),
+    "glm4_moe": (PER_EXPERT_V3, STACKED_V3),
+    "olmoe": (PER_EXPERT, STACKED),
+    "jamba": (JAMBA, JAMBA_STACKED),
+    "dbrx": (DBRX,),
+    "granitemoe": (GRANITE,),
+    "llama4": (LLAMA4,),
+    "llama4_text": (LLAMA4,),
+    "gpt_oss": (GPT_OSS,),
+    "switch_transformers": (SWITCH,),
+    "nllb_moe": (NLLB,),
+}
+ALL_LAYOUTS: tuple[Layout, ...] = tuple(
+    dict.fromkeys(layout for layouts in FAMILY_LAYOUTS.values() for layout in layouts)
+)
