@@ -98,8 +98,7 @@ def build(config, mesh, backend):
     kwargs = hf.block_kwargs(config)
     topology = hep.Topology.from_mesh(mesh, ("node", "local"))
     dispatch = hep.DispatchConfig(num_experts=kwargs["router"].num_experts, backend=backend)
-    return hnn.MoEBlock(**kwargs, mesh=mesh, topology=topology, dispatch=dispatch,
-                        rngs=nnx.Rngs(0))  # fmt: skip
+    return hnn.MoEBlock(**kwargs, mesh=mesh, topology=topology, dispatch=dispatch, rngs=nnx.Rngs(0))
 
 
 def random_checkpoint(directory, config, block, seed):
@@ -135,9 +134,15 @@ def main(argv):
                 y, aux = nnx.jit(lambda b, x: b(x))(block, x)
                 outputs[backend] = (np.asarray(y), int(aux.dropped))
         (y_ffi, dropped), (y_xla, _) = outputs["ffi"], outputs["xla"]
-        same = "bitwise" if np.array_equal(y_ffi, y_xla) else f"max|diff| {abs(y_ffi - y_xla).max():.1e}"
-        print(f"{name:17s} {config['model_type']:20s} layout: {layout:58.58s} |y| {np.linalg.norm(y_ffi):7.3f}"
-              f"  dropped {dropped:3d}  ffi vs xla: {same}")  # fmt: skip
+        same = (
+            "bitwise"
+            if np.array_equal(y_ffi, y_xla)
+            else f"max|diff| {abs(y_ffi - y_xla).max():.1e}"
+        )
+        print(
+            f"{name:17s} {config['model_type']:20s} {layout[:44]:44s} |y| "
+            f"{np.linalg.norm(y_ffi):7.3f}  dropped {dropped:3d}  ffi vs xla: {same}"
+        )
 
 
 if __name__ == "__main__":

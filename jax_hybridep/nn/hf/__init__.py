@@ -5,7 +5,7 @@
   layers' tensors live.
 * `load_block(block, tensors, prefix)` / `load_checkpoint(path, blocks)`: the family's tensors
   (per-expert or fused layouts, as stored in its safetensors files) into the block's parameters,
-  sharded as the block's are (`nn.hf.loader`).
+  sharded as the block's are (`nn.hf.loader`, `nn.hf.checkpoint`).
 * `load_balancing_loss(auxes, top_k)`: HF's auxiliary loss, pooled over layers.
 
 docs/families.md lists the families and what each maps to.
@@ -17,8 +17,10 @@ from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
 
-from jax_hybridep.nn.hf.configs import FAMILIES, layer_prefixes, model_type, settings
-from jax_hybridep.nn.hf.loader import Checkpoint, load_block, load_checkpoint, tensor_shapes
+from jax_hybridep.nn.hf.checkpoint import Checkpoint, load_checkpoint
+from jax_hybridep.nn.hf.configs import FAMILIES, model_type, settings
+from jax_hybridep.nn.hf.loader import load_block, tensor_shapes
+from jax_hybridep.nn.hf.prefixes import layer_prefixes
 
 __all__ = [
     "FAMILIES",

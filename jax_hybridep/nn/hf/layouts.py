@@ -105,7 +105,8 @@ class Layout:
       logit_bias: the router's learned bias [E], if the family has one.
       selection_bias: the auxiliary-loss-free selection bias [E] (DeepSeek-V3's
         e_score_correction_bias), if the family has one (then it is required).
-      shared: module names a shared expert may have (gate_proj/up_proj/down_proj in it).
+      shared: the shared expert's module name (gate_proj/up_proj/down_proj in it), if the family
+        may have one.
       shared_gate: the shared expert's sigmoid gate weight [1, H], if the family has one.
     """
 
@@ -114,7 +115,7 @@ class Layout:
     experts: Mapping
     logit_bias: str | None = None
     selection_bias: str | None = None
-    shared: tuple[str, ...] = ()
+    shared: str | None = None
     shared_gate: str | None = None
 
     @property
@@ -127,7 +128,7 @@ class Layout:
         return (self.router, *dict.fromkeys(first))
 
 
-_SHARED = dict(shared=("shared_expert", "shared_experts"), shared_gate="shared_expert_gate.weight")
+_QWEN = dict(shared="shared_expert", shared_gate="shared_expert_gate.weight")
 _V3 = "gate.e_score_correction_bias"
 
 MIXTRAL = Layout(
@@ -141,26 +142,37 @@ PER_EXPERT = Layout(
     _per_expert(
         "experts.{i}.gate_proj.weight", "experts.{i}.up_proj.weight", "experts.{i}.down_proj.weight"
     ),
-    **_SHARED,
+    **_QWEN,
 )
-PER_EXPERT_V3 = dataclasses.replace(
-    PER_EXPERT, name="per-expert with e_score_correction_bias", selection_bias=_V3
+DEEPSEEK = dataclasses.replace(
+    PER_EXPERT, name="per-expert with shared_experts", shared="shared_experts", shared_gate=None
+)
+DEEPSEEK_V3 = dataclasses.replace(
+    DEEPSEEK, name="per-expert with shared_experts and e_score_correction_bias", selection_bias=_V3
 )
 JAMBA = dataclasses.replace(
-    PER_EXPERT, name="jamba (router + per-expert)", router="router.weight", shared=(),
+    PER_EXPERT,
+    name="jamba (router + per-expert)",
+    router="router.weight",
+    shared=None,
     shared_gate=None,
 )
 STACKED = Layout(
     "stacked experts.gate_up_proj [E, 2F, H] / down_proj [E, H, F]",
     "gate.weight",
     _stacked("experts.gate_up_proj", "experts.down_proj"),
-    **_SHARED,
+    **_QWEN,
 )
-STACKED_V3 = dataclasses.replace(
-    STACKED, name="stacked with e_score_correction_bias", selection_bias=_V3
+DEEPSEEK_STACKED = dataclasses.replace(
+    STACKED, name="stacked with shared_experts", shared="shared_experts", shared_gate=None
+)
+DEEPSEEK_V3_STACKED = dataclasses.replace(
+    DEEPSEEK_STACKED,
+    name="stacked with shared_experts and e_score_correction_bias",
+    selection_bias=_V3,
 )
 JAMBA_STACKED = dataclasses.replace(
-    STACKED, name="jamba stacked", router="router.weight", shared=(), shared_gate=None
+    STACKED, name="jamba stacked", router="router.weight", shared=None, shared_gate=None
 )
 DBRX = Layout(
     "dbrx (experts.mlp.w1/v1/w2 [E*F, H])",
@@ -188,7 +200,7 @@ LLAMA4 = Layout(
         ),
         "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
     },
-    shared=("shared_expert",),
+    shared="shared_expert",
 )
 GPT_OSS = Layout(
     "gpt_oss (experts.gate_up_proj [E, H, 2F] interleaved, biases)",
@@ -237,9 +249,9 @@ FAMILY_LAYOUTS: dict[str, tuple[Layout, ...]] = {
     "mixtral": (MIXTRAL, STACKED),
     "qwen2_moe": (PER_EXPERT, STACKED),
     "qwen3_moe": (PER_EXPERT, STACKED),
-    "deepseek_v2": (PER_EXPERT, STACKED),
-    "deepseek_v3": (PER_EXPERT_V3, STACKED_V3),
-    "glm4_moe": (PER_EXPERT_V3, STACKED_V3),
+    "deepseek_v2": (DEEPSEEK, DEEPSEEK_STACKED),
+    "deepseek_v3": (DEEPSEEK_V3, DEEPSEEK_V3_STACKED),
+    "glm4_moe": (DEEPSEEK_V3, DEEPSEEK_V3_STACKED),
     "olmoe": (PER_EXPERT, STACKED),
     "jamba": (JAMBA, JAMBA_STACKED),
     "dbrx": (DBRX,),
@@ -251,5 +263,5 @@ FAMILY_LAYOUTS: dict[str, tuple[Layout, ...]] = {
     "nllb_moe": (NLLB,),
 }
 ALL_LAYOUTS: tuple[Layout, ...] = tuple(
-    dict.fromkeys(layout for layouts in FAMILY_LAYOUTS.values() for layout in layouts)
+    {id(layout): layout for layouts in FAMILY_LAYOUTS.values() for layout in layouts}.values()
 )

@@ -1,23 +1,22 @@
-"""Loading one MoE layer's HuggingFace tensors into an `nn.MoEBlock`, and safetensors files.
+"""Loading one MoE layer's HuggingFace tensors into an `nn.MoEBlock` (`load_block`).
 
 `load_block` sets the router (gate, learned logit bias, selection bias), the experts (weights and
 biases) and the shared expert (and its sigmoid gate) from a mapping of tensor names to arrays.
 Expert parameters are built with `jax.make_array_from_callback` on the block's own sharding, so
-each process reads only the experts its devices hold (and, through `load_checkpoint`'s lazy
+each process reads only the experts its devices hold (and, through `nn.hf.checkpoint`'s lazy
 safetensors slices, only those bytes from disk). Everything is checked before anything is set:
 a missing tensor, a wrong shape or a block/checkpoint mismatch is one ValueError naming them all.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep.nn.hf import configs, layouts
+from jax_hybridep.nn.hf import layouts
 
 
 def _join(prefix: str, rel: str) -> str:
@@ -125,27 +124,28 @@ def _plan(block, tensors, prefix, layout) -> _Plan:
             first = next(iter(source.expected(num_experts, (1, 1), dims)))
             plan.extra(first, f"{name} (its experts are {ffn.activation!r}, bias={ffn.bias})")
 
-    modules = [m for m in layout.shared if plan.has(f"{m}.gate_proj.weight")]
-    if tensors is None:
-        modules = list(layout.shared[:1])
-    shared = getattr(block, "shared", None)
+    m, shared = layout.shared, block.shared
     if shared is None:
-        for m in modules:
-            plan.extra(f"{m}.gate_proj.weight", "shared expert (ExpertConfig(shared_ff=...))")
-    elif not modules:
+        plan.extra(m and f"{m}.gate_proj.weight", "shared expert (ExpertConfig(shared_ff=...))")
+    elif m is None:
         plan.problems.append(
-            f"the block has a shared expert but no shared expert tensors were found under "
-            f"{prefix!r} (looked for {[f'{m}.gate_proj.weight' for m in layout.shared]})"
+            f"the {layout.name} layout has no shared expert, but the block "
+            "was built with ExpertConfig(shared_ff=...)"
+        )
+    elif not shared.ffn.gated:
+        plan.problems.append(
+            f"the {layout.name} layout's shared expert is gated (gate/up/down_proj), the block's "
+            f"is {shared.ffn.activation!r}"
         )
     else:
-        m, shared_ff = modules[0], shared.up[...].shape[-1]
+        shared_ff = shared.up[...].shape[-1]
         for var, proj, shape in [
             (shared.gate, "gate_proj", (shared_ff, d_model)),
             (shared.up, "up_proj", (shared_ff, d_model)),
             (shared.down, "down_proj", (d_model, shared_ff)),
         ]:
             plan.replicated(var, _linear(f"{m}.{proj}.weight"), shape)
-    gate_var = getattr(shared, "sigmoid_gate", None) if shared is not None else None
+    gate_var = shared.output_gate if shared is not None else None
     if gate_var is not None:
         if layout.shared_gate is None:
             plan.problems.append(
@@ -172,7 +172,10 @@ def _materialise(var, read, order):
     dtype = current.dtype
     if order is None:
         full = np.asarray(read()).astype(dtype)
-        value = jax.make_array_from_callback(current.shape, current.sharding, lambda i: full[i])
+        if isinstance(current.sharding, jax.sharding.NamedSharding):
+            value = jax.make_array_from_callback(current.shape, current.sharding, lambda i: full[i])
+        else:  # an unplaced (uncommitted) value, as the block made it: jit places it
+            value = jnp.asarray(full)
     else:
         cache = {}
 
@@ -198,7 +201,7 @@ def _specificity(layout, has) -> int:
     checkpoint's biases are never ignored by a layout that does not know them)."""
     names = list(layout.signature)
     names += [layout.logit_bias, layout.selection_bias, layout.shared_gate]
-    names += [f"{m}.gate_proj.weight" for m in layout.shared]
+    names.append(layout.shared and f"{layout.shared}.gate_proj.weight")
     for source in layout.experts.values():
         names.append(
             source.template.format(i=0) if isinstance(source, layouts.PerExpert) else source.name
@@ -221,7 +224,9 @@ def tensor_shapes(block, prefix: str, model_type: str) -> dict[str, tuple[int, .
     for `block`: what `load_block` reads (e.g. to write a checkpoint of random weights)."""
     plan = _plan(block, None, prefix, _family_layouts(model_type)[0])
     if plan.problems:
-        raise ValueError(f"block does not fit model_type {model_type!r}: " + "; ".join(plan.problems))
+        raise ValueError(
+            f"block does not fit model_type {model_type!r}: " + "; ".join(plan.problems)
+        )
     return plan.expected
 
 
@@ -269,6 +274,8 @@ def load_block(block, tensors: Mapping, prefix: str, *, model_type: str | None =
         if _specificity(layout, has) == best
     ]
     good = [plan for plan in plans if not plan.problems]
+    if len(good) > 1 and all(plan.expected == good[0].expected for plan in good):
+        good = good[:1]  # layouts that differ only in what this block does not have
     if len(good) > 1:
         raise ValueError(
             f"the tensors under {prefix!r} fit several layouts ({[p.layout.name for p in good]}): "
@@ -285,113 +292,3 @@ def load_block(block, tensors: Mapping, prefix: str, *, model_type: str | None =
     if hasattr(block, "reset_sr_reference"):
         block.reset_sr_reference()  # a persistent SR shared expert follows the new experts
     return plan.layout.name
-
-
-class _LazyTensor:
-    """A safetensors tensor read on slicing (`[...]` reads all of it)."""
-
-    def __init__(self, handle, name):
-        self._slice = handle.get_slice(name)
-        self.shape = tuple(self._slice.get_shape())
-
-    def __getitem__(self, index):
-        return self._slice[index]
-
-
-class Checkpoint(Mapping):
-    """Tensor name -> lazy tensor over a set of safetensors files (numpy API, no torch)."""
-
-    def __init__(self, files: Sequence[str], weight_map: Mapping[str, str] | None = None):
-        import ml_dtypes  # noqa: F401, PLC0415  (numpy learns "bfloat16" for BF16 slices)
-        from safetensors import safe_open  # noqa: PLC0415  (optional dependency: extra "hf")
-
-        self._handles = {}
-        self._where = {}
-        for path in files:
-            handle = safe_open(path, framework="numpy")
-            self._handles[path] = handle
-            for name in handle.keys():  # noqa: SIM118  (a safe_open handle, not a dict)
-                self._where[name] = path
-        if weight_map is not None:
-            base = os.path.dirname(files[0]) if files else ""
-            for name, file in weight_map.items():
-                if self._where.get(name) != os.path.join(base, file):
-                    raise ValueError(f"the index maps {name!r} to {file!r}, not found there")
-
-    def __getitem__(self, name):
-        return _LazyTensor(self._handles[self._where[name]], name)
-
-    def __contains__(self, name):
-        return name in self._where
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self):
-        return len(self._where)
-
-
-def _files(path) -> tuple[list[str], dict | None, dict | None]:
-    """(safetensors files, index weight_map, config.json) for a path."""
-    if isinstance(path, str | os.PathLike) and os.path.isdir(path):
-        path = os.fspath(path)
-        config = None
-        if os.path.exists(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
-                config = json.load(f)
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted({os.path.join(path, file) for file in weight_map.values()})
-            return files, weight_map, config
-        files = sorted(
-            os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")
-        )
-        if not files:
-            raise ValueError(f"no .safetensors files in {path!r}")
-        return files, None, config
-    files = (
-        [os.fspath(path)] if isinstance(path, str | os.PathLike) else [os.fspath(p) for p in path]
-    )
-    for file in files:
-        if not os.path.isfile(file):
-            raise ValueError(f"no such safetensors file: {file!r}")
-    return files, None, None
-
-
-def load_checkpoint(path, blocks, *, config: Mapping | None = None) -> dict[str, str]:
-    """Loads MoE blocks from a HuggingFace safetensors checkpoint.
-
-    Args:
-      path: a checkpoint directory (its *.safetensors, model.safetensors.index.json and
-        config.json), one .safetensors file, or a list of them.
-      blocks: {layer prefix: MoEBlock}, or the blocks of the model's MoE layers in order (their
-        prefixes from the config: `hf.layer_prefixes`).
-      config: the parsed config.json (default: the directory's).
-
-    Returns:
-      {prefix: layout read}.
-    """
-    files, weight_map, found = _files(path)
-    config = config if config is not None else found
-    model_type = configs.model_type(config) if config is not None else None
-    if not isinstance(blocks, Mapping):
-        blocks = list(blocks)
-        if config is None:
-            raise ValueError(
-                "blocks given as a list need a config (for the layer prefixes): "
-                "pass config= or a directory with config.json"
-            )
-        prefixes = configs.layer_prefixes(config)
-        if len(prefixes) != len(blocks):
-            raise ValueError(
-                f"{len(blocks)} blocks for the {len(prefixes)} MoE layers of this "
-                f"{model_type} config ({prefixes[:3]}...)"
-            )
-        blocks = dict(zip(prefixes, blocks, strict=True))
-    tensors = Checkpoint(files, weight_map)
-    return {
-        prefix: load_block(block, tensors, prefix, model_type=model_type)
-        for prefix, block in blocks.items()
-    }
