@@ -129,7 +129,9 @@ def main(argv):
             for backend in ("ffi", "xla"):
                 block = build(config, mesh, backend)
                 if prefix is None:
-                    prefix = random_checkpoint(directory, config, block, seed=2)
+                    prefix = random_checkpoint(
+                        directory, config, block, seed=list(TINY).index(name)
+                    )
                 layout = hf.load_checkpoint(directory, {prefix: block})[prefix]
                 y, aux = nnx.jit(lambda b, x: b(x))(block, x)
                 outputs[backend] = (np.asarray(y), int(aux.dropped))
@@ -140,7 +142,7 @@ def main(argv):
             else f"max|diff| {abs(y_ffi - y_xla).max():.1e}"
         )
         print(
-            f"{name:17s} {config['model_type']:20s} {layout[:44]:44s} |y| "
+            f"{name:17s} {config['model_type']:20s} {layout:34s} |y| "
             f"{np.linalg.norm(y_ffi):7.3f}  dropped {dropped:3d}  ffi vs xla: {same}"
         )
 

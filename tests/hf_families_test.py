@@ -87,7 +87,7 @@ def flat(state):
 
 def loss(block, x, cot):
     y, aux = block(x)
-    return jnp.sum(y * cot), (y, aux.dropped)
+    return jnp.sum(y * cot), (y, aux.dropped, aux.router_probs)
 
 
 @nnx.jit
@@ -95,10 +95,11 @@ def run(blocks, x, cot):
     """Every block's output, drops, gradients (parameters, x) and expert ids: one program."""
     outs = []
     for block in blocks:
-        (_, (y, dropped)), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        (_, (y, dropped, probs)), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             block, x, cot
         )
-        outs.append((y, dropped, grads, block.route(x).topk_idx))
+        routing = block.route(x)
+        outs.append((y, dropped, grads, routing.topk_idx, probs - routing.probs))
     return outs
 
 
@@ -129,9 +130,13 @@ def test_family_block_equals_its_reference(name):
     # The reference's gradients, loaded like weights, are the blocks' parameter gradients.
     hf.load_block(blocks[0], g_ref, prefix, model_type=config["model_type"])
     want = flat(nnx.state(blocks[0], nnx.Param))
-    for (y, dropped, (grads, grad_x), ids), (mesh, _, backend) in zip(outs, cases, strict=True):
+    for (y, dropped, (grads, grad_x), ids, probs_error), (mesh, _, backend) in zip(
+        outs, cases, strict=True
+    ):
         at = f"{name} on {dict(mesh.shape)}, {backend}"
         np.testing.assert_array_equal(ids, ids_ref, err_msg=at)
+        # The block's mean routing probabilities (per shard, averaged) are the global ones.
+        np.testing.assert_allclose(probs_error, 0, atol=1e-6, err_msg=at)
         assert int(dropped) == int(np.sum(np.asarray(ids_ref) < 0)), at
         np.testing.assert_allclose(y.reshape(-1, 8), y_ref, rtol=1e-5, atol=1e-5, err_msg=at)
         np.testing.assert_allclose(grad_x, gx_ref, rtol=1e-5, atol=1e-5, err_msg=at)

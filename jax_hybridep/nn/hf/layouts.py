@@ -132,12 +132,12 @@ _QWEN = dict(shared="shared_expert", shared_gate="shared_expert_gate.weight")
 _V3 = "gate.e_score_correction_bias"
 
 MIXTRAL = Layout(
-    "mixtral (per expert w1/w3/w2)",
+    "per-expert w1/w3/w2",
     "gate.weight",
     _per_expert("experts.{i}.w1.weight", "experts.{i}.w3.weight", "experts.{i}.w2.weight"),
 )
 PER_EXPERT = Layout(
-    "per-expert gate_proj/up_proj/down_proj",
+    "per-expert gate/up/down_proj",
     "gate.weight",
     _per_expert(
         "experts.{i}.gate_proj.weight", "experts.{i}.up_proj.weight", "experts.{i}.down_proj.weight"
@@ -145,47 +145,47 @@ PER_EXPERT = Layout(
     **_QWEN,
 )
 DEEPSEEK = dataclasses.replace(
-    PER_EXPERT, name="per-expert with shared_experts", shared="shared_experts", shared_gate=None
+    PER_EXPERT, name="per-expert, shared_experts", shared="shared_experts", shared_gate=None
 )
 DEEPSEEK_V3 = dataclasses.replace(
-    DEEPSEEK, name="per-expert with shared_experts and e_score_correction_bias", selection_bias=_V3
+    DEEPSEEK, name="per-expert, shared_experts, score bias", selection_bias=_V3
 )
 JAMBA = dataclasses.replace(
     PER_EXPERT,
-    name="jamba (router + per-expert)",
+    name="per-expert, router.weight",
     router="router.weight",
     shared=None,
     shared_gate=None,
 )
 STACKED = Layout(
-    "stacked experts.gate_up_proj [E, 2F, H] / down_proj [E, H, F]",
+    "stacked gate_up_proj [E, 2F, H]",
     "gate.weight",
     _stacked("experts.gate_up_proj", "experts.down_proj"),
     **_QWEN,
 )
 DEEPSEEK_STACKED = dataclasses.replace(
-    STACKED, name="stacked with shared_experts", shared="shared_experts", shared_gate=None
+    STACKED, name="stacked, shared_experts", shared="shared_experts", shared_gate=None
 )
 DEEPSEEK_V3_STACKED = dataclasses.replace(
     DEEPSEEK_STACKED,
-    name="stacked with shared_experts and e_score_correction_bias",
+    name="stacked, shared_experts, score bias",
     selection_bias=_V3,
 )
 JAMBA_STACKED = dataclasses.replace(
-    STACKED, name="jamba stacked", router="router.weight", shared=None, shared_gate=None
+    STACKED, name="stacked, router.weight", router="router.weight", shared=None, shared_gate=None
 )
 DBRX = Layout(
-    "dbrx (experts.mlp.w1/v1/w2 [E*F, H])",
+    "fused w1/v1/w2 [E*F, H]",
     "router.layer.weight",
     {"w_gate": _dbrx("w1"), "w_up": _dbrx("v1"), "w_down": _dbrx("w2")},
 )
 GRANITE = Layout(
-    "granitemoe (input_linear [E, 2F, H] / output_linear [E, H, F])",
+    "input_linear [E, 2F, H]",
     "router.layer.weight",
     _stacked("input_linear.weight", "output_linear.weight"),
 )
 LLAMA4 = Layout(
-    "llama4 (experts.gate_up_proj [E, H, 2F] / down_proj [E, F, H])",
+    "fused gate_up_proj [E, H, 2F]",
     "router.weight",
     {
         "w_gate": Fused(
@@ -203,7 +203,7 @@ LLAMA4 = Layout(
     shared="shared_expert",
 )
 GPT_OSS = Layout(
-    "gpt_oss (experts.gate_up_proj [E, H, 2F] interleaved, biases)",
+    "interleaved gate_up_proj, biases",
     "router.weight",
     {
         "w_gate": Fused(
@@ -224,7 +224,7 @@ GPT_OSS = Layout(
     logit_bias="router.bias",
 )
 SWITCH = Layout(
-    "switch_transformers (experts.expert_{i}.wi/wo)",
+    "per-expert wi/wo",
     "router.classifier.weight",
     {
         "w_up": PerExpert("experts.expert_{i}.wi.weight"),
@@ -233,7 +233,7 @@ SWITCH = Layout(
     logit_bias="router.classifier.bias",
 )
 NLLB = Layout(
-    "nllb_moe (experts.expert_{i}.fc1/fc2 with biases)",
+    "per-expert fc1/fc2, biases",
     "router.classifier.weight",
     {
         "w_up": PerExpert("experts.expert_{i}.fc1.weight"),
