@@ -1,11 +1,17 @@
-"""Router options the HF families need: group ranking by max, the Switch/GShard group capacity
-(k-major fill, drops, renormalisation) against a plain numpy loop, and their checks."""
+"""Router and expert options the HF families need: group ranking by max, the Switch/GShard group
+capacity (k-major fill, drops, renormalisation) against a plain numpy loop, every expert rule on
+the CPU capacity-window path against the ragged one (values and gradients), and their checks."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from harness import make_mesh
 
+import jax_hybridep as hep
 from jax_hybridep import nn as hnn
+from jax_hybridep import xdc
 
 
 def test_groups_ranked_by_their_max_score():
@@ -108,3 +114,71 @@ def test_router_option_validation(kwargs, match):
         hnn.RouterConfig(num_experts=8, top_k=2, **kwargs)
     with pytest.raises(TypeError, match="logit_bias"):
         hnn.RouterConfig(num_experts=8, top_k=2, logit_bias=1)
+
+
+RULES = [hnn.FFN(a, limit=0.5, bias=b) for a in hnn.ACTIVATIONS for b in (False, True)]
+
+
+def test_every_expert_rule_windowed_equals_ragged():
+    """The CPU window path (a capacity) and the ragged path give the same rows and gradients for
+    every activation with and without biases; rows past the groups stay 0 (biases too)."""
+    rng = np.random.default_rng(4)
+    group_sizes = jnp.asarray([3, 0, 4], jnp.int32)  # 7 rows of 10; capacity 4 per expert
+    rows = jnp.asarray(rng.normal(size=(10, 6)), jnp.float32)
+    params = [
+        tuple(jnp.asarray(rng.normal(size=(3, *s)), jnp.float32) for s in f.shapes(6, 5).values())
+        for f in RULES
+    ]
+
+    def both(params, rows):
+        out = []
+        for ffn, p in zip(RULES, params, strict=True):
+            for capacity in (4, None):
+                out.append(hnn.expert_ffn(rows, group_sizes, p, ffn=ffn, capacity=capacity))
+        return out
+
+    def loss(params, rows, path):  # path 0: the windows, 1: ragged
+        return sum(jnp.sum(jnp.sin(y)) for y in both(params, rows)[path::2])
+
+    values = jax.jit(both)(params, rows)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    for i, ffn in enumerate(RULES):
+        windowed, ragged = values[2 * i], values[2 * i + 1]
+        np.testing.assert_allclose(windowed, ragged, rtol=1e-5, atol=1e-6, err_msg=str(ffn))
+        np.testing.assert_array_equal(ragged[7:], 0)
+        dense = ffn(rows[:3], *(p[0] for p in params[i]))  # expert 0 by the one-expert rule
+        np.testing.assert_allclose(ragged[:3], dense, rtol=1e-5, atol=1e-6, err_msg=str(ffn))
+    leaves = [jax.tree.leaves(grad(params, rows, path)) for path in (0, 1)]
+    for windowed, ragged in zip(*leaves, strict=True):  # summed in other orders: 1e-4
+        np.testing.assert_allclose(windowed, ragged, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(activation="tanh"), ValueError, "ExpertConfig.activation"),
+        (dict(glu_limit=0.0), ValueError, "ExpertConfig.glu_limit"),
+        (dict(glu_alpha=float("nan")), ValueError, "ExpertConfig.glu_alpha"),
+        (dict(expert_bias=1), TypeError, "ExpertConfig.expert_bias"),
+        (dict(weight_input="yes"), TypeError, "ExpertConfig.weight_input"),
+        (dict(shared_gate=True), ValueError, "set shared_ff"),
+    ],
+)
+def test_expert_option_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hnn.ExpertConfig(d_ff=8, **kwargs)
+
+
+def test_domains_need_the_three_matrix_experts():
+    mesh = make_mesh((2, 2), ("dc", "ep"))
+    topology = hep.Topology.from_mesh(mesh, ("dc", "ep"))
+    with pytest.raises(ValueError, match="expert domains"):
+        hnn.MoEBlock(
+            8,
+            router=hnn.RouterConfig(num_experts=4, top_k=1),
+            experts=hnn.ExpertConfig(d_ff=8, activation="relu"),
+            mesh=mesh,
+            topology=topology,
+            migration=xdc.Migration(domains={"ep": 2}),
+            rngs=nnx.Rngs(0),
+        )
