@@ -182,7 +182,9 @@ def run_one(s: Settings, base: TrainConfig, sizes, migration: xdc.Migration, rou
         domains=list(sizes),
         migration=flags_,
         compression=migration.compression,
-        measured=measure(hlo[0], result, token_levels, base.d_model, RANKS, workload.sync_every),
+        measured=measure(
+            hlo[0], result, token_levels, base.d_model, RANKS, workload.migration.sync_every
+        ),
         predicted=predict(describe_cluster(s), workload, tuple(sizes), routing),
         train_loss=float(np.mean([r["ce"] for r in result["train"][-10:]])),
         eval_loss=result["final_eval_loss"],

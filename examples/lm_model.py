@@ -255,10 +255,7 @@ def describe_workload(
         act_bytes=act_bytes,
         expert_matrices=((d, f), (d, f), (f, d)),
         value_bytes=act_bytes,
-        compression=config.migration.compression,
-        shared=config.migration.shared,
-        sync_every=config.migration.sync_every,
-        grad_compression=config.migration.grad_compression,
+        migration=config.migration.with_domains(()),  # the planner chooses the domains
         prefetch=config.prefetch,
         layers=config.layers,
         dense_bytes=dense_bytes,

@@ -21,7 +21,7 @@ from lm_model import DATA_AXIS, make_mesh
 
 from jax_hybridep import xdc
 from jax_hybridep.fp8 import WIRE_DTYPES
-from jax_hybridep.xdc.compress import SHARED_VARIANTS
+from jax_hybridep.xdc.migration import SHARED_VARIANTS
 
 BACKENDS = ("auto", "xla", "ffi")
 DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and the default)

@@ -3,10 +3,10 @@
 Covers: a short run writes its plot, checkpoint, metrics and `eval loss:` line with finite losses;
 `resume` restores that checkpoint exactly and continues from its step, also after a process died
 while committing a newer one; training gives the same losses bit for bit with the `xla` and `ffi`
-dispatch backends (DESIGN §2.1.4), drops included; `--replan_every` recompiles on new domains when
-the link schedule drops the bandwidth, and only then; every bad flag fails before a model is built
-with a message naming it; `--resume` from a missing, emptied, corrupt or incompatible checkpoint
-(or metrics file) names the directory and the problem.
+dispatch backends (docs/design.md §2.1.4), drops included; `--replan_every` recompiles on new
+domains when the link schedule drops the bandwidth, and only then; every bad flag fails before a
+model is built with a message naming it; `--resume` from a missing, emptied, corrupt or incompatible
+checkpoint (or metrics file) names the directory and the problem.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from train_harness import EXAMPLES, TINY, train_config, train_moe
 from train_harness import train as _train
 
 from jax_hybridep import traffic, xdc
-from jax_hybridep.xdc import migrate
-from jax_hybridep.xdc.domains import INNER_SUFFIX
+from jax_hybridep.xdc.runtime import migrate
+from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
-from jax_hybridep.xdc import compress, migrate
+from jax_hybridep.xdc import wire
+from jax_hybridep.xdc.migration import SHARED_VARIANTS
+from jax_hybridep.xdc.runtime import migrate
 
 SHAPE, NAMES = (2, 2), ("dc", "local")
 H, F, E, K, TOKENS, RATIO = 8, 16, 8, 2, 32, 4.0
@@ -100,10 +102,10 @@ def _set(block, weights, refs):
             ref[...] = jax.device_put(r, ref[...].sharding)
 
 
-@pytest.mark.parametrize("shared", compress.SHARED_VARIANTS)
+@pytest.mark.parametrize("shared", SHARED_VARIANTS)
 def test_sr_gather_decodes_sparse_residuals_exactly(shared):
     """Every replica a rank holds equals its owner's expert when the residual is k-sparse."""
-    assert compress.kept_entries(H * F, np.float32, RATIO) == 16
+    assert wire.kept_entries(H * F, np.float32, RATIO) == 16
     mesh = make_mesh(SHAPE, NAMES)
     doms = xdc.ExpertDomains.from_mesh(
         mesh, hep.Topology.from_mesh(mesh, levels=NAMES), xdc.Migration({"dc": 2}, RATIO, shared)
@@ -169,7 +171,7 @@ def _compressed_scatter(ratio):
 
 def test_error_feedback_delivers_every_gradient_over_steps():
     ratio, n, steps = 8.0, 64, 100
-    k = compress.kept_entries(n, np.float32, ratio)
+    k = wire.kept_entries(n, np.float32, ratio)
     assert k == 4  # 4 of 64 entries a step
     rng = np.random.default_rng(0)
     g = jnp.asarray(rng.normal(size=(4, n)), jnp.float32)  # rank r holds rows 2r, 2r + 1

@@ -1,4 +1,4 @@
-"""Expert load balancing: redundant copies of hot experts placed from measured load (DESIGN
+"""Expert load balancing: redundant copies of hot experts placed from measured load (docs/design.md
 §2.1.6), with exact training.
 
 * `BalanceConfig` (`config`): a block's balancing as one value (redundant slots, the placement

@@ -2,7 +2,7 @@
 (per block or prefetched for a whole model at step start), and a `value_and_grad` that keeps the
 gradient compression's error feedback.
 
-State a block with expert domains may hold (`xdc.compress.Migration` says which):
+State a block with expert domains may hold (`xdc.Migration` says which):
 * `SRReference` variables: the persistent SR shared expert (one per matrix, replicated) and the
   step count that times its refresh; updated by `MoEBlock.update_state` from `MoEAux.sr_shared`.
 * `GradFeedback` variables: the error-feedback residuals of the compressed gradient
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_hybridep.xdc import migrate
+from jax_hybridep.xdc.runtime import migrate
 
 
 class SRReference(nnx.Variable):

@@ -1,4 +1,5 @@
-"""Expert domains (HybridEP, DESIGN §4): move experts inside a domain, tokens between domains.
+"""Expert domains (HybridEP, docs/design.md §4): move experts inside a domain, tokens between
+domains.
 
 A domain of size S at a level splits that level's mesh axis into (outer, inner=S): S consecutive
 members form a domain. Inside `jax.shard_map`, each rank all-gathers its domain peers' experts
@@ -30,8 +31,9 @@ import jax
 
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
-from jax_hybridep.xdc import compress, geometry, migrate
-from jax_hybridep.xdc.compress import Migration
+from jax_hybridep.xdc import geometry, wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.runtime import migrate
 
 INNER_SUFFIX = "_domain"
 
@@ -207,9 +209,7 @@ class ExpertDomains:
     def gather_bytes(self, weights: Sequence[jax.Array]) -> dict[str, int]:
         """Bytes one rank receives per inner axis in the forward all-gather of `weights`
         (shapes per shard, [E_local, ...]), as sent: compressed when compression is on."""
-        per_expert = sum(
-            compress.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights
-        )
+        per_expert = sum(wire.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights)
         e_local, held, out = weights[0].shape[0], 1, {}
         for axis, size in zip(self.inner_axes, self.inner_sizes, strict=True):
             out[axis] = (size - 1) * held * e_local * per_expert
