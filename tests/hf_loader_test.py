@@ -294,3 +294,39 @@ def test_pooled_load_balancing_loss_is_hf_definition():
     # One layer: top_k times the router's own loss over the same tokens.
     np.testing.assert_allclose(hf.load_balancing_loss(auxes[:1], top_k=2), 2 * outs[0].aux_loss,
                                rtol=1e-5)  # fmt: skip
+
+
+def e2m1(code):
+    """An E2M1 value from its bits: sign, 2 exponent bits (bias 1), 1 mantissa bit."""
+    sign = -1.0 if code & 8 else 1.0
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    if exponent == 0:
+        return sign * 0.5 * mantissa  # subnormal
+    return sign * (1 + 0.5 * mantissa) * 2.0 ** (exponent - 1)
+
+
+def test_gpt_oss_mxfp4_files_load_as_their_decoded_values():
+    """GPT-OSS's released layout (expert weights in MXFP4: 4-bit E2M1 pairs per byte, low nibble
+    first, one E8M0 scale per 32 inputs) loads as the dense bf16 layout of the decoded values."""
+    config = {**TINY["GPT-OSS"], "hidden_size": 32, "intermediate_size": 32}
+    kwargs = hf.block_kwargs(config)
+    mesh = make_mesh((4,), ("ep",))
+    topology = hep.Topology.from_mesh(mesh, ("ep",))
+    blocks = [hnn.MoEBlock(**kwargs, mesh=mesh, topology=topology, rngs=nnx.Rngs(0)) for _ in "ab"]
+    prefix = "model.layers.0.mlp"
+    dense = random_tensors(blocks[0], prefix, "gpt_oss")
+    rng = np.random.default_rng(7)
+    packed = {k: v for k, v in dense.items() if not k.endswith(("gate_up_proj", "down_proj"))}
+    decode = np.vectorize(e2m1)
+    for proj, (out, inp) in {"gate_up_proj": (64, 32), "down_proj": (32, 32)}.items():
+        codes = rng.integers(0, 16, size=(8, out, inp), dtype=np.uint8)
+        scales = rng.integers(120, 134, size=(8, out, inp // 32), dtype=np.uint8)
+        pairs = codes.reshape(8, out, inp // 32, 16, 2)
+        packed[f"{prefix}.experts.{proj}_blocks"] = pairs[..., 0] | (pairs[..., 1] << 4)
+        packed[f"{prefix}.experts.{proj}_scales"] = scales
+        values = decode(codes) * 2.0 ** (np.repeat(scales, 32, axis=-1).astype(np.float64) - 127)
+        dense[f"{prefix}.experts.{proj}"] = np.swapaxes(values, 1, 2).astype(np.float32)
+    assert hf.load_block(blocks[0], packed, prefix).startswith("mxfp4")
+    hf.load_block(blocks[1], dense, prefix)
+    for key, value in params(blocks[1]).items():
+        np.testing.assert_array_equal(params(blocks[0])[key], value, err_msg=key)

@@ -60,6 +60,49 @@ class Fused:
         return self.take(np.concatenate(parts), dims)
 
 
+# MXFP4 (OCP microscaling FP4): each byte holds two E2M1 values, the low nibble first; every 32
+# values along the input axis share one E8M0 scale, 2^(scale - 127).
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def mxfp4_dequantize(blocks, scales) -> np.ndarray:
+    """blocks [n, out, G, 16] uint8, scales [n, out, G] uint8 -> [n, in = 32 G, out] float32
+    (transposed to the [in, out] of the dense layout)."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    values = np.stack([_E2M1[blocks & 0x0F], _E2M1[blocks >> 4]], axis=-1)  # [n, out, G, 16, 2]
+    values = values.reshape(*scales.shape, 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return _t(values.reshape(*scales.shape[:-1], -1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4:
+    """A fused [E, out, in] weight stored as MXFP4 `{name}_blocks` [E, out, in/32, 16] and
+    `{name}_scales` [E, out, in/32] (GPT-OSS's released files); `take` as in `Fused`, on the
+    dequantized [n, in, out]. `out(dims)`, `inp(dims)`: the stored weight's dims."""
+
+    name: str
+    out: Callable[[Mapping], int]
+    inp: Callable[[Mapping], int]
+    take: Callable[[np.ndarray, Mapping], np.ndarray]
+
+    @property
+    def blocks(self) -> str:
+        return f"{self.name}_blocks"
+
+    def expected(self, num_experts: int, per_expert: tuple, dims: Mapping) -> dict[str, tuple]:
+        """Every tensor it reads -> its expected shape."""
+        out, groups = self.out(dims), self.inp(dims) // 32
+        return {self.blocks: (num_experts, out, groups, 16),
+                f"{self.name}_scales": (num_experts, out, groups)}  # fmt: skip
+
+    def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
+        blocks, scales = get(self.blocks), get(f"{self.name}_scales")
+        picked = [(blocks[int(e) : int(e) + 1], scales[int(e) : int(e) + 1]) for e in experts]
+        dense = mxfp4_dequantize(*(np.concatenate(part) for part in zip(*picked, strict=True)))
+        return self.take(dense, dims)
+
+
 def _cat_gate(a, d):  # [n, 2F, H], gate rows first -> [n, H, F]
     return _t(a[:, : d["F"]])
 
@@ -94,6 +137,13 @@ def _dbrx(name):
     )
 
 
+def source_name(source) -> str:
+    """The first tensor a source reads (expert 0's for per-expert sources)."""
+    if isinstance(source, PerExpert):
+        return source.template.format(i=0)
+    return source.blocks if isinstance(source, Mxfp4) else source.name
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One family's tensor names under a layer's MoE module.
@@ -121,10 +171,7 @@ class Layout:
     @property
     def signature(self) -> tuple[str, ...]:
         """Tensors whose presence says the layout is this one (expert 0's, for per-expert)."""
-        first = [
-            src.template.format(i=0) if isinstance(src, PerExpert) else src.name
-            for src in self.experts.values()
-        ]
+        first = [source_name(src) for src in self.experts.values()]
         return (self.router, *dict.fromkeys(first))
 
 
@@ -223,6 +270,19 @@ GPT_OSS = Layout(
     },
     logit_bias="router.bias",
 )
+# The released GPT-OSS files: the expert weights in MXFP4 (in must be a multiple of 32).
+GPT_OSS_MXFP4 = dataclasses.replace(
+    GPT_OSS,
+    name="mxfp4 gate_up/down_proj_blocks, biases",
+    experts={
+        **GPT_OSS.experts,
+        "w_gate": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
+                        lambda a, d: a[..., 0::2]),
+        "w_up": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
+                      lambda a, d: a[..., 1::2]),
+        "w_down": Mxfp4("experts.down_proj", lambda d: d["H"], lambda d: d["F"], lambda a, d: a),
+    },
+)  # fmt: skip
 SWITCH = Layout(
     "per-expert wi/wo",
     "router.classifier.weight",
@@ -258,7 +318,7 @@ FAMILY_LAYOUTS: dict[str, tuple[Layout, ...]] = {
     "granitemoe": (GRANITE,),
     "llama4": (LLAMA4,),
     "llama4_text": (LLAMA4,),
-    "gpt_oss": (GPT_OSS,),
+    "gpt_oss": (GPT_OSS, GPT_OSS_MXFP4),
     "switch_transformers": (SWITCH,),
     "nllb_moe": (NLLB,),
 }

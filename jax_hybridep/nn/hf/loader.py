@@ -202,10 +202,7 @@ def _specificity(layout, has) -> int:
     names = list(layout.signature)
     names += [layout.logit_bias, layout.selection_bias, layout.shared_gate]
     names.append(layout.shared and f"{layout.shared}.gate_proj.weight")
-    for source in layout.experts.values():
-        names.append(
-            source.template.format(i=0) if isinstance(source, layouts.PerExpert) else source.name
-        )
+    names += [layouts.source_name(source) for source in layout.experts.values()]
     return sum(1 for n in dict.fromkeys(names) if n is not None and has(n))
 
 
