@@ -142,7 +142,7 @@ def main(argv):
             else f"max|diff| {abs(y_ffi - y_xla).max():.1e}"
         )
         print(
-            f"{name:17s} {config['model_type']:20s} {layout:34s} |y| "
+            f"{name:17s} {config['model_type']:20s} {layout:40s} |y| "
             f"{np.linalg.norm(y_ffi):7.3f}  dropped {dropped:3d}  ffi vs xla: {same}"
         )
 
