@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (docs/design.md §5), for a lent NVIDIA GPU machine without network:
-#   build      the native module with CUDA (sm_90a SASS only, to be quick), placed in the source
-#              tree; or, when .gpu/ holds a module built elsewhere for this Python and jaxlib
-#              (scripts/gpu_check.sh --prebuild does that), that one if it imports with CUDA
+#   build      the native modules with CUDA (sm_90a SASS only, to be quick: _hybridep, the test
+#              module _hybridep_testing and their libhybridep_runtime.so), placed in the source
+#              tree; or, when .gpu/ holds modules built elsewhere for this Python and jaxlib
+#              (scripts/gpu_check.sh --prebuild does that), those if they import with CUDA
 #   kernels    the CUDA kernel and virtual-rank transport tests (R = 2, 4, 8) against numpy
 #   transport, transport_k1
 #              the transport benchmark (one rank alone through HBM, 1..24 SMs): top-8 over the
@@ -16,7 +17,8 @@
 #              baselines
 #   lowering   the CUDA lowering tests beside the real handlers
 #   profile    (on request) Nsight Compute on the transport kernels at 8 SMs
-#   sass       (on request) the module's SASS, to read sanitizer offsets against
+#   sass       (on request) the runtime's and the test module's SASS, to read sanitizer offsets
+#              against
 # GPU tests run with JAX_HYBRIDEP_REQUIRE_GPU=1 (a skip for want of a GPU fails). Steps run in that
 # order inside one time budget (DEADLINE_S, default 540 s, under the device tool's 600 s per call):
 # a step gets what is left, and steps that no longer fit are reported as skipped. Logs and JSON are
@@ -26,14 +28,14 @@
 #   bash scripts/gpu_check.sh                          # everything
 #   STEPS="build kernels" bash scripts/gpu_check.sh    # a subset
 #   bash scripts/gpu_check.sh --prebuild               # here: build .gpu/ for the GPU machine
-# A module already verified on a GPU may ride along in .gpu_fallback/ (carry both folders): if the
-# kernel tests fail with .gpu/, the remaining steps run on it.
+# Modules already verified on a GPU may ride along in .gpu_fallback/ (carry both folders; all three
+# files, built together): if the kernel tests fail with .gpu/, the remaining steps run on them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 # build_module DIR DEST: builds the wheel with CUDA (sm_90a) offline in DIR and puts its native
-# module into DEST.
+# libraries (the two modules and the runtime they share) into DEST.
 build_module() {
   rm -rf "$1" && mkdir -p "$2"
   JAX_HYBRIDEP_CUDA=ON JAX_HYBRIDEP_CUDA_ARCHITECTURES=90a-real CMAKE_BUILD_PARALLEL_LEVEL=16 \
@@ -41,9 +43,10 @@ build_module() {
     return 1
   "$PY" -c "import glob, sys, zipfile
 z = zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0])
-for n in z.namelist():
-    if n.startswith('jax_hybridep/_hybridep') and n.endswith('.so'):
-        open(sys.argv[2] + '/' + n.split('/')[-1], 'wb').write(z.read(n))" "$1" "$2"
+names = [n for n in z.namelist() if n.startswith('jax_hybridep/') and n.endswith('.so')]
+assert len(names) == 3, names  # _hybridep, _hybridep_testing, libhybridep_runtime
+for n in names:
+    open(sys.argv[2] + '/' + n.split('/')[-1], 'wb').write(z.read(n))" "$1" "$2"
 }
 
 if [ "${1:-}" = "--prebuild" ]; then
@@ -99,22 +102,21 @@ trap pack EXIT
 } >"$LOGS/env.log" 2>&1
 cat "$LOGS/env.log"
 
-# imports_with_cuda LABEL: whether the module in the source tree imports, built with CUDA.
+# imports_with_cuda LABEL: whether the modules in the source tree import, built with CUDA.
 imports_with_cuda() {
-  "$PY" -c "from jax_hybridep import _hybridep as m; assert m.with_cuda; print('$1', m.__file__)"
+  "$PY" -c "from jax_hybridep import _hybridep as m, _hybridep_testing as t
+assert m.with_cuda and t.with_cuda; print('$1', m.__file__, t.__file__)"
 }
 
 # The module: the prebuilt one if it imports with CUDA here, else built here.
 build() {
-  local so
-  rm -f jax_hybridep/_hybridep*.so
-  for so in .gpu/_hybridep*.so; do
-    [ -f "$so" ] || continue
-    cp "$so" jax_hybridep/
+  rm -f jax_hybridep/_hybridep*.so jax_hybridep/libhybridep_runtime.so
+  if compgen -G ".gpu/*.so" >/dev/null; then
+    cp .gpu/*.so jax_hybridep/
     imports_with_cuda prebuilt && return 0
-    echo "prebuilt module unusable here; building"
-    rm -f jax_hybridep/_hybridep*.so
-  done
+    echo "prebuilt modules unusable here; building"
+    rm -f jax_hybridep/_hybridep*.so jax_hybridep/libhybridep_runtime.so
+  fi
   build_module build/gpu_check jax_hybridep && imports_with_cuda built
 }
 export PY
@@ -134,8 +136,9 @@ run kernels 60 "${PYTEST[@]}" $(per_test_limit 60) -m gpu --junitxml="$LOGS/kern
 # .gpu_fallback/ (device time is too short to come back for a second lease), which the remaining
 # steps then run on.
 MODULE="the module of the build step"
-if [[ "${RESULT[kernels]:-}" == FAILED* ]] && compgen -G ".gpu_fallback/_hybridep*.so" >/dev/null; then
-  cp .gpu_fallback/_hybridep*.so jax_hybridep/
+if [[ "${RESULT[kernels]:-}" == FAILED* ]] && compgen -G ".gpu_fallback/*.so" >/dev/null; then
+  rm -f jax_hybridep/_hybridep*.so jax_hybridep/libhybridep_runtime.so
+  cp .gpu_fallback/*.so jax_hybridep/
   MODULE=".gpu_fallback"
   STEPS="$STEPS kernels_fallback"
   run kernels_fallback 60 "${PYTEST[@]}" $(per_test_limit 60) -m gpu \
@@ -170,7 +173,8 @@ run lowering 60 "${PYTEST[@]}" $(per_test_limit 50) tests/cuda_lowering_test.py
 run profile 90 ncu --clock-control none -k "regex:SendTokens|ReceiveRows|SendPartials|ReducePartials" \
   -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
   --section Occupancy "$PY" -m jax_hybridep.bench.gpu_transport --sms 8 --iters 1 --warmup 0 --json ''
-run sass 60 bash -c "cuobjdump -sass jax_hybridep/_hybridep*.so | gzip > $LOGS/sass.txt.gz"
+run sass 60 bash -c "for f in jax_hybridep/libhybridep_runtime.so jax_hybridep/_hybridep_testing*.so; \
+  do echo \"== \$f\"; cuobjdump -sass \$f; done | gzip > $LOGS/sass.txt.gz"
 
 {
   echo

@@ -46,7 +46,7 @@ def _run_worker(*flags: str, env=GPU_ENV) -> dict:
 
 def _local_gpus(at_least: int, even: bool = False) -> int:
     """The visible GPU count; skips the test with fewer (or an odd count when `even`)."""
-    count = _native.module().cuda_device_count()
+    count = _native.testing_module().cuda_device_count()
     if count < at_least or (even and count % 2):
         pytest.skip(f"{count} GPU(s) visible; this test needs {'an even number ' if even else ''}"
                     f">= {at_least}")  # fmt: skip
@@ -67,6 +67,11 @@ def _check(result: dict, devices: int, processes: int = 1):
     assert result["fp8_element_bitwise"]  # XLA quantises on the device below slower levels
     # The transport's kernels quantise (send) and dequantise (receive) every bf16 pattern as jnp.
     assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)
+    # Per-site state belongs to the executable: every re-jitted program holds the same number
+    # (one per CUDA call site: layout, dispatch, combine) and nothing outlives it.
+    states = result["site_states"]
+    assert states["per_program"] == [states["per_program"][0]] * 4, states
+    assert states["per_program"][0] >= 3 and states["after"] == 0, states
     if result["train"] is not None:  # the example LM trains alike on both backends
         ffi, xla = result["train"]["ffi"], result["train"]["xla"]
         assert ffi["backend"].startswith("ffi") and xla["backend"].startswith("xla")
@@ -141,6 +146,8 @@ def test_worker_runs_on_cpu_devices():
     assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
     assert result["fp8_element_bitwise"]
     assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)
+    # No CUDA handler ran: no per-site state (None from a build without CUDA).
+    assert result["site_states"] in (None, dict(per_program=[0, 0], after=0))
     for name, case in result["cases"].items():
         assert not case["ran_cuda"], name
         for key in ("dispatch_bitwise", "rerun_bitwise", "out_bitwise", "grads_bitwise"):

@@ -14,12 +14,14 @@ difference, whether those are bitwise, and whether the program ran the CUDA hand
 training losses of both backends; whether the FP8 element step (`fp8.cast`, compiled for this
 platform) gives ml_dtypes' bits over every bfloat16 pattern; and whether FP8 dispatch of every
 bfloat16 pattern (on GPUs quantised and dequantised by the CUDA transport's kernels) gives the
-xla backend's bits.
+xla backend's bits; and how many per-site states of the CUDA handlers the re-jitted block
+holds (one per CUDA call site of the program alive, none once it is gone).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -36,7 +38,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_hybridep as hep  # noqa: E402
-from jax_hybridep import fp8  # noqa: E402
+from jax_hybridep import _native, fp8  # noqa: E402
 
 
 def _global(mesh, a, spec):
@@ -100,6 +102,31 @@ def _train(n, names):
         losses[backend] = dict(backend=metrics["backend"],
                                train=[r["loss"] for r in metrics["train"]])  # fmt: skip
     return losses
+
+
+def _site_states(mesh, topo, args) -> dict:
+    """Live per-site states of the CUDA handlers (xla_ffi/cuda/site_state.h) while the MoE block is
+    re-jitted (a new trace and new call sites each time, as a retraced model): each
+    program holds one per CUDA call site, and none outlives its program. None without CUDA."""
+    if not _native.module().with_cuda:
+        return None
+    testing = _native.testing_module()
+    E = args.experts_per_gpu * mesh.size
+    x, idx, w, experts = args.inputs(E, jnp.float32)
+    spec = all_axes_spec(mesh)
+    x, idx, w = (_global(mesh, a, spec) for a in (x, idx, w))
+    experts = _global(mesh, experts, P(topo.ep_axes))
+    gc.collect()
+    base = testing.live_site_states()
+    per_program = []
+    # Four on GPUs; two where the CUDA handlers do not run (the CPU check of this worker).
+    for _ in range(4 if jax.devices()[0].platform == "gpu" else 2):
+        fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=E, backend="ffi"))
+        jax.block_until_ready(fn(x, idx, w, experts))
+        per_program.append(testing.live_site_states() - base)
+        del fn
+        gc.collect()
+    return dict(per_program=per_program, after=testing.live_site_states() - base)
 
 
 def _fp8_element_bitwise() -> bool:
@@ -228,6 +255,7 @@ def main():
         platform=jax.devices()[0].platform, levels=names, cases=cases, train=train,
         fp8_element_bitwise=_fp8_element_bitwise(),
         fp8_every_pattern=_fp8_rows_of_every_pattern(mesh, topo),
+        site_states=_site_states(mesh, topo, args),
     )  # fmt: skip
     print(json.dumps(report))
 

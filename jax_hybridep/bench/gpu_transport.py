@@ -5,8 +5,8 @@ kernels' rate (what could fill an NVLink direction) without peers. Per SM count 
 transport kernel): dispatch (send + receive-and-expand) and combine (partials + reduce) in payload
 bandwidth as Hybrid-EP defines it (received unique tokens x H x bytes / time, self traffic
 included), and FP8 dispatch (quantised in the send kernel, dequantised in the receive) in the
-same payload units and in wire bytes (e4m3fn payload + scales), beside the layout kernels and a
-device-to-device copy measured in the same run.
+same payload units and in wire bytes (e4m3fn payload + scales), beside the layout handler's kernels
+(plan and assign over the gathered counts) and a device-to-device copy measured in the same run.
 Needs a GPU and a CUDA build.
 """
 
@@ -36,7 +36,7 @@ def gpu_name() -> str:
 def measure(dtype="bfloat16", tokens=4096, hidden=7168, k=8, experts=8, sms=(1, 2, 4, 8, 16, 24),
             iters=20, warmup=3) -> dict:  # fmt: skip
     """Runs the hook and derives bandwidths (GB/s = 1e9 bytes/s)."""
-    raw = _native.module().cuda_bench_transport(
+    raw = _native.testing_module().cuda_bench_transport(
         dtype, tokens, hidden, k, experts, list(sms), iters=iters, warmup=warmup
     )
     payload = tokens * hidden * DTYPE_BYTES[dtype]  # unique tokens received (all local here)
