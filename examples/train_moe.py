@@ -22,7 +22,6 @@ checkpoint ends the run with one line naming it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -58,10 +57,11 @@ from train_config import (
     check_config,
     config_from_flags,
     define_flags,
-    parse_sizes,
+    flag_values,
 )
 from train_report import imbalance, program_traffic, ran_backend, rebalance_line, save_plot
 
+from jax_hybridep import balance
 from jax_hybridep import nn as hnn
 
 # The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal;
@@ -145,14 +145,14 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         top_k=cfg.top_k,
         capacity_factor=cfg.capacity_factor,
         backend=cfg.backend,
-        expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
-        domain_compression=cfg.domain_compression,
+        migration=cfg.migration,
         wire_dtype=cfg.wire_dtype,
-        redundant_slots=cfg.redundant_slots,
-        rebalance=cfg.rebalance_every > 0,
-        domain_shared=cfg.domain_shared,
-        domain_sync_every=cfg.domain_sync_every,
-        grad_compression=cfg.grad_compression,
+        # A placement (even without redundant slots) lets the rebalancer move experts.
+        balance=(
+            balance.BalanceConfig(cfg.redundant_slots)
+            if cfg.redundant_slots or cfg.rebalance_every
+            else None
+        ),
         prefetch=cfg.prefetch,
     )
 
@@ -197,7 +197,7 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
     )
 
     history = dict(train=[], eval=[], rebalances=[])
-    meta = dataclasses.asdict(cfg)
+    meta = flag_values(cfg)
     balancer = Rebalancer(cfg, graphdef, params, rest, tx)
     if not cfg.resume:
         start = 0
@@ -240,7 +240,7 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
 
     final_eval = history["eval"][-1]["loss"]
     result = dict(
-        config=dataclasses.asdict(cfg),
+        config=meta,
         backend=backend,
         start_step=start,
         final_eval_loss=final_eval,

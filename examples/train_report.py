@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jax_hybridep import traffic
-from jax_hybridep.xdc.domains import INNER_SUFFIX
+from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
 
 def ran_backend(hlo_text: str) -> str:

@@ -238,7 +238,8 @@ def main(argv=None) -> dict:
                    help="comma-separated SM counts")  # fmt: skip
     p.add_argument("--iters", type=cli.positive_int, default=20)
     p.add_argument("--warmup", type=cli.nonnegative_int, default=3)
-    p.add_argument("--json", default="gpu_transport.json", help="JSON output ('' to skip)")
+    p.add_argument("--json", type=cli.output_path, default="gpu_transport.json",
+                   help="JSON output ('' to skip)")  # fmt: skip
     args = p.parse_args(argv)
     if args.transport == "csm":
         result = measure_copy_ceiling(blocks=args.sms, iters=args.iters, warmup=args.warmup)

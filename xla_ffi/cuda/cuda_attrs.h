@@ -12,7 +12,9 @@
 
 namespace jax_hybridep {
 
-// Every exchange of the direct-write transport: the meeting point, and how it runs.
+// Every exchange of the direct-write transport: the meeting point, and how it runs. (`site` keeps
+// each emitted call distinct in the HLO, as on the host; a call site's own state is held by the
+// executable, site_state.h, so the CUDA handlers need no key.)
 struct TransportAttrs : ExchangeAttrs {
   int64_t num_sms;     // blocks of each send and receive phase (DispatchConfig.num_sms)
   bool multi_process;  // some peers live in other processes: their windows come by CUDA IPC

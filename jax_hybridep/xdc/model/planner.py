@@ -26,8 +26,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_hybridep.values import check_bool, check_int
-from jax_hybridep.xdc import compress, cost, volumes, wire
+from jax_hybridep.values import (
+    check_array,
+    check_bool,
+    check_int,
+    check_ints,
+    check_type,
+    is_real,
+)
+from jax_hybridep.xdc import wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, volumes
+
+# The Workload fields `volumes.expected_volumes` / `routed_volumes` take as they are.
+_VOLUME_FIELDS = ("num_experts", "hidden", "act_bytes", "expert_bytes", "expert_matrices",
+                  "migration", "value_bytes", "dense_bytes")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +56,9 @@ class Workload:
       expert_bytes: P1, one expert's parameter bytes (or give `expert_matrices`).
       expert_matrices: element count (or shape) of each of an expert's matrices.
       value_bytes: bytes per parameter value.
-      compression: SR compression of the forward gather, full bytes / bytes sent (None or <= 1:
-        off; the public `MoEBlock` keyword is `domain_compression`).
-      shared: the SR reference, "persistent" (default), "mean" or "none" (`xdc.compress`).
-      sync_every: steps between refreshes of the persistent shared expert.
-      grad_compression: top-k ratio of the gradients' reduce-scatter (None or <= 1: full).
+      migration: how experts travel, as the runtime is configured (`xdc.Migration`: SR
+        compression of the forward gather, its reference variant and refresh period, gradient
+        compression). Its `domains` must be empty: they are what the planner chooses.
       prefetch: every layer's experts gathered at step start (one collective per level).
       layers: MoE layers per step.
       training: forward + backward (True) or forward only.
@@ -68,10 +79,7 @@ class Workload:
     expert_bytes: int | None = None
     expert_matrices: tuple | None = None
     value_bytes: int = 4
-    compression: float | None = None
-    shared: str = "persistent"
-    sync_every: int = 1
-    grad_compression: float | None = None
+    migration: Migration = Migration()
     prefetch: bool = False
     layers: int = 1
     training: bool = True
@@ -100,33 +108,30 @@ class Workload:
             if not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
                 raise ValueError(f"Workload.{name} must be seconds >= 0, got {value!r}")
         check_bool("Workload.prefetch", self.prefetch)
-        check_int("Workload.sync_every", self.sync_every, 1)
-        # Raises for a ratio that is not a positive number or an unknown reference variant.
-        self.migration  # noqa: B018
-
-    @property
-    def migration(self) -> compress.Migration:
-        """What travels inside a domain, as the runtime is configured."""
-        return compress.Migration.make(
-            self.compression, self.shared, self.sync_every, self.grad_compression
-        )
+        check_bool("Workload.training", self.training)
+        if not isinstance(self.migration, Migration):
+            raise TypeError(
+                f"Workload.migration must be a jax_hybridep.xdc.Migration, got {self.migration!r}"
+            )
+        if self.migration.domains:
+            raise ValueError(
+                f"Workload.migration names domains {self.migration.domains}: the planner chooses "
+                "them (start a Replanner from given ones with layer_domains=...)"
+            )
+        if self.expert_probs is not None:
+            probs = check_array("Workload.expert_probs", self.expert_probs, ndim=1, lo=0)
+            if probs.size != self.num_experts or not probs.sum() > 0:
+                raise ValueError(
+                    f"Workload.expert_probs must be [{self.num_experts}] probabilities >= 0, not "
+                    f"all 0, got {len(probs)} values summing to {probs.sum():g}"
+                )
+            object.__setattr__(self, "expert_probs", tuple(float(p) for p in probs))
+        self.expert_bytes_full()  # exactly one of expert_bytes, expert_matrices; sizes >= 0
 
     def volumes(self, level_sizes: Sequence[int], domains: Sequence[int], routing="uniform"):
         """This runtime's volumes of one layer: expected ("uniform"; `expert_probs` if set), for
         [E] expert probabilities, or exact for a [G, T, K] `topk_idx`."""
-        common = dict(
-            num_experts=self.num_experts,
-            hidden=self.hidden,
-            act_bytes=self.act_bytes,
-            expert_bytes=self.expert_bytes,
-            expert_matrices=self.expert_matrices,
-            compression=self.compression,
-            value_bytes=self.value_bytes,
-            dense_bytes=self.dense_bytes,
-            shared=self.shared,
-            sync_every=self.sync_every,
-            grad_compression=self.grad_compression,
-        )
+        common = {name: getattr(self, name) for name in _VOLUME_FIELDS}
         probs = self.expert_probs
         if isinstance(routing, str):
             if routing != "uniform":
@@ -135,7 +140,12 @@ class Workload:
                     f"topk_idx array, got {routing!r}"
                 )
         elif np.ndim(routing) == 1:
-            probs = tuple(float(p) for p in np.asarray(routing, np.float64))
+            probs = tuple(float(p) for p in check_array("routing", routing, ndim=1, lo=0))
+            if len(probs) != self.num_experts:
+                raise ValueError(
+                    f"routing has {len(probs)} expert probabilities, the workload "
+                    f"{self.num_experts} experts"
+                )
         else:
             return volumes.routed_volumes(level_sizes, domains, np.asarray(routing), **common)
         return volumes.expected_volumes(
@@ -200,13 +210,19 @@ class Workload:
 
 
 def layer_list(layer_domains, layers: int) -> list[tuple[int, ...]]:
-    """One domain tuple per layer from a tuple for all layers or a sequence of them."""
+    """One domain tuple per layer from a tuple for all layers or a sequence of them (ints only:
+    a fractional size is refused, never truncated)."""
+    check_int("layers", layers, 1)
+    if isinstance(layer_domains, str) or not isinstance(layer_domains, Sequence):
+        raise TypeError(
+            f"layer_domains must be a domain tuple or one per layer, got {layer_domains!r}"
+        )
     layer_domains = tuple(layer_domains)
-    if layer_domains and all(isinstance(s, numbers.Integral) for s in layer_domains):
-        return [tuple(int(s) for s in layer_domains)] * layers
+    if layer_domains and all(is_real(s) for s in layer_domains):
+        return [check_ints("domains", layer_domains, 1)] * layers
     if len(layer_domains) != layers:
         raise ValueError(f"got {len(layer_domains)} per-layer domain tuples for {layers} layers")
-    return [tuple(int(s) for s in d) for d in layer_domains]
+    return [check_ints(f"layer_domains[{i}]", d, 1) for i, d in enumerate(layer_domains)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +334,9 @@ def _rank(c: Candidate):
 
 
 def _routings(routing, layers: int) -> list:
-    """One routing entry per layer."""
+    """One routing entry per layer (a list of numbers is one [E] probability vector)."""
+    if isinstance(routing, list | tuple) and routing and all(is_real(p) for p in routing):
+        routing = np.asarray(routing, np.float64)
     if isinstance(routing, str) or (not isinstance(routing, list | tuple)):
         return [routing] * layers
     if len(routing) != layers:
@@ -334,6 +352,10 @@ def evaluate(
     memory_limit_bytes: int | None = None,
 ) -> Candidate:
     """The `Candidate` of one configuration: a domain tuple for all layers or one per layer."""
+    check_type("cluster", cluster, cost.Cluster, "a cost.Cluster")
+    check_type("workload", workload, Workload, "a planner.Workload")
+    if memory_limit_bytes is not None:
+        check_int("memory_limit_bytes", memory_limit_bytes, 0)
     sizes = tuple(cluster.level_sizes)
     per_layer = layer_list(layer_domains, workload.layers)
     routings = _routings(routing, workload.layers)
@@ -393,7 +415,7 @@ def plan(
     sizes = tuple(cluster.level_sizes)
     plain = (1,) * len(sizes)
     todo = volumes.realisable_domains(sizes) if candidates is None else list(candidates)
-    todo = [tuple(int(s) for s in d) for d in todo]
+    todo = [check_ints("plan: candidates[i]", d, 1) for d in todo]  # 1.5 is refused, not cut
     bad = [
         d
         for d in todo

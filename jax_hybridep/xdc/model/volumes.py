@@ -4,11 +4,12 @@ What the runtime moves per rank and per MoE layer, level by level (slow -> fast)
 sizes `G_l` split into domains `S_l` (outer `n_l = G_l / S_l`, inner `S_l`):
 
 * Experts: all-gathered over the inner axes, slow -> fast; at level l each rank receives
-  `(S_l - 1) * prod_{m<l} S_m * E_local` experts (SR-compressed when `compression` is set).
-  Training adds the transpose, a reduce-scatter of the gradients with the same counts: full size,
-  or top-k value-index blocks (an all-to-all) with `grad_compression`.
-* SR reference (compression only; `shared`, see `xdc.compress`): "mean" all-reduces one expert
-  (each matrix on its own) over each inner axis with `S_l > 1` every layer call,
+  `(S_l - 1) * prod_{m<l} S_m * E_local` experts (SR-compressed when the migration's
+  `compression` is set; `xdc.Migration`). Training adds the transpose, a reduce-scatter of the
+  gradients with the same counts: full size, or top-k value-index blocks (an all-to-all) with
+  `grad_compression`.
+* SR reference (compression only; `Migration.shared`, see `xdc.compress`): "mean" all-reduces one
+  expert (each matrix on its own) over each inner axis with `S_l > 1` every layer call,
   `2 (S_l - 1) / S_l * P1` received per rank (`traffic.all_reduce_bytes`, the convention
   `traffic.crossing_bytes` reads programs with); "persistent" all-reduces one expert over all G
   ranks once every `sync_every` steps, across level l `2 P1 (G - G / G_l) / G` per refresh;
@@ -35,10 +36,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_hybridep import traffic
+from jax_hybridep.values import check_array, check_bool, check_int, check_ints
 from jax_hybridep.xdc import geometry
-from jax_hybridep.xdc.compress import Migration
 from jax_hybridep.xdc.geometry import token_level_sizes
-from jax_hybridep.xdc.loads import exact_loads, expected_loads
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model.loads import exact_loads, expected_loads
 from jax_hybridep.xdc.wire import expert_bytes_on_wire, expert_wire_bytes
 
 
@@ -128,6 +130,7 @@ class Volumes:
     @staticmethod
     def token_exchanges(training: bool) -> int:
         """Token exchanges per layer: dispatch and combine, plus their two VJPs when training."""
+        check_bool("training", training)
         return 4 if training else 2
 
     def layer_bytes(self, training: bool = True) -> tuple[float, ...]:
@@ -146,6 +149,7 @@ class Volumes:
     def step_bytes(self, training: bool = True, layers: int = 1) -> tuple[float, ...]:
         """Bytes per rank at each level of a step of `layers` MoE layers (`layer_bytes` each);
         once per step the dense gradients."""
+        check_int("layers", layers, 1)
         return tuple(
             layers * b + (v.dense_sync_bytes if training else 0)
             for b, v in zip(self.layer_bytes(training), self.levels, strict=True)
@@ -154,6 +158,7 @@ class Volumes:
 
 def realisable_domains(level_sizes: Sequence[int]) -> list[tuple[int, ...]]:
     """Every domain tuple: one divisor of each level size, plain EP (all 1) first."""
+    level_sizes = check_ints("level_sizes", level_sizes, 1)
     divisors = [[d for d in range(1, g + 1) if g % d == 0] for g in level_sizes]
     return list(itertools.product(*divisors))
 
@@ -161,15 +166,16 @@ def realisable_domains(level_sizes: Sequence[int]) -> list[tuple[int, ...]]:
 def _check(level_sizes, domains, num_experts, top_k=None, **sizes):
     """Validated (level sizes, domains); `sizes` are counts that must be >= 0 (dense_bytes,
     tokens) or >= 1 (hidden, act_bytes)."""
-    level_sizes, domains = tuple(int(g) for g in level_sizes), tuple(int(s) for s in domains)
-    if not level_sizes or min(level_sizes) < 1:
-        raise ValueError(f"level sizes must be >= 1, at least one level; got {level_sizes}")
+    # Fractional sizes are refused, never truncated (a domain of 1.5 is not plain EP).
+    level_sizes = check_ints("level_sizes", level_sizes, 1)
+    domains = check_ints("domains", domains, 1)
     if len(level_sizes) != len(domains):
         raise ValueError(f"domains {domains} do not match level sizes {level_sizes}")
+    check_int("num_experts", num_experts, 1)
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
     for name, value in sizes.items():
-        low = 1 if name in ("hidden", "act_bytes") else 0
-        if value < low:
-            raise ValueError(f"{name}={value} must be >= {low}")
+        check_int(name, value, 1 if name in ("hidden", "act_bytes") else 0)
     bad = [(g, s) for g, s in zip(level_sizes, domains, strict=True) if s < 1 or g % s]
     if bad:
         raise ValueError(f"domain sizes must divide their level sizes; got {bad} (G_l, S_l)")
@@ -189,17 +195,19 @@ def _dense(level_sizes, lvl: int, dense_bytes: int) -> tuple[int, int]:
     return traffic.all_reduce_bytes(dense_bytes, ranks, across), level_sizes[lvl] - 1
 
 
-def _experts(expert_bytes, expert_matrices, value_bytes, compression, shared, sync_every,
-             grad_compression):  # fmt: skip
-    """What one expert costs: (P1, forward wire bytes, bytes per matrix, reference variant or
-    None without SR, gradient wire bytes, sync_every), validated."""
+def _experts(expert_bytes, expert_matrices, value_bytes, migration: Migration | None):
+    """What one expert costs under `migration`: (P1, forward wire bytes, bytes per matrix,
+    reference variant or None without SR, gradient wire bytes, sync_every), validated."""
+    migration = Migration() if migration is None else migration
+    if not isinstance(migration, Migration):
+        raise TypeError(f"migration must be a jax_hybridep.xdc.Migration, got {migration!r}")
     p1, sent, matrices, compressed = expert_bytes_on_wire(
-        expert_bytes, expert_matrices, compression, value_bytes
+        expert_bytes, expert_matrices, migration.compression, value_bytes
     )
     matrices_spec = expert_matrices if expert_matrices is not None else [p1 // value_bytes]
-    grad = expert_wire_bytes(matrices_spec, grad_compression, value_bytes)
-    Migration.make(compression, shared, sync_every, grad_compression)  # validates the settings
-    return p1, sent, matrices, (shared if compressed else None), grad, sync_every
+    grad = expert_wire_bytes(matrices_spec, migration.grad_compression, value_bytes)
+    reference = migration.shared if compressed else None
+    return p1, sent, matrices, reference, grad, migration.sync_every
 
 
 def _build(
@@ -279,13 +287,10 @@ def expected_volumes(
     act_bytes: int,
     expert_bytes: int | None = None,
     expert_matrices: Sequence | None = None,
-    compression: float | None = None,
+    migration: Migration | None = None,
     value_bytes: int = 4,
     expert_probs: Sequence[float] | None = None,
     dense_bytes: int = 0,
-    shared: str = "persistent",
-    sync_every: int = 1,
-    grad_compression: float | None = None,
 ) -> Volumes:
     """Expected per-level volumes for routing of K distinct experts per token.
 
@@ -295,28 +300,25 @@ def expected_volumes(
       tokens, top_k, num_experts, hidden, act_bytes: `T` per rank, `K`, `E`, `H`, token bytes.
       expert_bytes: `P1`, one expert's parameter bytes (treated as one matrix when compressed).
       expert_matrices: alternatively, the element count (or shape) of each expert matrix.
-      compression: SR compression of the forward gather, full bytes / bytes sent (None or <= 1:
-        off).
+      migration: how experts travel (`xdc.Migration`: SR compression of the forward gather,
+        its reference variant and refresh period, gradient compression; its domains are not
+        read: `domains` above are the sizes); None: full experts, exact gradients.
       value_bytes: bytes per parameter value.
       expert_probs: [E] routing probability of each expert (default uniform); the busiest rank
         and site then carry more than the mean.
       dense_bytes: bytes of the replicated parameters whose gradients a training step
         all-reduces over every rank (0: not counted).
-      shared, sync_every: the SR reference variant and the persistent one's refresh period
-        (`xdc.compress.Migration`; used only with compression).
-      grad_compression: top-k ratio of the gradients' reduce-scatter (None or <= 1: full).
     """
     level_sizes, domains = _check(
         level_sizes, domains, num_experts, top_k, tokens=tokens, hidden=hidden,
         act_bytes=act_bytes, dense_bytes=dense_bytes,
     )  # fmt: skip
-    experts = _experts(expert_bytes, expert_matrices, value_bytes, compression, shared,
-                       sync_every, grad_compression)  # fmt: skip
+    experts = _experts(expert_bytes, expert_matrices, value_bytes, migration)
     if expert_probs is None:
         probs = np.full(num_experts, 1 / num_experts)
     else:
-        probs = np.asarray(expert_probs, np.float64)
-        if probs.shape != (num_experts,) or probs.min() < 0 or probs.sum() <= 0:
+        probs = check_array("expert_probs", expert_probs, ndim=1, lo=0)  # NaN: ValueError
+        if probs.shape != (num_experts,) or probs.sum() <= 0:
             raise ValueError(f"expert_probs must be [{num_experts}] non-negative, not all 0")
         probs = probs / probs.sum()
     token_sizes = token_level_sizes(level_sizes, domains)
@@ -342,12 +344,9 @@ def routed_volumes(
     act_bytes: int,
     expert_bytes: int | None = None,
     expert_matrices: Sequence | None = None,
-    compression: float | None = None,
+    migration: Migration | None = None,
     value_bytes: int = 4,
     dense_bytes: int = 0,
-    shared: str = "persistent",
-    sync_every: int = 1,
-    grad_compression: float | None = None,
 ) -> Volumes:
     """Exact per-level volumes of an actual routing.
 
@@ -361,14 +360,13 @@ def routed_volumes(
         level_sizes, domains, num_experts, hidden=hidden, act_bytes=act_bytes,
         dense_bytes=dense_bytes,
     )  # fmt: skip
-    topk_idx = np.asarray(topk_idx)
+    topk_idx = check_array("topk_idx", topk_idx, integer=True)
     ranks = math.prod(level_sizes)
     if topk_idx.ndim != 3 or topk_idx.shape[0] != ranks:
         raise ValueError(f"topk_idx must be [G={ranks}, T, K], got {topk_idx.shape}")
     if topk_idx.max(initial=-1) >= num_experts or topk_idx.min(initial=0) < -1:
         raise ValueError(f"topk_idx holds ids outside [-1, {num_experts})")
-    experts = _experts(expert_bytes, expert_matrices, value_bytes, compression, shared,
-                       sync_every, grad_compression)  # fmt: skip
+    experts = _experts(expert_bytes, expert_matrices, value_bytes, migration)
     groups = geometry.replica_placement(level_sizes, domains, num_experts)[0]
     dest = np.where(topk_idx >= 0, groups[np.maximum(topk_idx, 0)], -1)
     token_sizes = token_level_sizes(level_sizes, domains)
@@ -404,6 +402,8 @@ def flat_volumes(
     routing; otherwise one per (token, k) as capacity-style buffers (Tutel) do, `T K / G` per peer.
     `dense_bytes` as in `expected_volumes`.
     """
+    check_bool("dedup", dedup)
+    check_int("expert_bytes", expert_bytes, 0)
     level_sizes, _ = _check(
         level_sizes, (1,) * len(level_sizes), num_experts, top_k, tokens=tokens, hidden=hidden,
         act_bytes=act_bytes, dense_bytes=dense_bytes,
