@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_kernels_test import DTYPES, _bits, _values
+from cuda_kernels_test import DTYPES, _bits, _layout_args, _numpy_layout, _routing, _values
 from cuda_transport_test import Round
 from transport_v2_twin import (
     numpy_layout,
@@ -54,6 +54,24 @@ def test_layout_twin_matches_host_reference(routing, ranks):
         want = numpy_layout(gathered, rank, case.C)
         got = native.cuda_v2_layout(gathered, rank, case.C, reference=True)
         _assert_layout(got, want, f"rank {rank}")
+
+
+def _with_capacity(case: Round, seed: int) -> Round:
+    """The round's routing laid out with a capacity (f = 1.0, pad_multiple 4: rows dropped, padded
+    groups, docs/design.md §2.1.3), its C-sized inputs drawn again for the new C."""
+    rng = np.random.default_rng([seed, 17])
+    E = 2 * case.R
+    idx = _routing("random", rng, R=case.R, T=case.T, K=case.K, E=E)
+    args = _layout_args(idx, E, "capacity")
+    case.row_pos = _numpy_layout(**args)["row_pos"].astype(np.int32)
+    safe = np.clip(idx, 0, E - 1)
+    case.dest = np.where(case.row_pos >= 0, args["placement_rank"][safe], -1).astype(np.int32)
+    case.C = args["rows"]
+    case.y = _values(rng, (case.R, case.C, case.hidden), case.dtype)
+    case.y_weights = rng.standard_normal((case.R, case.C)).astype(np.float32)
+    case.scale = rng.standard_normal((case.R, case.C)).astype(np.float32)
+    case.scale[:, ::5] *= -1
+    return case
 
 
 def _receive_buffers(case: Round, payload: np.ndarray, layouts: list[dict]) -> list[np.ndarray]:
@@ -102,12 +120,16 @@ def _v2_pipeline(case: Round, weighted: bool, fp8_hidden: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("routing", ROUTINGS + ("capacity",))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_v2_pipeline_gives_the_model(routing, dtype, ranks):
     """v2's steps composed over R ranks: exactly the §2.1 model's rows, weights, combined tokens
-    and scaled redispatch (the bits v1 gives)."""
-    case = Round(routing, dtype, 6, R=ranks, T=24, K=3, seed=1)
+    and scaled redispatch (the bits v1 gives), dropless and with a capacity."""
+    case = Round("random" if routing == "capacity" else routing, dtype, 6, R=ranks, T=24, K=3,
+                 seed=1)  # fmt: skip
+    if routing == "capacity":
+        case = _with_capacity(case, ranks)
+        assert np.any(case.row_pos < 0) and case.C % 4 == 0  # drops, padded groups
     for weighted in (False, True):
         got = _v2_pipeline(case, weighted)
         want = case.expected(weighted)
