@@ -51,6 +51,13 @@ def platforms() -> tuple[str, ...]:
     return ("cpu", "gpu") if _hybridep.with_cuda else ("cpu",)
 
 
+@functools.cache
+def has_cuda_v2() -> bool:
+    """Whether the build has CUDA transport v2's handlers (CMake JAX_HYBRIDEP_CUDA_V2)."""
+    return (_hybridep is not None and _hybridep.with_cuda
+            and "jax_hybridep_cuda_v2_dispatch" in _hybridep.cuda_registrations())  # fmt: skip
+
+
 def module():
     """The native module; raises ImportError with the build hint when it is missing."""
     if _hybridep is None:

@@ -20,6 +20,8 @@ from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_bool, check_int, is_real
 
 BACKENDS = ("auto", "xla", "ffi")
+GPU_TRANSPORTS = ("v1", "v2")
+GPU_TRANSPORT_ENV = "JAX_HYBRIDEP_GPU_TRANSPORT"
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
 # Test switch: with zero_padding=False, rows past sum(group_sizes) are filled with NaN (in the
@@ -73,6 +75,11 @@ class DispatchConfig:
         needs x's cotangent through them raises TypeError while tracing, while gradients with
         respect to `topk_weights` work and equal the dequantised path's bit for bit
         (docs/errors.md).
+      gpu_transport: GPUs only: which CUDA transport the ffi backend runs over the fastest
+        level: "v1" (default) or "v2", built on Hybrid-EP's structure (persistent bulk-copy send
+        blocks on num_sms SMs, wide permute and unpermute on every SM; docs/gpu.md). Both
+        compute the same bits (docs/design.md §2.1); v1 stays the default until an H200 has
+        measured v2. The env var JAX_HYBRIDEP_GPU_TRANSPORT overrides it.
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
@@ -89,6 +96,7 @@ class DispatchConfig:
     timeout_s: float = 120.0
     row_budget: int | None = None
     num_sms: int = 16
+    gpu_transport: str = "v1"
     gpu_stream: str | int | None = None
     zero_padding: bool = True
     wire_dtype: str | None = None
@@ -123,6 +131,10 @@ class DispatchConfig:
                     "bounds the buffer)"
                 )
         self._set("num_sms", check_int("num_sms", self.num_sms, 1, MAX_SMS))
+        if not isinstance(self.gpu_transport, str) or self.gpu_transport not in GPU_TRANSPORTS:
+            raise ValueError(
+                f"gpu_transport must be one of {GPU_TRANSPORTS}, got {self.gpu_transport!r}"
+            )
         stream = self.gpu_stream
         if not (stream is None or stream == "collective" or (
             isinstance(stream, int | np.integer) and not isinstance(stream, bool) and stream >= 1
@@ -137,6 +149,14 @@ class DispatchConfig:
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
+
+    @property
+    def resolved_gpu_transport(self) -> str:
+        """gpu_transport, or the env var JAX_HYBRIDEP_GPU_TRANSPORT when it is set."""
+        value = os.environ.get(GPU_TRANSPORT_ENV, self.gpu_transport)
+        if value not in GPU_TRANSPORTS:
+            raise ValueError(f"{GPU_TRANSPORT_ENV}={value!r}; expected one of {GPU_TRANSPORTS}")
+        return value
 
     @property
     def poison_padding(self) -> bool:

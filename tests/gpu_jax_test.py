@@ -5,7 +5,8 @@ CPU devices): one process driving one GPU (`gpu`), every local GPU as one EP gro
 per GPU through jax.distributed with the windows of the other processes opened by CUDA IPC
 (`multigpu`). Dispatch outputs must equal the xla backend's bit for bit; combine and gradients
 must agree to float32 rounding (XLA:GPU may contract the xla backend's multiply-adds, which the
-CUDA kernels never do) and be bitwise reproducible from run to run on reused windows. Skips
+CUDA kernels never do) and be bitwise reproducible from run to run on reused windows; over
+transport v1 (the default) and over v2 (`gpu_transport="v2"`). Skips
 without a GPU; fails instead when JAX_HYBRIDEP_REQUIRE_GPU=1.
 """
 
@@ -53,11 +54,11 @@ def _local_gpus(at_least: int, even: bool = False) -> int:
     return count
 
 
-def _check(result: dict, devices: int, processes: int = 1):
+def _check(result: dict, devices: int, processes: int = 1, transport: str = "v1"):
     assert result["devices"] == devices and result["platform"] == "gpu"
     assert result["processes"] == processes
     for name, case in result["cases"].items():
-        assert case["ran_cuda"], name
+        assert case["ran_cuda"] and case["transport"] == transport, (name, case)
         assert case["dispatch_bitwise"], (name, case)
         assert case["rerun_bitwise"], (name, case)
         tol = 1e-5 if name.startswith("float32") else 2e-2  # relative to the largest value
@@ -85,6 +86,21 @@ def _check(result: dict, devices: int, processes: int = 1):
 @pytest.mark.gpu
 def test_one_gpu(gpu):
     _check(_run_worker("--devices=1", "--train"), 1)
+
+
+@pytest.mark.gpu
+def test_one_gpu_transport_v2(gpu):
+    """The same cases and FP8 patterns over transport v2 (gpu_transport="v2")."""
+    result = _run_worker("--devices=1", "--gpu_transport=v2")
+    assert result["gpu_transport"] == "v2"
+    _check(result, 1, transport="v2")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_all_local_gpus_one_process_transport_v2(gpu):
+    count = _local_gpus(2)
+    _check(_run_worker(f"--devices={count}", "--gpu_transport=v2"), count, transport="v2")
 
 
 @pytest.mark.gpu

@@ -10,6 +10,9 @@ namespace jax_hybridep {
 std::vector<HandlerEntry> CudaHandlers() {
   std::vector<HandlerEntry> all = CudaLayoutHandlers();
   for (const HandlerEntry& entry : CudaTransportHandlers()) all.push_back(entry);
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
+  for (const HandlerEntry& entry : CudaV2Handlers()) all.push_back(entry);
+#endif
   return all;
 }
 

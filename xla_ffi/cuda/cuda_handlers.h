@@ -15,6 +15,9 @@ namespace jax_hybridep {
 std::vector<HandlerEntry> CudaLayoutHandlers();
 // The direct-write transport's exchanges, jax_hybridep_cuda_<op> (transport_handlers.cc).
 std::vector<HandlerEntry> CudaTransportHandlers();
+// Transport v2's layout and exchanges, jax_hybridep_cuda_v2_<op> (v2_handlers.cc; built unless
+// CMake's JAX_HYBRIDEP_CUDA_V2 is OFF).
+std::vector<HandlerEntry> CudaV2Handlers();
 
 // Every CUDA handler's execute stage; each binds SiteStateInstantiate() as its instantiate stage.
 std::vector<HandlerEntry> CudaHandlers();

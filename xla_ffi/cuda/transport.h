@@ -35,11 +35,13 @@ namespace jax_hybridep {
 
 // Where a failed wait is recorded: in mapped host memory, written once (first failure wins).
 struct TransportError {
-  uint32_t code;   // 0: none; 1: a wait timed out
+  uint32_t code;   // 0: none; 1: a wait timed out; 2: a flag of another exchange (v2)
   uint32_t rank;   // the rank that waited
   uint32_t peer;   // the source rank it waited for
   uint32_t block;  // the sender block whose flag never came
   uint64_t generation;
+  uint64_t seen;      // v2: the flag the failed wait read last
+  uint64_t expected;  // v2: the tag it waited for (v2_transport.h)
 };
 
 // What every phase of one exchange needs. Every receive phase runs as `send_blocks` blocks too:

@@ -2,7 +2,8 @@
 // runtime library (so it sees the same process-wide state): hooks on the host kernels, the
 // transport's host reference, CPU handlers probing the CUDA handlers' attribute decoding and, in
 // CUDA builds, the kernels' self-tests, the virtual-rank harness, the transport benchmark and a CPU
-// probe of the CUDA handlers' per-site state.
+// probe of the CUDA handlers' per-site state; with transport v2, its references, harness and
+// benches (xla_ffi/cuda/testing/v2_hooks.h).
 // Tests and jax_hybridep.bench.gpu_transport use it (jax_hybridep._native.testing_module()).
 #include <vector>
 
@@ -16,6 +17,9 @@
 #include "xla_ffi/cuda/testing/bench_hooks.h"
 #include "xla_ffi/cuda/testing/selftest_hooks.h"
 #include "xla_ffi/cuda/testing/state_probe.h"
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
+#include "xla_ffi/cuda/testing/v2_hooks.h"
+#endif
 #endif
 
 namespace nb = nanobind;
@@ -70,6 +74,9 @@ NB_MODULE(_hybridep_testing, m) {
   jax_hybridep::RegisterCudaSelftests(m);
   jax_hybridep::RegisterCudaBench(m);
   jax_hybridep::RegisterStateProbe(m);
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
+  jax_hybridep::RegisterCudaV2Hooks(m);
+#endif
 #else
   m.attr("with_cuda") = false;
 #endif
