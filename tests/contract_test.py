@@ -29,6 +29,8 @@ from route_kinds import ROUTES, bits, on_mesh
 
 import jax_hybridep as hep
 from jax_hybridep import fp8, traffic
+from jax_hybridep.config import GPU_TRANSPORTS
+from jax_hybridep.exchange import routes
 from jax_hybridep.ops import dispatch_with_route
 from jax_hybridep.reference import dense_moe
 
@@ -333,14 +335,28 @@ def test_contract(kind, case_name):
                 np.testing.assert_array_equal(bits(a), bits(b), err_msg=routing)
 
 
-def test_every_routing_and_route_kind_is_used():
-    used = {r for case in CASES.values() for r in case.routings}
-    assert used == set(ROUTINGS)
-    topo = hep.Topology.from_mesh(make_mesh(*NODE2_LOCAL4), NODE2_LOCAL4[1])
-    steps = {type(s) for kind in ROUTES.values() for s in kind.route(topo).levels}
-    flat = hep.Topology.from_mesh(make_mesh(*FLAT8), FLAT8[1])
-    bottoms = {type(kind.route(t).bottom) for kind in ROUTES.values() for t in (topo, flat)}
-    assert len(steps) == 3 and len(bottoms) == 4, (steps, bottoms)  # every level and bottom kind
+def test_every_routing_and_step_kind_is_used():
+    """Every routing runs in some case, and every level step and bottom that backend selection
+    can return (any backend, platform, transport, processes) runs in some route kind."""
+    assert {r for case in CASES.values() for r in case.routings} == set(ROUTINGS)
+    meshes = [hep.Topology.from_mesh(make_mesh(*m), m[1]) for m in (FLAT8, NODE2_LOCAL4)]
+    views = [
+        dataclasses.replace(t, platform=platform, single_process=single, level_local=None)
+        for t in meshes
+        for platform in ("cpu", "gpu")
+        for single in (True, False)
+    ]
+    selectable = {
+        type(step)
+        for t in views
+        for backend in ("xla", "ffi")
+        for transport in GPU_TRANSPORTS
+        for route in [routes.route_for(backend, t, transport)]
+        for step in (*route.levels, route.bottom)
+    }
+    run = {type(step) for kind in ROUTES.values() for t in meshes
+           for step in (*kind.route(t).levels, kind.route(t).bottom)}  # fmt: skip
+    assert selectable <= run, selectable - run
 
 
 def test_all_rows_to_one_expert_drop_in_order_over_the_dropless_buffer():

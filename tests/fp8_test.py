@@ -15,13 +15,13 @@ import pytest
 from flax import nnx
 from harness import all_axes_spec, make_mesh, random_routing
 from jax.sharding import PartitionSpec as P
-from route_kinds import ROUTES, on_mesh, same_bits_on
+from route_kinds import ROUTES, gpu_twin_route, on_mesh, same_bits_on
 from transport_twin import JaxExchanges
 
 import jax_hybridep as hep
 from jax_hybridep import _native, fp8, ops, traffic
 from jax_hybridep import nn as hnn
-from jax_hybridep.exchange import cuda_bottom, layouts, routes
+from jax_hybridep.exchange import routes
 
 MESHES = [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))]
 FP8 = "float8_e4m3fn"
@@ -274,13 +274,12 @@ def test_config_rejects_unknown_wire_dtypes():
 @pytest.mark.parametrize("shape,names,hidden", [(*MESHES[0], 200), (*MESHES[2], 198)])
 def test_gpu_route_carries_fp8_like_the_xla_backend(shape, names, hidden):
     """The GPU route (CUDA bottom over the pure-JAX twin of its exchanges, as the contract
-    suite's `gpu_twin` kind runs it): on one level the tokens reach the transport unquantised (its send
-    kernel quantises), under slower levels as wire rows; bitwise the xla backend's values, scales
-    and row weights, H a multiple of 128 or not (198: wire rows of 206 bytes)."""
+    suite's `gpu_twin` kind runs it): on one level the tokens reach the transport unquantised
+    (its send kernel quantises), under slower levels as wire rows; bitwise the xla backend's
+    values, scales and row weights, H a multiple of 128 or not (198: wire rows of 206 bytes)."""
     mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=1.0)
     gpu_topo = dataclasses.replace(topo, platform="gpu")
-    gpu = routes.route_for("ffi", gpu_topo)
-    assert gpu.fp8_wire == "fused"
+    assert routes.route_for("ffi", gpu_topo).fp8_wire == "fused"
     reached = []  # the dtype of what reached the transport, per trace
 
     class Recording(JaxExchanges):
@@ -288,8 +287,7 @@ def test_gpu_route_carries_fp8_like_the_xla_backend(shape, names, hidden):
             reached.append(x.dtype)
             return super().dispatch(plan, fast, x, *args)
 
-    twin = dataclasses.replace(gpu, layout=layouts.JnpLayout(),
-                               bottom=cuda_bottom.CudaBottom(exchanges=Recording()))  # fmt: skip
+    twin = gpu_twin_route(topo, Recording())
     for rows in (False, True):
         cfg = hep.DispatchConfig(backend="ffi", wire_dtype=FP8, fp8_rows=rows, **kw)
         got = jax.device_get(_dispatch_fn(mesh, gpu_topo, cfg, route=twin)(x, idx, w))

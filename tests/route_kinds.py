@@ -11,6 +11,7 @@ lacks the real one. On CPU that gives every step kind of jax_hybridep/exchange/r
 | `ffi_packed` | HostGatheredLayout | HostPackedLevel x L, or x (L - 1) and | HostRows            |
 |              |                    | HostDirectLevel on the fastest        |                     |
 | `gpu_twin`   | JnpLayout          | XlaLevel x (L - 1)                    | CudaBottom (twin)   |
+| `gpu_v2_twin`| JnpLayout          | XlaLevel x (L - 1)                    | CudaV2Bottom (twin) |
 
 `ffi_packed` is the host route as a run with one process per node sees it (every level but the
 fastest crosses processes; a single level does): the packed levels exchange through XLA
@@ -18,10 +19,11 @@ all-to-alls, so it runs in this one process. `gpu_twin` is the GPU route with th
 exchanges issued by their pure-JAX twin (tests/transport_twin.py) and the jnp layout: everything
 else runs as on GPUs (slow levels by XLA all-to-alls, the bottom spanning the fastest level, the
 handle's receive map, combine and both VJPs); the kernels themselves are checked against the same
-order on a GPU (tests/cuda_transport_test.py). The twin keeps the CPU topology, so its
-routing-weight gradient takes the CPU's fixed summation order, as the reference does (on GPUs
-both backends take XLA's reduction there: jax_hybridep/weight_grad.py). A new level kind or
-bottom is one more entry here.
+order on a GPU (tests/cuda_transport_test.py). `gpu_v2_twin` is the same over transport v2
+(`gpu_transport="v2"`, its custom calls issued by tests/transport_v2_twin.py). The twins keep the
+CPU topology, so their routing-weight gradient takes the CPU's fixed summation order, as the
+reference does (on GPUs both backends take XLA's reduction there: jax_hybridep/weight_grad.py).
+A new level kind or bottom is one more entry here.
 
 The reference (`xla`) is checked against the numpy model of §2.1; every other kind must give its
 bits.
@@ -36,9 +38,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from transport_twin import JaxExchanges
+from transport_v2_twin import JaxV2Exchanges
 
 import jax_hybridep as hep
-from jax_hybridep.exchange import cuda_bottom, layouts, routes
+from jax_hybridep.exchange import cuda_bottom, cuda_v2, layouts, routes
 from jax_hybridep.ops import dispatch_with_route
 
 
@@ -52,11 +55,21 @@ def _across_processes(topo: hep.Topology) -> hep.Topology:
     return dataclasses.replace(topo, single_process=False, level_local=local)
 
 
-def _gpu_twin_route(topo: hep.Topology) -> routes.Route:
-    """The GPU route, its CUDA bottom's exchanges and layout swapped for pure-JAX ones."""
+def gpu_twin_route(topo: hep.Topology, exchanges=None) -> routes.Route:
+    """The GPU route, its CUDA bottom's exchanges (`exchanges`, default the pure-JAX twin) and
+    layout swapped for pure-JAX ones."""
     gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
     assert isinstance(gpu.bottom, cuda_bottom.CudaBottom)
-    twin = cuda_bottom.CudaBottom(exchanges=JaxExchanges())
+    twin = cuda_bottom.CudaBottom(exchanges=exchanges or JaxExchanges())
+    return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
+
+
+def gpu_v2_twin_route(topo: hep.Topology, exchanges=None) -> routes.Route:
+    """The GPU route over transport v2, its custom calls (`exchanges`, default the pure-JAX
+    twin) and layout swapped for pure-JAX ones."""
+    gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"), gpu_transport="v2")
+    assert isinstance(gpu.bottom, cuda_v2.CudaV2Bottom)
+    twin = cuda_v2.CudaV2Bottom(exchanges=exchanges or JaxV2Exchanges())
     return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
 
 
@@ -69,6 +82,7 @@ class RouteKind:
       backend: the `DispatchConfig.backend` it runs with.
       sees: the topology this kind runs on, from the mesh's.
       explicit: the exchange route to force, from the topology it sees (None: the backend's).
+      config: further `DispatchConfig` fields it runs with, as (name, value) pairs.
       reference: the kind whose bits this one must give; None: checked against the model.
     """
 
@@ -76,13 +90,14 @@ class RouteKind:
     backend: str
     sees: Callable[[hep.Topology], hep.Topology] = _as_is
     explicit: Callable[[hep.Topology], routes.Route] | None = None
+    config: tuple = ()
     reference: str | None = "xla"
 
     def prepare(self, topo: hep.Topology, config: hep.DispatchConfig):
         """(topology, config, route or None) this kind dispatches with on `topo`."""
         seen = self.sees(topo)
         route = self.explicit(seen) if self.explicit is not None else None
-        return seen, dataclasses.replace(config, backend=self.backend), route
+        return seen, dataclasses.replace(config, backend=self.backend, **dict(self.config)), route
 
     def route(self, topo: hep.Topology) -> routes.Route:
         """The steps this kind runs on `topo` (what the registry table says)."""
@@ -102,7 +117,10 @@ ROUTES = {
         RouteKind("xla", "xla", reference=None),
         RouteKind("ffi", "ffi"),
         RouteKind("ffi_packed", "ffi", sees=_across_processes),
-        RouteKind("gpu_twin", "ffi", explicit=_gpu_twin_route),
+        RouteKind("gpu_twin", "ffi", explicit=gpu_twin_route),
+        RouteKind(
+            "gpu_v2_twin", "ffi", explicit=gpu_v2_twin_route, config=(("gpu_transport", "v2"),)
+        ),  # fmt: skip
     )
 }
 
