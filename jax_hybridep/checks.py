@@ -1,5 +1,5 @@
-"""Trace-time checks of the ops' arguments (DESIGN §2), and expert ids brought to int32 only after
-they were checked in their own dtype.
+"""Trace-time checks of the ops' arguments (docs/design.md §2), and expert ids brought to int32 only
+after they were checked in their own dtype.
 
 Every failure is a ValueError or TypeError that names the argument, its shape or dtype and the
 value expected, raised while tracing (before anything compiles or runs).
@@ -15,7 +15,7 @@ from jax_hybridep.topology import Topology
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
-# The int32 id every invalid id becomes (ids >= E or < -1 are invalid, DESIGN §2.1.2).
+# The int32 id every invalid id becomes (ids >= E or < -1 are invalid, docs/design.md §2.1.2).
 INVALID_ID = -2
 
 

@@ -1,4 +1,4 @@
-"""Dispatch configuration and the static plan derived from it for one call (DESIGN §2.1).
+"""Dispatch configuration and the static plan derived from it for one call (docs/design.md §2.1).
 
 `DispatchConfig` is what users write: frozen, hashable, validated once. `DispatchPlan` adds what
 only the call site knows (the topology and the per-shard shapes): EP size, local slots, capacity
@@ -63,7 +63,7 @@ class DispatchConfig:
         write them.)
       wire_dtype: None (default): tokens travel in x's dtype. "float8_e4m3fn": each token is
         quantised once at the source to e4m3fn with one float32 scale per 128 elements of H
-        (DESIGN §2.1.8, jax_hybridep/fp8.py); payload and scales cross every level together,
+        (docs/design.md §2.1.8, jax_hybridep/fp8.py); payload and scales cross every level together,
         never requantised, and the receiver dequantises them into the rows (x's dtype). Every
         backend; gradients are the 16-bit path's (straight-through).
       fp8_rows: with wire_dtype: deliver the rows as FP8 payload (`d.tokens` float8_e4m3fn)

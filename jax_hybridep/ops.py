@@ -1,4 +1,4 @@
-"""The public ops: `dispatch` and `combine` (DESIGN §2), differentiable, per shard.
+"""The public ops: `dispatch` and `combine` (docs/design.md §2), differentiable, per shard.
 
 Sharding model: both run inside `jax.shard_map` over (at least) the topology's EP axes. Every
 argument and result is per shard: `x [T, H]` are this rank's tokens, `d.tokens [C, H]` the rows

@@ -4,7 +4,7 @@
   other ranks at each level; `level_bytes` turns them into payload bytes.
 * Independent count: `routed_pairs` counts, from the routing alone, the (token, destination
   group) pairs that must cross each level; summed over an EP group's shards, `level_rows` equals
-  it exactly (one copy per (token, destination group), DESIGN §2.1.1).
+  it exactly (one copy per (token, destination group), docs/design.md §2.1.1).
 * Program: `padded_level_bytes` is the payload a rank's static buffers move per level;
   `collectives` reads every collective (its arrays, replica groups, op_name) out of compiled HLO
   text, `collective_bytes` their sizes, and `crossing_bytes` what crosses a level, with one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (DESIGN §5), for a lent NVIDIA GPU machine without network:
+# The one prepared GPU check (docs/design.md §5), for a lent NVIDIA GPU machine without network:
 #   build      the native module with CUDA (sm_90a SASS only, to be quick), placed in the source
 #              tree; or, when .gpu/ holds a module built elsewhere for this Python and jaxlib
 #              (scripts/gpu_check.sh --prebuild does that), that one if it imports with CUDA

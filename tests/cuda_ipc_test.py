@@ -1,4 +1,4 @@
-"""CUDA IPC at the kernel layer: two processes, one rank each, on the one GPU (DESIGN §5).
+"""CUDA IPC at the kernel layer: two processes, one rank each, on the one GPU (docs/design.md §5).
 
 Each process (tests/cuda_ipc_worker.py) registers a multi-process window, swaps CUDA IPC handles
 with the other through files (the jax.distributed store's stand-in), and runs the transport's

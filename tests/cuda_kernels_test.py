@@ -1,4 +1,5 @@
-"""CUDA per-rank kernels against the host kernels and a numpy model, bit for bit (DESIGN §2.1, §5).
+"""CUDA per-rank kernels against the host kernels and a numpy model, bit for bit (docs/design.md
+§2.1, §5).
 
 The native module's `cuda_selftest_*` hooks run one layout or exchange step on the GPU, or with
 `reference=True` the host kernel of the same name, on the same host inputs. Tests marked `gpu`

@@ -1,4 +1,4 @@
-"""The ffi backend's CUDA lowering, checked on any machine (DESIGN §5).
+"""The ffi backend's CUDA lowering, checked on any machine (docs/design.md §5).
 
 Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
 the custom-call targets: with backend="ffi", a one-level EP group in one process runs the CUDA

@@ -1,4 +1,5 @@
-"""The GPU direct-write transport (xla_ffi/cuda/transport.h) on one GPU, bit for bit (DESIGN §2.1).
+"""The GPU direct-write transport (xla_ffi/cuda/transport.h) on one GPU, bit for bit (docs/design.md
+§2.1).
 
 `cuda_selftest_transport` runs R ranks on one GPU, their windows separate allocations, with the
 same device code as the FFI handlers: through the virtual-rank harness (every exchange one

@@ -1,6 +1,6 @@
-"""FP8 on the wire (DESIGN §2.1.8, jax_hybridep/fp8.py): the quantisation's bits in jnp, the C++
-host code and ml_dtypes; FP8 dispatch on the xla and ffi backends bitwise equal, and equal to the
-16-bit dispatch of the dequantised tokens; f8 arrays in the compiled all-to-alls; the bytes;
+"""FP8 on the wire (docs/design.md §2.1.8, jax_hybridep/fp8.py): the quantisation's bits in jnp, the
+C++ host code and ml_dtypes; FP8 dispatch on the xla and ffi backends bitwise equal, and equal to
+the 16-bit dispatch of the dequantised tokens; f8 arrays in the compiled all-to-alls; the bytes;
 gradients straight-through."""
 
 from __future__ import annotations

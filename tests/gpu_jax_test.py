@@ -26,7 +26,7 @@ WORKER = pathlib.Path(__file__).with_name("gpu_worker.py")
 TIMEOUT_S = 300
 
 
-# Without excess precision XLA rounds 16-bit intermediates as written (README, combine order).
+# Without excess precision XLA rounds 16-bit intermediates as written (docs/design.md §2.1.4).
 GPU_ENV = dict(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
                XLA_FLAGS="--xla_allow_excess_precision=false")  # fmt: skip
 

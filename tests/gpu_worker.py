@@ -103,8 +103,8 @@ def _train(n, names):
 
 
 def _fp8_element_bitwise() -> bool:
-    """fp8.cast on this platform against ml_dtypes' round-to-nearest-even cast (DESIGN §2.1.8),
-    over every bfloat16 bit pattern at a few fixed scales."""
+    """fp8.cast on this platform against ml_dtypes' round-to-nearest-even cast (docs/design.md
+    §2.1.8), over every bfloat16 bit pattern at a few fixed scales."""
     x = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
     ok = True
     for amax in (1e-4, 0.37, 1.0, 448.0, 3.0e4):

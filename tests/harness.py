@@ -74,7 +74,7 @@ def random_routing(rng, n, k, num_experts, invalid_fraction=0.0):
 
 
 def reference_layout(idx, num_ranks, plan_like):
-    """Independent model of DESIGN §2.1 for one EP group.
+    """Independent model of docs/design.md §2.1 for one EP group.
 
     Args:
       idx: [R, T, K] expert ids per source rank.
@@ -127,7 +127,7 @@ def reference_layout(idx, num_ranks, plan_like):
 
 
 class PlanView:
-    """The numbers reference_layout needs, computed from the formulas of DESIGN §2.1.3."""
+    """The numbers reference_layout needs, computed from the formulas of docs/design.md §2.1.3."""
 
     def __init__(
         self,

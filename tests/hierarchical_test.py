@@ -2,7 +2,7 @@
 
 Rows, drops and group sizes must equal the flat case's exactly (intermediate levels are
 dropless); outputs equal the dense MoE, and flat vs hierarchical combine agree to tolerance (the
-partial sums are grouped differently, DESIGN §2.1.4).
+partial sums are grouped differently, docs/design.md §2.1.4).
 """
 
 import dataclasses

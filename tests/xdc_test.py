@@ -1,7 +1,7 @@
 """Cross-datacenter runtime (`jax_hybridep.xdc`): domains, expert gather, SR compression.
 
-The contract (DESIGN §4): values and gradients equal plain EP's; the placement sends every token
-to a replica inside the sender's domain; the bytes on each level are the model's.
+The contract (docs/design.md §4): values and gradients equal plain EP's; the placement sends every
+token to a replica inside the sender's domain; the bytes on each level are the model's.
 """
 
 from __future__ import annotations

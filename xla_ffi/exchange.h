@@ -1,4 +1,4 @@
-// The steps of one direct-write exchange level, on the host (DESIGN §2.1, §3).
+// The steps of one direct-write exchange level, on the host (docs/design.md §2.1, §3).
 //
 // Dispatch: every source rank writes one copy of each token per destination rank straight into
 // that destination's receive buffer, one slot per (source, token), then each destination expands

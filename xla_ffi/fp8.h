@@ -1,5 +1,5 @@
-// FP8 on the wire (DESIGN §2.1.8): float8_e4m3fn payload with one float32 scale per block of
-// kFp8Block elements of a token, quantised once at the source and dequantised at the receiver.
+// FP8 on the wire (docs/design.md §2.1.8): float8_e4m3fn payload with one float32 scale per block
+// of kFp8Block elements of a token, quantised once at the source and dequantised at the receiver.
 //
 // A wire row of a token with H elements is H payload bytes followed by ceil(H / kFp8Block)
 // float32 scales (unaligned, little-endian, read and written with memcpy). The arithmetic is the

@@ -1,4 +1,5 @@
-// Layout of one exchange level: which (token, k) gets which row on which rank (DESIGN §2.1).
+// Layout of one exchange level: which (token, k) gets which row on which rank (docs/design.md
+// §2.1).
 //
 // Framework-free: raw pointers, no XLA or nanobind headers. Every function is deterministic and
 // integer-only, so each backend computes the same rows, drops and group sizes.

@@ -9,14 +9,14 @@
 // the calling thread), then every rank's read steps, then completes each rank's callback (the
 // handlers complete their asynchronous FFI results from it) on cached threads of their own.
 //
-// A rendezvous is keyed by (execution, call site, EP group, generation) (DESIGN §2.1.7): the run
-// id is shared by all devices of one execution; the call site is a trace-time id; the group comes
-// from the non-EP mesh axes; the generation counts repeated executions of one call site within an
-// execution (scan, remat). A call site's generation counters are dropped once its exchanges have
-// completed (sites are trace-time ids, so a process that retraces makes new ones without end), and
-// a later call starts again at generation 0. A watchdog fails a rendezvous that is not complete by
-// its deadline with an error naming the ranks that did not arrive, and fails the rest of that
-// execution's exchanges at once; no state is left behind, so the process stays usable.
+// A rendezvous is keyed by (execution, call site, EP group, generation) (docs/design.md §2.1.7):
+// the run id is shared by all devices of one execution; the call site is a trace-time id; the group
+// comes from the non-EP mesh axes; the generation counts repeated executions of one call site
+// within an execution (scan, remat). A call site's generation counters are dropped once its
+// exchanges have completed (sites are trace-time ids, so a process that retraces makes new ones
+// without end), and a later call starts again at generation 0. A watchdog fails a rendezvous that
+// is not complete by its deadline with an error naming the ranks that did not arrive, and fails the
+// rest of that execution's exchanges at once; no state is left behind, so the process stays usable.
 #ifndef JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
 #define JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
 

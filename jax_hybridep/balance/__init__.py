@@ -1,4 +1,4 @@
-"""Expert load balancing: redundant copies of hot experts placed from measured load (DESIGN
+"""Expert load balancing: redundant copies of hot experts placed from measured load (docs/design.md
 §2.1.6), with exact training.
 
 * `Placement` (`placement`): each logical expert's physical slots (one primary, where its weights

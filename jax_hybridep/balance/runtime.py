@@ -8,8 +8,8 @@ before `dispatch`, and the replica weights fetched from their primaries.
     out = hep.combine(y, d.handle, weights=d.weights)
 
 The dispatch runs on the R * L physical slots with the default placement (slot p on rank
-p // L), so DESIGN §2.1 applies to them unchanged: capacity is per physical slot (each slot the
-capacity a logical expert has without copies), and a dropless run gives every row the same
+p // L), so docs/design.md §2.1 applies to them unchanged: capacity is per physical slot (each slot
+the capacity a logical expert has without copies), and a dropless run gives every row the same
 expert output as without replicas. `d.stats.tokens_per_expert`
 stays logical; `d.stats.tokens_per_slot` counts each physical slot.
 

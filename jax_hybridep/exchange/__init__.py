@@ -1,4 +1,4 @@
-"""The algorithm layer (DESIGN §3): dispatch and combine as one walk over per-level steps.
+"""The algorithm layer (docs/design.md §3): dispatch and combine as one walk over per-level steps.
 
 A `Route` (routes.py) names the steps one call runs: a layout step, one level step per walked
 level (slow -> fast) and a bottom, where the items a rank holds become expert-major rows (a bottom

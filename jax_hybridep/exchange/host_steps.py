@@ -1,7 +1,7 @@
 """Host (CPU) steps over the C++ handlers of xla_ffi/cpu_level_handlers.cc.
 
 A level whose ranks share this process is crossed by direct write: the ranks meet in a
-process-wide rendezvous (keyed by execution, call site, level group and generation; DESIGN
+process-wide rendezvous (keyed by execution, call site, level group and generation; docs/design.md
 §2.1.7), each writes its item copies straight into its peers' next-level buffers, and combine's
 partials are read in place from the peers. A level that crosses processes is packed by a handler
 and exchanged with an XLA all-to-all. The rows bottom expands the last items with a handler that

@@ -1,4 +1,5 @@
-"""Layout steps: every (t, k) gets its destination row before anything moves (DESIGN §2.1.2-3).
+"""Layout steps: every (t, k) gets its destination row before anything moves (docs/design.md
+§2.1.2-3).
 
 All of them all-gather per-(source rank, expert) counts over the EP group, so every sender knows
 its drops without a host sync, and plan the groups the same way: the jnp layout (the oracle), the

@@ -2,7 +2,7 @@
 
 Dispatch enters the walk with each token as one item (`Items`: its row and, per k, the
 destination EP rank, row and routing weight). A level step sends every held item once to each
-peer of its level whose subtree holds one of the item's rows (DESIGN §2.1.1) and returns the
+peer of its level whose subtree holds one of the item's rows (docs/design.md §2.1.1) and returns the
 items the rank holds next, plus a record of how it sent them; the bottom turns the last items
 into expert-major rows. Combine and the VJPs come back through the records, fast -> slow.
 

@@ -1,5 +1,5 @@
 """THE walk: dispatch goes layout -> levels slow -> fast -> bottom; combine and both VJPs come
-back bottom -> levels fast -> slow along the handle's records (DESIGN §3).
+back bottom -> levels fast -> slow along the handle's records (docs/design.md §3).
 
 This is the only code that walks levels. Entering level l a rank holds M_l items (M_0 = T, its
 tokens), each with per-k metadata (destination EP rank, -1 when that k has no row in this

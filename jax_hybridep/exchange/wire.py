@@ -1,4 +1,4 @@
-"""What the walk carries for each token: x itself, or FP8 on the wire (DESIGN §2.1.8).
+"""What the walk carries for each token: x itself, or FP8 on the wire (docs/design.md §2.1.8).
 
 With `DispatchConfig(wire_dtype="float8_e4m3fn")` each token is quantised once, at the source, and
 every level moves payload and scales together, never requantising them. How they travel is the

@@ -3,7 +3,7 @@
 `group_sizes[e]` consecutive rows belong to local expert e, packed from row 0; rows after the
 last group are padding. On GPUs the experts run as `jax.lax.ragged_dot`. On CPU `ragged_dot`
 lowers to a dense masked computation (E_local x the FLOPs and memory), so with a capacity each
-expert instead runs over a window of `capacity` rows starting at its group (DESIGN §5).
+expert instead runs over a window of `capacity` rows starting at its group (docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -138,9 +138,9 @@ class MoEBlock(nnx.Module):
       topology: hep.Topology over (some of) the mesh's axes: the EP group.
       expert_domains: optional per-level domain sizes ({level axis: S}) or an
         `xdc.ExpertDomains`: experts are all-gathered inside each domain and tokens cross only
-        between domains (cross-datacenter EP, DESIGN §4). Parameters keep the plain-EP sharding,
-        so checkpoints move freely between settings. Exact (values and gradients equal plain
-        EP's) unless something below compresses.
+        between domains (cross-datacenter EP, docs/design.md §4). Parameters keep the plain-EP
+        sharding, so checkpoints move freely between settings. Exact (values and gradients equal
+        plain EP's) unless something below compresses.
       domain_compression: SR compression ratio of the migrated experts (None: full experts).
         Not exact: the replicas are decoded from the top-k of their residuals.
       domain_shared: the SR reference: "persistent" (default: a shared expert kept as state,
@@ -440,7 +440,7 @@ def _check_placement(block, redundant_slots, placement):
     if block.domains is not None:
         raise ValueError(
             "redundant_slots / placement cannot be combined with expert_domains: inside a "
-            "domain every expert is already replicated on every member (README: load balancing)"
+            "domain every expert is already replicated on every member (docs/balance.md)"
         )
     cfg, topology = block.dispatch_config, block.topology
     if cfg.expert_placement is not None or cfg.num_local_slots is not None:

@@ -1,4 +1,4 @@
-"""Cross-datacenter expert parallelism (the HybridEP paper, DESIGN §4).
+"""Cross-datacenter expert parallelism (the HybridEP paper, docs/design.md §4).
 
 * `ExpertDomains` (`domains`): the runtime — split a level into domains, all-gather experts inside
   a domain, dispatch tokens only between domains. `migrate` holds the collectives (fused over

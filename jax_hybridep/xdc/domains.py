@@ -1,4 +1,5 @@
-"""Expert domains (HybridEP, DESIGN §4): move experts inside a domain, tokens between domains.
+"""Expert domains (HybridEP, docs/design.md §4): move experts inside a domain, tokens between
+domains.
 
 A domain of size S at a level splits that level's mesh axis into (outer, inner=S): S consecutive
 members form a domain. Inside `jax.shard_map`, each rank all-gathers its domain peers' experts

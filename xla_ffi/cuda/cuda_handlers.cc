@@ -273,8 +273,9 @@ ffi::ErrorOr<Fp8Side> CheckFp8Side(ffi::DataType type, ffi::Span<const int64_t> 
   return Fp8Side{true, dtype.value()};
 }
 
-// Dispatch; with fp8_hidden = H > 0 the windows carry FP8 wire rows (DESIGN §2.1.8), quantised by
-// the send when x is [T, H] of a float dtype and dequantised by the receive when tokens is.
+// Dispatch; with fp8_hidden = H > 0 the windows carry FP8 wire rows (docs/design.md §2.1.8),
+// quantised by the send when x is [T, H] of a float dtype and dequantised by the receive when
+// tokens is.
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> row_pos,
                         ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> rank,

@@ -1,5 +1,5 @@
 // CUDA exchange kernels: the device twins of ExpandRows, WritePartials, ReducePartials and
-// WriteRowValues (exchange.cc), bitwise identical to them (DESIGN §2.1.4).
+// WriteRowValues (exchange.cc), bitwise identical to them (docs/design.md §2.1.4).
 //
 // These are the per-rank steps of the direct-write transport; peers are reached through arrays of
 // device pointers (peer memory over NVLink, or plain buffers of one GPU in the self-tests). Sums

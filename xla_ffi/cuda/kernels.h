@@ -1,5 +1,5 @@
 // Host-callable launchers of the per-rank CUDA kernels: the device twins of layout.h and
-// exchange.h (DESIGN §2.1, §3).
+// exchange.h (docs/design.md §2.1, §3).
 //
 // Framework-free: raw device pointers and a stream, no XLA or nanobind headers, so FFI handlers and
 // self-tests share them. Each launcher enqueues its work on `stream` and returns the launch status

@@ -1,5 +1,5 @@
 // CUDA layout kernels: the device twins of CountRows, PlanGroups, AssignRows and DroppedPerSource
-// (layout.cc), giving the same counts, plan and rows bit for bit (DESIGN §2.1).
+// (layout.cc), giving the same counts, plan and rows bit for bit (docs/design.md §2.1).
 //
 // Everything here is integer arithmetic. Atomics only add integers or take their maximum, which
 // does not depend on the order, so every output is deterministic; the one order-sensitive step

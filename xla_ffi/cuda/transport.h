@@ -1,6 +1,7 @@
-// The direct-write transport on GPUs over one level (DESIGN §2.1, §3): each rank writes its tokens
-// straight into its peers' registered windows, each destination expands what it received into
-// expert-major rows; combine runs the reverse. Framework-free: raw device pointers and a stream.
+// The direct-write transport on GPUs over one level (docs/design.md §2.1, §3): each rank writes its
+// tokens straight into its peers' registered windows, each destination expands what it received
+// into expert-major rows; combine runs the reverse. Framework-free: raw device pointers and a
+// stream.
 //
 // Protocol. Every exchange has a generation g (1, 2, ...: one per exchange call on a window, the
 // same sequence on every rank) and uses the window half g % 2. A send phase runs as `send_blocks`
@@ -100,11 +101,11 @@ cudaError_t LaunchSendTokens(const ExchangeContext& ctx, const char* x, const in
 cudaError_t LaunchReceiveRows(const ExchangeContext& ctx, char* out_tokens, float* out_weights,
                               int32_t* recv_row_pos, int64_t rows, cudaStream_t stream);
 
-// Dispatch with FP8 on the wire (DESIGN §2.1.8): the window slots hold wire rows of `hidden`
-// elements (ctx.row_bytes == Fp8WireBytes(hidden)). The quantising send reads x [T, hidden] of
-// `dtype` and writes each token's wire row, quantised once (fp8.h's steps, a block's amax reduced
-// over a warp's lanes), to each distinct destination, metadata as LaunchSendTokens; the
-// dequantising receive writes each wire row as float32(q) * scale rounded to `dtype` into
+// Dispatch with FP8 on the wire (docs/design.md §2.1.8): the window slots hold wire rows of
+// `hidden` elements (ctx.row_bytes == Fp8WireBytes(hidden)). The quantising send reads x [T,
+// hidden] of `dtype` and writes each token's wire row, quantised once (fp8.h's steps, a block's
+// amax reduced over a warp's lanes), to each distinct destination, metadata as LaunchSendTokens;
+// the dequantising receive writes each wire row as float32(q) * scale rounded to `dtype` into
 // out_tokens [C, hidden] (zeroed first). Wire rows quantised before the transport (slower levels
 // carried them) go through LaunchSendTokens, and FP8 rows out through LaunchReceiveRows, as bytes.
 cudaError_t LaunchSendTokensQuantized(const ExchangeContext& ctx, Dtype dtype, int64_t hidden,
