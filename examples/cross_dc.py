@@ -41,7 +41,13 @@ from replan_hook import ReplanHook
 from rich.console import Console
 from rich.table import Table
 from train_checkpoint import ResumeError
-from train_config import FlagError, check_output_dir
+from train_config import (
+    FlagError,
+    check_output_dir,
+    define_migration_flags,
+    migration_flags,
+    migration_from_flags,
+)
 from train_moe import TrainConfig, model_config, train
 from train_processes import global_devices
 
@@ -60,7 +66,9 @@ SR_TABLE = (  # name, (SR ratio, shared expert, gradient compression) or None (f
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """The example's flags, as one value tests can build directly."""
+    """The example's flags, as one value tests can build directly; the cross-DC flags
+    (--domains overriding the plan, --domain_compression, ...) as one `xdc.Migration`
+    (`train_config.parse_migration`)."""
 
     steps: int = 150
     batch: int = 16
@@ -68,12 +76,8 @@ class Settings:
     wan_latency_ms: float = 5.0
     node_gbps: float = 100.0
     local_gbps: float = 3600.0
-    domain_compression: float | None = None
-    domain_shared: str = "persistent"
-    domain_sync_every: int = 10
-    grad_compression: float | None = None
+    migration: xdc.Migration = xdc.Migration(sync_every=10)
     prefetch: bool = True
-    domains: str | None = None
     sr_table: bool = False
     replan_every: int = 0
     link_schedule: str | None = None
@@ -105,13 +109,6 @@ class Settings:
                 bad(flag, "must be a finite bandwidth > 0")
         if not number(self.wan_latency_ms) or not 0 <= self.wan_latency_ms < math.inf:
             bad("wan_latency_ms", "must be a finite latency >= 0")
-        for flag in ("domain_compression", "grad_compression"):
-            c = getattr(self, flag)
-            if c is not None and (not number(c) or not 1 < c < math.inf):
-                bad(flag, "must be > 1 (full bytes / bytes sent), or unset")
-        if self.domain_shared not in xdc.compress.SHARED_VARIANTS:
-            bad("domain_shared", f"must be one of {', '.join(xdc.compress.SHARED_VARIANTS)}")
-        integer("domain_sync_every", 1)
         integer("replan_every", 0)
         integer("skew_at", 0)
         if not number(self.min_gain) or not 0 <= self.min_gain < 1:
@@ -123,31 +120,26 @@ class Settings:
         if self.backend not in ("auto", "xla", "ffi"):
             bad("backend", "must be one of auto, xla, ffi")
         check_output_dir(self.output_dir, "--output_dir")  # creatable and writable
-        if self.domains is not None:
-            self.domain_sizes()
+        if not isinstance(self.migration, xdc.Migration):
+            bad("migration", "must be a jax_hybridep.xdc.Migration")
+        self.domain_sizes()
         xdc.LinkSchedule.parse(self.link_schedule, [n for n, _ in MESH])
 
     def domain_sizes(self) -> tuple[int, ...] | None:
-        """`--domains` as one size per mesh level (None: use the plan)."""
-        if self.domains is None:
+        """`--domains` (`migration.domains`) as one size per mesh level (None: use the plan)."""
+        if not self.migration.domains:
             return None
-        sizes = dict(MESH)
-        given = {}
-        for item in self.domains.split(","):
-            name, _, value = item.partition("=")
-            name = name.strip()
-            if name not in sizes or not value.strip().isdigit():
+        sizes, spec = dict(MESH), migration_flags(self.migration)["domains"]
+        for name, size in self.migration.domains:
+            if name not in sizes:
                 raise ValueError(
-                    f"--domains={self.domains!r}: {item!r} is not LEVEL=SIZE with LEVEL one of "
-                    f"{', '.join(sizes)}"
+                    f"--domains={spec!r}: {name!r} is not a level, one of {', '.join(sizes)}"
                 )
-            size = int(value)
-            if size < 1 or sizes[name] % size:
+            if sizes[name] % size:
                 raise ValueError(
-                    f"--domains={self.domains!r}: {name}={size} must divide the level's "
-                    f"{sizes[name]} ranks"
+                    f"--domains={spec!r}: {name}={size} must divide the level's {sizes[name]} ranks"
                 )
-            given[name] = size
+        given = dict(self.migration.domains)
         return tuple(given.get(n, 1) for n, _ in MESH)
 
 
@@ -170,21 +162,12 @@ def links_spec(s: Settings) -> str:
     )
 
 
-def domains_spec(sizes) -> str | None:
-    """(2, 1, 1) -> "dc=2"; plain EP -> None."""
-    spec = ",".join(f"{n}={s}" for (n, _), s in zip(MESH, sizes, strict=True) if s > 1)
-    return spec or None
-
-
-def migration_of(s: Settings) -> dict:
-    """The migration flags as `TrainConfig` fields."""
-    return dict(
-        domain_compression=s.domain_compression,
-        domain_shared=s.domain_shared,
-        domain_sync_every=s.domain_sync_every,
-        grad_compression=s.grad_compression,
-        prefetch=s.prefetch,
-    )
+def over_domains(migration: xdc.Migration, sizes) -> xdc.Migration:
+    """`migration` over per-level `sizes` (2, 1, 1); plain EP (every size 1) compresses nothing."""
+    named = tuple((n, size) for (n, _), size in zip(MESH, sizes, strict=True) if size > 1)
+    if not named:
+        migration = dataclasses.replace(migration, compression=None, grad_compression=None)
+    return migration.with_domains(named)
 
 
 def workload_of(cfg: TrainConfig, dense: int) -> xdc.Workload:
@@ -192,26 +175,28 @@ def workload_of(cfg: TrainConfig, dense: int) -> xdc.Workload:
     return describe_workload(model_config(cfg), cfg.batch * cfg.seq_len // RANKS, dense)
 
 
-def run_one(s: Settings, base: TrainConfig, sizes, migration: dict, routing, dense, console,
-            name: str | None = None) -> dict:  # fmt: skip
-    """Trains one configuration and returns its measured and predicted DC bytes and losses."""
-    spec = domains_spec(sizes)
-    if spec is None:  # nothing migrates: no compression either
-        migration = dict(migration, domain_compression=None, grad_compression=None)
+def run_one(s: Settings, base: TrainConfig, sizes, migration: xdc.Migration, routing, dense,
+            console, name: str | None = None) -> dict:  # fmt: skip
+    """Trains `migration` over domains of `sizes` and returns its measured and predicted DC
+    bytes and losses."""
+    migration = over_domains(migration, sizes)
+    flags_ = migration_flags(migration)
     cfg = dataclasses.replace(
-        base, domains=spec, **migration,
-        output_dir=os.path.join(s.output_dir, name or spec or "plain_ep"),
+        base, migration=migration,
+        output_dir=os.path.join(s.output_dir, name or flags_["domains"] or "plain_ep"),
     )  # fmt: skip
-    console.rule(f"{name or ''} --domains={cfg.domains} {migration}")
+    console.rule(f"{name or ''} {flags_}")
     hlo = []
     result = train(cfg, console, on_compile=hlo.append)
     workload = workload_of(cfg, dense)
     token_levels = [n for (n, g), size in zip(MESH, sizes, strict=True) if g // size > 1]
     return dict(
         domains=list(sizes),
-        migration=migration,
-        compression=cfg.domain_compression,
-        measured=measure(hlo[0], result, token_levels, base.d_model, RANKS, workload.sync_every),
+        migration=flags_,
+        compression=migration.compression,
+        measured=measure(
+            hlo[0], result, token_levels, base.d_model, RANKS, workload.migration.sync_every
+        ),
         predicted=predict(describe_cluster(s), workload, tuple(sizes), routing),
         train_loss=float(np.mean([r["ce"] for r in result["train"][-10:]])),
         eval_loss=result["final_eval_loss"],
@@ -226,6 +211,7 @@ def base_config(s: Settings) -> TrainConfig:
         batch=s.batch,
         mesh=",".join(f"{n}={g}" for n, g in MESH),
         backend=s.backend,
+        prefetch=s.prefetch,
         eval_every=s.steps,
         progress=False,
     )
@@ -270,8 +256,8 @@ def run(s: Settings, console: Console, first=None) -> dict:
 def run_plan(s: Settings, base, dense, routing, console) -> dict:
     """Plans for the described cluster, trains plain EP and the plan (or `--domains`)."""
     cluster = describe_cluster(s)
-    migration = migration_of(s)
-    plan = xdc.plan(cluster, workload_of(dataclasses.replace(base, **migration), dense))
+    migration = s.migration
+    plan = xdc.plan(cluster, workload_of(dataclasses.replace(base, migration=migration), dense))
     console.print(f"planner: every per-level domain size {cluster.names}, fastest first")
     console.print(plan.table(), highlight=False)
     planned = s.domain_sizes() or plan.domains
@@ -283,7 +269,7 @@ def run_plan(s: Settings, base, dense, routing, console) -> dict:
     )
     runs = {"plain EP": (1, 1, 1)}
     if planned != (1, 1, 1):
-        runs[f"{'planned' if s.domains is None else '--domains'} {planned}"] = planned
+        runs[f"{'--domains' if s.migration.domains else 'planned'} {planned}"] = planned
     summary = dict(cluster=str(cluster), plan=plan.table(), dense_bytes=dense, runs={})
     for name, sizes in runs.items():
         r = run_one(s, base, sizes, migration, routing, dense, console)
@@ -302,24 +288,24 @@ def run_plan(s: Settings, base, dense, routing, console) -> dict:
 def run_sr_table(s: Settings, base, dense, routing, console) -> dict:
     """Plain EP, full-expert domains and the SR variants at `--domains` (default dc=2)."""
     sizes = s.domain_sizes() or (2, 1, 1)
-    ratio, grad = s.domain_compression or 10.0, s.grad_compression or 10.0
+    ratio, grad = s.migration.compression or 10.0, s.migration.grad_compression or 10.0
     summary = dict(domains=list(sizes), compression=ratio, grad_compression=grad,
-                   sync_every=s.domain_sync_every, dense_bytes=dense, runs={})  # fmt: skip
-    plain = dict(migration_of(s), domain_compression=None, grad_compression=None)
+                   sync_every=s.migration.sync_every, dense_bytes=dense, runs={})  # fmt: skip
+    plain = dataclasses.replace(s.migration, compression=None, grad_compression=None)
     summary["runs"]["plain EP"] = run_one(s, base, (1, 1, 1), plain, routing, dense, console,
                                           "plain_ep")  # fmt: skip
     for i, (name, sr) in enumerate(SR_TABLE):
-        m = dict(plain)
+        m = plain
         if sr is not None:
             _, shared, g = sr
-            m.update(domain_compression=ratio, domain_shared=shared,
-                     grad_compression=grad if g else None)  # fmt: skip
+            m = dataclasses.replace(plain, compression=ratio, shared=shared,
+                                    grad_compression=grad if g else None)  # fmt: skip
         summary["runs"][f"{name} {sizes}"] = run_one(
             s, base, sizes, m, routing, dense, console, f"sr_table_{i}"
         )
     console.print(_bytes_table(
         f"bytes across the DC level per rank per step and loss after {s.steps} steps (SR "
-        f"{ratio:g}x, gradients {grad:g}x, persistent refresh every {s.domain_sync_every})",
+        f"{ratio:g}x, gradients {grad:g}x, persistent refresh every {s.migration.sync_every})",
         summary["runs"],
     ))  # fmt: skip
     return summary
@@ -348,7 +334,7 @@ class SkewingHook(ReplanHook):
 def run_replanning(s: Settings, base, dense, console) -> dict:
     """One run re-planned every `--replan_every` steps (`xdc.Replanner`)."""
     cfg = dataclasses.replace(
-        base, domains=s.domains, **migration_of(s), replan_every=s.replan_every,
+        base, migration=s.migration, replan_every=s.replan_every,
         links=links_spec(s), link_schedule=s.link_schedule,
         output_dir=os.path.join(s.output_dir, "replanning"),
     )  # fmt: skip
@@ -362,7 +348,7 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
     hook.skew_at = s.skew_at
     hlo = []
     result = train(cfg, console, on_compile=hlo.append, hook=hook)
-    programs = [program_bytes(text, cfg.domain_sync_every) for text in hlo]
+    programs = [program_bytes(text, cfg.migration.sync_every) for text in hlo]
     table = Table(title="re-plans (predicted seconds per step under that step's links and routing)")
     for col in ("step", "WAN Gbps", "skew", "domains per layer", "changed", "current ms",
                 "chosen ms"):  # fmt: skip
@@ -395,12 +381,8 @@ def define_flags() -> None:
     flags.DEFINE_float("wan_latency_ms", d.wan_latency_ms, "one-way WAN latency per message")
     flags.DEFINE_float("node_gbps", d.node_gbps, "per-GPU bandwidth between nodes of a DC")
     flags.DEFINE_float("local_gbps", d.local_gbps, "per-GPU bandwidth inside a node (NVLink)")
-    flags.DEFINE_float("domain_compression", None, "SR compression of migrated experts (> 1)")
-    flags.DEFINE_string("domain_shared", d.domain_shared, "SR shared expert: persistent|mean|none")
-    flags.DEFINE_integer("domain_sync_every", d.domain_sync_every, "persistent SR refresh period")
-    flags.DEFINE_float("grad_compression", None, "top-k ratio of replica gradients (> 1)")
+    define_migration_flags(d.migration, "override the plan, e.g. 'dc=2' (default: planned)")
     flags.DEFINE_bool("prefetch", d.prefetch, "gather every layer's experts at step start")
-    flags.DEFINE_string("domains", None, "override the plan, e.g. 'dc=2' (default: planned)")
     flags.DEFINE_bool("sr_table", False, "train plain EP, domains and the SR variants")
     flags.DEFINE_integer("replan_every", 0, "re-plan every N steps (one run)")
     flags.DEFINE_string("link_schedule", None, "bandwidth changes by step, e.g. '50:dc=0.5'")
@@ -416,18 +398,19 @@ SCRIPT = "cross_dc.py"
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    names = [f.name for f in dataclasses.fields(Settings)]
-    settings = Settings(**{n: flags.FLAGS[n].value for n in names})
+    names = [f.name for f in dataclasses.fields(Settings) if f.name != "migration"]
     processes = train_processes.Processes()
-    try:
-        settings.check()  # before jax starts: a bad flag costs nothing
-    except ValueError as err:
+    try:  # before jax starts: a bad flag costs nothing
+        settings = Settings(**{n: flags.FLAGS[n].value for n in names},
+                            migration=migration_from_flags())  # fmt: skip
+        settings.check()
+    except ValueError as err:  # FlagError included
         train_processes.exit_with(processes, SCRIPT, err)
     try:
         # Default: the example's 8 ranks (RANKS) split over the processes.
         processes = train_processes.start(train_processes.config_from_flags())
-        extra = ["num_processes", "cpu_devices", "coordinator_address", "heartbeat_timeout_s"]
-        processes.agree_on_flags(train_processes.flag_values(names + extra))
+        shared = [*names, *migration_flags(xdc.Migration()), *train_processes.SHARED_FLAGS]
+        processes.agree_on_flags(train_processes.command_line_values(shared))
         processes.watch(SCRIPT)
         console = processes.console()
         console.width = max(console.width, 132)

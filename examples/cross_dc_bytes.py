@@ -27,7 +27,7 @@ from train_processes import global_devices
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
 from jax_hybridep.nn.router import route
-from jax_hybridep.xdc import migrate
+from jax_hybridep.xdc.runtime import migrate
 
 ACT_BYTES = 4  # the example model's float32 activations and parameters
 
@@ -124,7 +124,7 @@ def predict(cluster, workload: xdc.Workload, sizes, routing: list[np.ndarray]) -
     layers = [workload.volumes(cluster.level_sizes, sizes, idx) for idx in routing]
     dc = [v.levels[0] for v in layers]
     experts = sum(v.gather_bytes + v.reduce_scatter_bytes for v in dc)
-    refresh = sum(v.shared_refresh_bytes for v in dc) / workload.sync_every
+    refresh = sum(v.shared_refresh_bytes for v in dc) / workload.migration.sync_every
     all_reduce = sum(v.shared_sync_bytes for v in dc) + refresh + dc[0].dense_sync_bytes
     tokens = sum(4 * v.token_bytes for v in dc)
     return dict(

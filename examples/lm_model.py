@@ -46,20 +46,16 @@ class ModelConfig:
       capacity_factor: per-expert capacity factor of the dispatch; None means dropless.
       backend: dispatch/combine backend, "auto", "xla" or "ffi".
       aux_loss_coef, z_loss_coef: weights of the router's balancing and z losses.
-      expert_domains: per EP level, the cross-DC expert domain size, as ((axis, S), ...);
-        None is plain EP (see `jax_hybridep.xdc`).
-      domain_compression: SR compression ratio of the experts moved inside a domain (None: off).
+      migration: cross-DC EP (`xdc.Migration`): the expert domain sizes per EP level (none:
+        plain EP) and how experts travel (SR compression and its shared expert, gradient
+        compression); see `jax_hybridep.xdc`.
       wire_dtype: None (the model's dtype) or "float8_e4m3fn": FP8 on the wire for dispatch.
-      redundant_slots: per EP rank, expert slots for copies of hot experts
-        (`jax_hybridep.balance`); 0: none.
-      rebalance: give the blocks a replica placement even without redundant slots (so
-        `examples/rebalance_hook.py` can move experts between ranks).
-      domain_shared, domain_sync_every: the SR reference ("persistent", "mean" or "none") and
-        the persistent one's refresh period (`xdc.compress`).
-      grad_compression: top-k ratio, with error feedback, of the replicas' gradients (None: off).
+      balance: the blocks' expert load balancing (`balance.BalanceConfig`: redundant slots for
+        copies of hot experts; a placement even without them, so `examples/rebalance_hook.py`
+        can move experts between ranks); None: none.
       prefetch: gather every layer's experts at step start, before the first layer.
       layer_domains: per layer, its domain sizes ((axis, S), ...) (() for plain EP); overrides
-        expert_domains.
+        migration.domains.
     """
 
     vocab_size: int = 256
@@ -73,14 +69,9 @@ class ModelConfig:
     backend: str = "auto"
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
-    expert_domains: tuple[tuple[str, int], ...] | None = None
-    domain_compression: float | None = None
+    migration: xdc.Migration = xdc.Migration()
     wire_dtype: str | None = None
-    redundant_slots: int = 0
-    rebalance: bool = False
-    domain_shared: str = "persistent"
-    domain_sync_every: int = 1
-    grad_compression: float | None = None
+    balance: balance.BalanceConfig | None = None
     prefetch: bool = False
     layer_domains: tuple[tuple[tuple[str, int], ...], ...] | None = None
 
@@ -88,7 +79,12 @@ class ModelConfig:
         """The domain sizes of MoE layer `layer` (None: plain EP)."""
         if self.layer_domains is not None:
             return self.layer_domains[layer] or None
-        return self.expert_domains
+        return self.migration.domains or None
+
+    def migration_of(self, layer: int) -> xdc.Migration | None:
+        """MoE layer `layer`'s migration: `migration` over its domains (None: plain EP)."""
+        domains = self.domains_of(layer)
+        return self.migration.with_domains(domains) if domains else None
 
     def __post_init__(self):
         if self.layer_domains is not None and len(self.layer_domains) != self.layers:
@@ -155,22 +151,13 @@ class DecoderLayer(nnx.Module):
         )
         self.moe = hnn.MoEBlock(
             config.d_model,
-            config.d_ff,
             router=router,
+            experts=hnn.ExpertConfig(d_ff=config.d_ff),
             mesh=mesh,
             topology=topology,
             dispatch=dispatch,
-            redundant_slots=config.redundant_slots,
-            placement=(
-                balance.Placement.for_topology(config.experts, topology, config.redundant_slots)
-                if config.rebalance
-                else None
-            ),
-            expert_domains=dict(domains) if (domains := config.domains_of(index)) else None,
-            domain_compression=config.domain_compression if domains else None,
-            domain_shared=config.domain_shared,
-            domain_sync_every=config.domain_sync_every,
-            grad_compression=config.grad_compression if domains else None,
+            migration=config.migration_of(index),
+            balance=config.balance,
             rngs=rngs,
         )
 
@@ -268,10 +255,7 @@ def describe_workload(
         act_bytes=act_bytes,
         expert_matrices=((d, f), (d, f), (f, d)),
         value_bytes=act_bytes,
-        compression=config.domain_compression,
-        shared=config.domain_shared,
-        sync_every=config.domain_sync_every,
-        grad_compression=config.grad_compression,
+        migration=config.migration.with_domains(()),  # the planner chooses the domains
         prefetch=config.prefetch,
         layers=config.layers,
         dense_bytes=dense_bytes,
@@ -284,7 +268,8 @@ def with_layer_domains(config: ModelConfig, level_names, layer_domains) -> Model
         tuple((n, int(s)) for n, s in zip(level_names, sizes, strict=True) if s > 1)
         for sizes in layer_domains
     )
-    return dataclasses.replace(config, expert_domains=None, layer_domains=per_layer)
+    migration = config.migration.with_domains(())
+    return dataclasses.replace(config, migration=migration, layer_domains=per_layer)
 
 
 def rebuild(config: ModelConfig, mesh, topology, params, rest):

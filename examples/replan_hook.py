@@ -79,7 +79,7 @@ class ReplanHook:
         workload = dataclasses.replace(workload, resident_bytes=resident)
         limit = round(cfg.memory_limit_mb * 1e6) if cfg.memory_limit_mb else None
         start = None
-        if model_config.expert_domains or model_config.layer_domains:  # --domains: start there
+        if model_config.migration.domains or model_config.layer_domains:  # --domains: start there
             start = [
                 tuple(dict(model_config.domains_of(i) or ()).get(n, 1) for n in levels)
                 for i in range(model_config.layers)

@@ -2,7 +2,10 @@
 
 `TrainConfig` holds the flags as one value (tests build it directly); `check_config` validates every
 field before any model is built and raises `FlagError` naming the flag, its value and what is
-wrong, in the library's own words where the library has a rule (e.g. experts per EP rank).
+wrong, in the library's own words where the library has a rule (e.g. experts per EP rank). The
+cross-DC flags (--domains, --domain_compression, --domain_shared, --domain_sync_every,
+--grad_compression) become one `xdc.Migration` in one place, `parse_migration`, and are spelled
+back by `migration_flags`.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from absl import flags
 from lm_data import ByteData
 from lm_model import DATA_AXIS, make_mesh
 
+from jax_hybridep import xdc
 from jax_hybridep.fp8 import WIRE_DTYPES
-from jax_hybridep.xdc.compress import SHARED_VARIANTS
+from jax_hybridep.xdc.migration import SHARED_VARIANTS
 
 BACKENDS = ("auto", "xla", "ffi")
 DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and the default)
@@ -48,15 +52,15 @@ class TrainConfig:
       mesh: mesh axis sizes, e.g. "node=2,local=4", "ep=8" or "data=2,ep=4"; None means
         "node=2,local=<n/2>" on fake CPU devices and "ep=<all devices>" on accelerators.
       backend: dispatch/combine backend, "auto", "xla" or "ffi".
-      domains: cross-DC expert domain sizes per EP level, e.g. "dc=2" (experts all-gathered
-        inside each pair of "dc" coordinates, tokens only between domains); None is plain EP.
-      domain_compression: SR compression ratio (> 1) of the experts moved inside a domain
-        (None: off).
-      domain_shared: the SR reference, "persistent" (a shared expert kept as state), "mean"
-        (the domain's mean every step) or "none"; domain_sync_every: steps between refreshes of
-        the persistent one.
-      grad_compression: top-k ratio (> 1) of the replicas' gradient reduce-scatter, with error
-        feedback (opt-in, not exact; None: off).
+      migration: cross-DC EP as one `xdc.Migration` (`parse_migration` of the flags):
+        --domains, the expert domain sizes per EP level, e.g. "dc=2" (experts all-gathered
+        inside each pair of "dc" coordinates, tokens only between domains; unset: plain EP);
+        --domain_compression, the SR compression ratio (> 1) of the experts moved inside a
+        domain (unset: off); --domain_shared, the SR reference, "persistent" (a shared expert
+        kept as state), "mean" (the domain's mean every step) or "none"; --domain_sync_every,
+        steps between refreshes of the persistent one; --grad_compression, the top-k ratio
+        (> 1) of the replicas' gradient reduce-scatter, with error feedback (opt-in, not exact;
+        unset: off).
       prefetch: gather every layer's experts at step start instead of inside each layer.
       replan_every: re-plan the domains every this many steps from the measured routing and
         `links` / `link_schedule` (0: never; `replan_hook.py`), recompiling when they change.
@@ -95,11 +99,7 @@ class TrainConfig:
     top_k: int = 2
     mesh: str | None = None
     backend: str = "auto"
-    domains: str | None = None
-    domain_compression: float | None = None
-    domain_shared: str = "persistent"
-    domain_sync_every: int = 1
-    grad_compression: float | None = None
+    migration: xdc.Migration = xdc.Migration()
     prefetch: bool = False
     replan_every: int = 0
     links: str | None = None
@@ -130,6 +130,53 @@ def parse_sizes(spec: str, what: str) -> tuple[tuple[str, int], ...]:
     if not pairs or any(not name for name, _ in pairs):
         raise FlagError(f"{what}={spec} must look like 'dc=2' or 'dc=2,node=2'")
     return pairs
+
+
+def parse_migration(
+    domains: str | None = None,
+    domain_compression: float | None = None,
+    domain_shared: str = "persistent",
+    domain_sync_every: int = 1,
+    grad_compression: float | None = None,
+) -> xdc.Migration:
+    """The cross-DC flags as one `xdc.Migration`; FlagError naming the first bad flag."""
+    for name, value, hint in (
+        ("domain_compression", domain_compression, "a compression ratio"),
+        ("grad_compression", grad_compression, "a top-k ratio of the gradients"),
+    ):
+        _check_number(
+            name, value, above=1, optional=True, hint=f" ({hint}; leave it unset for none)"
+        )
+    if domain_shared not in SHARED_VARIANTS:
+        raise FlagError(
+            f"--domain_shared={domain_shared!r} must be one of {', '.join(SHARED_VARIANTS)}"
+        )
+    _check_int("domain_sync_every", domain_sync_every, 1)
+    sizes = parse_sizes(domains, "--domains") if domains is not None else ()
+    try:
+        return xdc.Migration(
+            sizes, domain_compression, domain_shared, domain_sync_every, grad_compression
+        )
+    except (TypeError, ValueError) as err:
+        raise FlagError(f"--domains={domains}: {err}") from None
+
+
+def migration_flags(migration: xdc.Migration) -> dict:
+    """`migration` spelled as the flags `parse_migration` reads (name -> value)."""
+    return dict(
+        domains=",".join(f"{n}={s}" for n, s in migration.domains) or None,
+        domain_compression=migration.compression,
+        domain_shared=migration.shared,
+        domain_sync_every=migration.sync_every,
+        grad_compression=migration.grad_compression,
+    )
+
+
+def flag_values(cfg: TrainConfig) -> dict:
+    """`cfg` as its flags (name -> value; what a checkpoint's meta records)."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    migration = values.pop("migration")
+    return {**values, **migration_flags(migration)}
 
 
 def parse_capacity_factor(value: str | None) -> float | None:
@@ -171,7 +218,7 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
                           ("d_ff", 1), ("layers", 1), ("heads", 1), ("experts", 1), ("top_k", 1),
                           ("seed", 0), ("eval_every", 1), ("eval_batches", 1),
                           ("redundant_slots", 0), ("rebalance_every", 0),
-                          ("domain_sync_every", 1), ("replan_every", 0), ("schedule_steps", 0),
+                          ("replan_every", 0), ("schedule_steps", 0),
                           ("checkpoint_every", 0)):  # fmt: skip
         _check_int(name, getattr(cfg, name), minimum)
     if cfg.top_k > cfg.experts:
@@ -193,20 +240,8 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
         optional=True,
         hint=f", or '{DROPLESS}' (the default) for dropless",
     )
-    _check_number(
-        "domain_compression",
-        cfg.domain_compression,
-        above=1,
-        optional=True,
-        hint=" (a compression ratio; leave it unset for none)",
-    )
-    _check_number(
-        "grad_compression",
-        cfg.grad_compression,
-        above=1,
-        optional=True,
-        hint=" (a top-k ratio of the gradients; leave it unset for none)",
-    )
+    if not isinstance(cfg.migration, xdc.Migration):
+        raise FlagError(f"migration={cfg.migration!r} must be a jax_hybridep.xdc.Migration")
     limit = cfg.memory_limit_mb
     if (
         not isinstance(limit, Real)
@@ -215,10 +250,6 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
         or limit < 0
     ):
         raise FlagError(f"--memory_limit_mb={limit!r} must be a finite number >= 0 (0: no limit)")
-    if cfg.domain_shared not in SHARED_VARIANTS:
-        raise FlagError(
-            f"--domain_shared={cfg.domain_shared!r} must be one of {', '.join(SHARED_VARIANTS)}"
-        )
     if cfg.backend not in BACKENDS:
         raise FlagError(f"--backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
     if cfg.wire_dtype not in (None, *WIRE_DTYPES):
@@ -253,35 +284,28 @@ def _check_mesh(cfg: TrainConfig, devices) -> None:
             f"--batch={cfg.batch} x --seq_len={cfg.seq_len} = {tokens} tokens per step do not "
             f"split evenly over the {shards} devices of --mesh={spec}"
         )
-    if cfg.domain_compression is not None and cfg.domains is None:
+    m, domains = cfg.migration, migration_flags(cfg.migration)["domains"]
+    if m.compression is not None and not m.domains:
         raise FlagError(
-            f"--domain_compression={cfg.domain_compression} needs --domains (it compresses the "
+            f"--domain_compression={m.compression} needs --domains (it compresses the "
             "experts moved inside a domain)"
         )
-    if (cfg.domains is not None or cfg.replan_every) and (
-        cfg.redundant_slots or cfg.rebalance_every
-    ):
+    if (m.domains or cfg.replan_every) and (cfg.redundant_slots or cfg.rebalance_every):
         raise FlagError(
             f"--redundant_slots={cfg.redundant_slots} / --rebalance_every={cfg.rebalance_every} "
-            f"cannot be combined with --domains={cfg.domains} or --replan_every="
+            f"cannot be combined with --domains={domains} or --replan_every="
             f"{cfg.replan_every}: inside a domain every expert is already copied to every member"
         )
-    if cfg.grad_compression is not None and cfg.domains is None and not cfg.replan_every:
+    if m.grad_compression is not None and not m.domains and not cfg.replan_every:
         raise FlagError(
-            f"--grad_compression={cfg.grad_compression} needs --domains or --replan_every (it "
+            f"--grad_compression={m.grad_compression} needs --domains or --replan_every (it "
             "compresses the gradients of experts moved inside a domain)"
         )
-    if cfg.domains is not None:
-        from jax_hybridep import xdc  # noqa: PLC0415  (only runs with domains need it)
-
-        sizes = dict(parse_sizes(cfg.domains, "--domains"))
+    if m.domains:
         try:
-            xdc.ExpertDomains.from_mesh(
-                mesh, topology, sizes, cfg.domain_compression, shared=cfg.domain_shared,
-                sync_every=cfg.domain_sync_every, grad_compression=cfg.grad_compression,
-            )  # fmt: skip
+            xdc.ExpertDomains.from_mesh(mesh, topology, m)
         except ValueError as err:
-            raise FlagError(f"--domains={cfg.domains} on --mesh={spec}: {err}") from None
+            raise FlagError(f"--domains={domains} on --mesh={spec}: {err}") from None
     _check_replanning(cfg, topology)
 
 
@@ -301,8 +325,6 @@ def _check_replanning(cfg: TrainConfig, topology) -> None:
             f"--replan_every={cfg.replan_every} needs --links (e.g. "
             "dc=10:5:shared,node=100,local=3600), the links to plan for"
         )
-    from jax_hybridep import xdc  # noqa: PLC0415
-
     levels = dict(zip((lv[0] for lv in topology.levels), topology.level_sizes, strict=True))
     try:
         xdc.parse_links(cfg.links, levels)
@@ -375,20 +397,8 @@ def define_flags() -> None:
         "(default: node=2,local=n/2 on CPU, ep=all on GPUs)",
     )
     flags.DEFINE_enum("backend", d.backend, list(BACKENDS), "dispatch/combine backend")
-    flags.DEFINE_string(
-        "domains", None, "cross-DC expert domain sizes per EP level, e.g. 'dc=2' (unset: plain EP)"
-    )
-    flags.DEFINE_float(
-        "domain_compression", None, "SR compression ratio (> 1) of experts moved inside a domain"
-    )
-    flags.DEFINE_enum(
-        "domain_shared", d.domain_shared, list(SHARED_VARIANTS), "SR shared expert (reference)"
-    )
-    flags.DEFINE_integer(
-        "domain_sync_every", d.domain_sync_every, "steps between SR shared-expert refreshes"
-    )
-    flags.DEFINE_float(
-        "grad_compression", None, "top-k ratio (> 1) of replica gradients, error feedback (lossy)"
+    define_migration_flags(
+        d.migration, "cross-DC expert domain sizes per EP level, e.g. 'dc=2' (unset: plain EP)"
     )
     flags.DEFINE_bool("prefetch", False, "gather every layer's experts at step start")
     flags.DEFINE_integer("replan_every", 0, "re-plan the domains every N steps (needs --links)")
@@ -440,9 +450,34 @@ def define_flags() -> None:
     )  # fmt: skip
 
 
+def define_migration_flags(default: xdc.Migration, domains_help: str) -> None:
+    """The cross-DC flags `parse_migration` reads: --domains (unset by default) and how experts
+    travel, with `default`'s values."""
+    flags.DEFINE_string("domains", None, domains_help)
+    flags.DEFINE_float(
+        "domain_compression", default.compression, "SR compression ratio (> 1) of migrated experts"
+    )
+    flags.DEFINE_enum(
+        "domain_shared", default.shared, list(SHARED_VARIANTS), "SR shared expert (reference)"
+    )
+    flags.DEFINE_integer(
+        "domain_sync_every", default.sync_every, "steps between SR shared-expert refreshes"
+    )
+    flags.DEFINE_float(
+        "grad_compression",
+        default.grad_compression,
+        "top-k ratio (> 1) of replica gradients, error feedback (lossy)",
+    )
+
+
+def migration_from_flags() -> xdc.Migration:
+    """The parsed cross-DC flags as one `xdc.Migration` (FlagError for a bad value)."""
+    return parse_migration(**{n: flags.FLAGS[n].value for n in migration_flags(xdc.Migration())})
+
+
 def config_from_flags() -> TrainConfig:
     """The TrainConfig the parsed command-line flags describe (FlagError for a bad value)."""
     values = {f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)
               if f.name in flags.FLAGS}  # fmt: skip
     values["capacity_factor"] = parse_capacity_factor(values["capacity_factor"])
-    return TrainConfig(**values)
+    return TrainConfig(**values, migration=migration_from_flags())

@@ -27,7 +27,6 @@ decides re-balancing and re-planning for all and alone writes metrics, plot and 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -60,7 +59,7 @@ from train_config import (
     check_config,
     config_from_flags,
     define_flags,
-    parse_sizes,
+    flag_values,
 )
 from train_processes import Processes, global_devices
 from train_report import (
@@ -72,6 +71,8 @@ from train_report import (
     write_outputs,
 )
 from train_step import build_steps, make_optimizer
+
+from jax_hybridep import balance
 
 # The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal;
 # the domain flags fix the shapes of the SR and error-feedback state).
@@ -93,14 +94,14 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         top_k=cfg.top_k,
         capacity_factor=cfg.capacity_factor,
         backend=cfg.backend,
-        expert_domains=parse_sizes(cfg.domains, "--domains") if cfg.domains else None,
-        domain_compression=cfg.domain_compression,
+        migration=cfg.migration,
         wire_dtype=cfg.wire_dtype,
-        redundant_slots=cfg.redundant_slots,
-        rebalance=cfg.rebalance_every > 0,
-        domain_shared=cfg.domain_shared,
-        domain_sync_every=cfg.domain_sync_every,
-        grad_compression=cfg.grad_compression,
+        # A placement (even without redundant slots) lets the rebalancer move experts.
+        balance=(
+            balance.BalanceConfig(cfg.redundant_slots)
+            if cfg.redundant_slots or cfg.rebalance_every
+            else None
+        ),
         prefetch=cfg.prefetch,
     )
 
@@ -130,11 +131,11 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
     mesh, topology = make_mesh(cfg.mesh, devices)
     ckpt_dir = os.path.join(os.path.abspath(cfg.output_dir), "checkpoint")
     metrics_path = os.path.join(cfg.output_dir, "metrics.json")
-    meta = dict(dataclasses.asdict(cfg), processes=processes.count, mesh_shape=mesh_spec(mesh))
+    meta = dict(flag_values(cfg), processes=processes.count, mesh_shape=mesh_spec(mesh))
     if cfg.resume:  # what can be checked on disk is, before the model is built
         start = train_checkpoint.latest(ckpt_dir)
         saved = train_checkpoint.read_saved(ckpt_dir, start)
-        defaults = dataclasses.asdict(TrainConfig())
+        defaults = flag_values(TrainConfig())
         train_checkpoint.check_resume_flags(ckpt_dir, start, saved.meta, meta, defaults)
         old_metrics = train_checkpoint.read_metrics(metrics_path)
     model_cfg = model_config(cfg)
@@ -368,9 +369,8 @@ def main(argv):
     processes = Processes()
     try:
         processes = train_processes.start(train_processes.config_from_flags())
-        names = [f.name for f in dataclasses.fields(TrainConfig)]
-        names += ["num_processes", "cpu_devices", "coordinator_address", "heartbeat_timeout_s"]
-        processes.agree_on_flags(train_processes.flag_values(names))
+        names = [*flag_values(TrainConfig()), *train_processes.SHARED_FLAGS]
+        processes.agree_on_flags(train_processes.command_line_values(names))
         processes.watch(SCRIPT)
         train(config_from_flags(), processes.console(), processes=processes)
     except (FlagError, ResumeError, FloatingPointError, OSError) as err:

@@ -123,8 +123,13 @@ def config_from_flags() -> ProcessConfig:
     )
 
 
-def flag_values(names) -> dict:
-    """The parsed command-line values of `names`, for `Processes.agree_on_flags`."""
+# The process flags every process must share (all but --process_id).
+SHARED_FLAGS = ("num_processes", "cpu_devices", "coordinator_address", "heartbeat_timeout_s")
+
+
+def command_line_values(names) -> dict:
+    """The parsed command-line values of `names` (those defined), for
+    `Processes.agree_on_flags`."""
     return {n: flags.FLAGS[n].value for n in names if n in flags.FLAGS}
 
 

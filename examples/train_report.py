@@ -4,14 +4,14 @@ of losses and load."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import numpy as np
+from train_config import flag_values
 
 from jax_hybridep import traffic
-from jax_hybridep.xdc.domains import INNER_SUFFIX
+from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
 
 def ran_backend(hlo_text: str) -> str:
@@ -60,7 +60,7 @@ def rebalance_line(step: int, events: list[dict]) -> str:
 def metrics_of(cfg, history: dict, backend: str, start: int, processes: int) -> dict:
     """The metrics.json of a run (`cfg`, a TrainConfig) from its history so far."""
     return dict(
-        config=dataclasses.asdict(cfg),
+        config=flag_values(cfg),
         backend=backend,
         start_step=start,
         final_eval_loss=history["eval"][-1]["loss"],

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from nn_test import _block_params, dense_block
 
 import jax_hybridep as hep
-from jax_hybridep import balance
+from jax_hybridep import balance, xdc
 from jax_hybridep import nn as hnn
 from jax_hybridep.balance.workloads import Skew, counts
 from jax_hybridep.reference import dense_moe
@@ -330,7 +330,8 @@ def test_moe_block_with_redundant_slots_equals_the_dense_moe():
     # A capacity no expert reaches: the CPU capacity-window expert path over the L slots
     # (the training tests cover the dropless one).
     cfg = hep.DispatchConfig(num_experts=E, backend="ffi", capacity_factor=float(E))
-    block = hnn.MoEBlock(16, 24, router=router, mesh=mesh, topology=topo, redundant_slots=1,
+    block = hnn.MoEBlock(16, router=router, experts=hnn.ExpertConfig(d_ff=24), mesh=mesh,
+                         topology=topo, balance=balance.BalanceConfig(redundant_slots=1),
                          dispatch=cfg, rngs=nnx.Rngs(0))  # fmt: skip
     logical = _block_params(block)  # plain EP's order to begin with
     load = np.arange(E, dtype=np.float64) ** 2
@@ -388,13 +389,20 @@ def test_setting_errors():
     mesh = make_mesh((2, 2), ("dc", "ep"))
     topo = hep.Topology.from_mesh(mesh, ("dc", "ep"))
     router = hnn.RouterConfig(num_experts=8, top_k=2)
-    kwargs = dict(router=router, mesh=mesh, topology=topo, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="cannot be combined with expert_domains"):
-        hnn.MoEBlock(8, 8, redundant_slots=1, expert_domains={"dc": 2}, **kwargs)
+    kwargs = dict(router=router, experts=hnn.ExpertConfig(d_ff=8), mesh=mesh, topology=topo,
+                  rngs=nnx.Rngs(0))  # fmt: skip
+    one = balance.BalanceConfig(redundant_slots=1)
+    with pytest.raises(ValueError, match="cannot be combined with expert domains"):
+        hnn.MoEBlock(8, balance=one, migration=xdc.Migration({"dc": 2}), **kwargs)
     placed = hep.DispatchConfig(num_experts=8, expert_placement=[(e % 4, e // 4) for e in range(8)])
-    with pytest.raises(ValueError, match="replace DispatchConfig.expert_placement"):
-        hnn.MoEBlock(8, 8, redundant_slots=1, dispatch=placed, **kwargs)
+    with pytest.raises(ValueError, match="replaces DispatchConfig.expert_placement"):
+        hnn.MoEBlock(8, balance=one, dispatch=placed, **kwargs)
     with pytest.raises(ValueError, match="placement is for 16 experts on 8 ranks"):
-        hnn.MoEBlock(8, 8, placement=balance.Placement.default(16, 8, 1), **kwargs)
+        placement = balance.Placement.default(16, 8, 1)
+        hnn.MoEBlock(8, balance=balance.BalanceConfig(placement=placement), **kwargs)
+    with pytest.raises(ValueError, match="has 1 redundant slots per rank, redundant_slots=2"):
+        balance.BalanceConfig(2, balance.Placement.default(16, 8, 1))
+    with pytest.raises(TypeError, match="balance must be a jax_hybridep.balance.BalanceConfig"):
+        hnn.MoEBlock(8, balance=1, **kwargs)
     with pytest.raises(ValueError, match="placement spans 8 ranks"):
         balance.Replicas(balance.Placement.default(16, 8), topo)

@@ -20,6 +20,8 @@ from rich.console import Console
 from train_harness import tiny, train_config, train_moe
 from train_harness import train as _train
 
+from jax_hybridep import xdc
+
 TINY = tiny(steps=4, eval_batches=1)
 BALANCED = dataclasses.replace(TINY, redundant_slots=1, rebalance_every=2)
 
@@ -92,7 +94,10 @@ def test_resume_after_a_rebalance_continues_identically(runs, monkeypatch):
     [
         (dict(redundant_slots=-1), "--redundant_slots=-1"),
         (dict(rebalance_every=-2), "--rebalance_every=-2"),
-        (dict(mesh="dc=2,ep=4", domains="dc=2", redundant_slots=1), "cannot be combined"),
+        (
+            dict(mesh="dc=2,ep=4", migration=xdc.Migration({"dc": 2}), redundant_slots=1),
+            "cannot be combined",
+        ),
     ],
 )
 def test_bad_balance_flags_fail_before_a_model_is_built(changes, message, tmp_path, monkeypatch):

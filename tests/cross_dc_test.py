@@ -21,6 +21,8 @@ sys.path.insert(0, EXAMPLES)
 
 import cross_dc  # noqa: E402
 
+from jax_hybridep import xdc  # noqa: E402
+
 KEYS = ("experts", "all_reduce", "tokens", "total")
 # One expert per rank (8 experts, 8 ranks): three 128 x 256 float32 matrices.
 EXPERT = 3 * 128 * 256 * 4
@@ -42,11 +44,9 @@ def example(tmp_path_factory):
     # SR compression on a DC-level domain, the persistent shared expert refreshed every 2 steps,
     # the gradients compressed too.
     sr = dataclasses.replace(
-        s, domains="dc=2", domain_compression=10.0, grad_compression=10.0, domain_sync_every=2
+        s, migration=xdc.Migration({"dc": 2}, 10.0, sync_every=2, grad_compression=10.0)
     )
-    compressed = cross_dc.run_one(
-        sr, base, (2, 1, 1), cross_dc.migration_of(sr), routing, dense, console
-    )
+    compressed = cross_dc.run_one(sr, base, (2, 1, 1), sr.migration, routing, dense, console)
     return summary, compressed, console.file.getvalue()
 
 
@@ -116,13 +116,9 @@ BAD = [
     (dict(wan_gbps=0.0), "--wan_gbps=0.0"),
     (dict(node_gbps=float("nan")), "--node_gbps=nan"),
     (dict(wan_latency_ms=-1.0), "--wan_latency_ms=-1.0"),
-    (dict(domain_compression=1.0), "--domain_compression=1.0: must be > 1"),
-    (dict(domains="rack=2"), "--domains='rack=2'"),
-    (dict(domains="dc=3"), "dc=3 must divide the level's 2 ranks"),
+    (dict(migration=xdc.Migration({"rack": 2})), "--domains='rack=2': 'rack' is not a level"),
+    (dict(migration=xdc.Migration({"dc": 3})), "dc=3 must divide the level's 2 ranks"),
     (dict(backend="gpu"), "--backend='gpu'"),
-    (dict(grad_compression=0.5), "--grad_compression=0.5: must be > 1"),
-    (dict(domain_shared="avg"), "--domain_shared='avg': must be one of persistent"),
-    (dict(domain_sync_every=0), "--domain_sync_every=0: must be an integer >= 1"),
     (dict(link_schedule="5:dc=1"), "--replan_every=0: must be set for --link_schedule"),
     (dict(replan_every=5, link_schedule="5:wan=1"), "link_schedule='5:wan=1'"),
     (dict(sr_table=True, replan_every=5), "--sr_table=True: is a mode of its own"),
@@ -137,17 +133,16 @@ def test_settings_name_the_bad_flag(bad, message):
 
 
 def test_cli_rejects_a_bad_flag_before_building_a_model(tmp_path):
+    # The cross-DC flags parse into one xdc.Migration (train_config.parse_migration) first.
+    message = "--domain_compression=1.0 must be a finite number > 1"
     out = subprocess.run(
-        [sys.executable, "cross_dc.py", "--batch=12", f"--output_dir={tmp_path}"],
+        [sys.executable, "cross_dc.py", "--domain_compression=1.0", f"--output_dir={tmp_path}"],
         cwd=EXAMPLES,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 1
-    assert (
-        out.stderr.strip()
-        .splitlines()[-1]
-        .startswith("cross_dc.py: --batch=12: must be a positive multiple")
-    )  # one line, the last
+    assert out.stderr.strip().splitlines()[-1] == f"cross_dc.py: {message} (a compression ratio; "
+    "leave it unset for none)"  # one line, the last
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written

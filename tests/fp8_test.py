@@ -277,8 +277,8 @@ def test_moe_block_trains_with_fp8_dispatch():
 
     def block(**wire):
         dispatch = hep.DispatchConfig(num_experts=8, **wire)
-        return hnn.MoEBlock(128, 32, router=router, mesh=mesh, topology=topo, dispatch=dispatch,
-                            rngs=nnx.Rngs(0))  # fmt: skip
+        return hnn.MoEBlock(128, router=router, experts=hnn.ExpertConfig(d_ff=32), mesh=mesh,
+                            topology=topo, dispatch=dispatch, rngs=nnx.Rngs(0))  # fmt: skip
 
     def loss(b, x):
         y, aux = b(x)

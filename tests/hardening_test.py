@@ -262,8 +262,9 @@ X64_CHILD = textwrap.dedent(
         out[backend] = dict(
             y=np.asarray(y).view(np.uint32).tolist(), g=np.asarray(g).tolist(),
             invalid=int(np.sum(stacked[4].invalid)), dtype=str(y.dtype))
-    block = hnn.MoEBlock(8, 16, router=hnn.RouterConfig(num_experts=16, top_k=2), mesh=mesh,
-                         topology=topo, dispatch=hep.DispatchConfig(num_experts=16, backend="xla"),
+    block = hnn.MoEBlock(8, router=hnn.RouterConfig(num_experts=16, top_k=2),
+                         experts=hnn.ExpertConfig(d_ff=16), mesh=mesh, topology=topo,
+                         dispatch=hep.DispatchConfig(num_experts=16, backend="xla"),
                          rngs=nnx.Rngs(0))
     y, aux = nnx.jit(lambda b, x: b(x))(block, jnp.asarray(x[:64].reshape(8, 8, 8), jnp.float32))
     out["moe"] = dict(shape=list(y.shape), finite=bool(jnp.all(jnp.isfinite(y))),
@@ -336,11 +337,15 @@ def test_moe_block_checks_mesh_topology_and_sizes_before_building(ep4):
 
     mesh, topo = ep4
     router = hnn.RouterConfig(num_experts=6, top_k=2)
+    experts = hnn.ExpertConfig(d_ff=16)
     with pytest.raises(ValueError, match=r"num_experts=6 experts do not split evenly over the EP"):
-        hnn.MoEBlock(8, 16, router=router, mesh=mesh, topology=topo, rngs=nnx.Rngs(0))
+        hnn.MoEBlock(8, router=router, experts=experts, mesh=mesh, topology=topo, rngs=nnx.Rngs(0))
     other = make_mesh((2, 2), ("a", "b"))
     router = hnn.RouterConfig(num_experts=8, top_k=2)
     with pytest.raises(ValueError, match="topology was built for mesh"):
-        hnn.MoEBlock(8, 16, router=router, mesh=other, topology=topo, rngs=nnx.Rngs(0))
+        hnn.MoEBlock(8, router=router, experts=experts, mesh=other, topology=topo,
+                     rngs=nnx.Rngs(0))  # fmt: skip
     with pytest.raises(ValueError, match="d_ff must be an int >= 1, got 0"):
-        hnn.MoEBlock(8, 0, router=router, mesh=mesh, topology=topo, rngs=nnx.Rngs(0))
+        hnn.ExpertConfig(d_ff=0)
+    with pytest.raises(TypeError, match="experts must be a jax_hybridep.nn.ExpertConfig"):
+        hnn.MoEBlock(8, router=router, experts=16, mesh=mesh, topology=topo, rngs=nnx.Rngs(0))

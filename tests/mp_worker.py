@@ -215,7 +215,7 @@ def check(args, mesh):
     if args.levels in DOMAINS:
         # Capacity is per replica with domains, so the plain-EP layout model does not apply:
         # the dropless case checks values and gradients against the dense reference.
-        domains = xdc.ExpertDomains.from_mesh(mesh, topo, DOMAINS[args.levels])
+        domains = xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration(DOMAINS[args.levels]))
         case = run_case(mesh, topo, args.backend, None, 1, domains=domains)
         report(status="ok", single_process=topo.single_process, cases={"dropless": case})
         return

@@ -118,12 +118,11 @@ def _block(mesh_shape, names, levels, backend, capacity_factor, shared, top_k=2,
     )
     return hnn.MoEBlock(
         D,
-        F,
         router=router,
+        experts=hnn.ExpertConfig(d_ff=F, shared_ff=8 if shared else None),
         mesh=mesh,
         topology=topo,
         dispatch=dispatch,
-        shared_expert_ff=8 if shared else None,
         rngs=nnx.Rngs(0),
     )
 
@@ -208,7 +207,9 @@ def test_linen_wrapper():
     mesh = make_mesh((4,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
     router = hnn.RouterConfig(num_experts=8, top_k=2)
-    module = MoEBlockLinen(d_model=D, d_ff=F, router=router, mesh=mesh, topology=topo)
+    module = MoEBlockLinen(
+        d_model=D, router=router, experts=hnn.ExpertConfig(d_ff=F), mesh=mesh, topology=topo
+    )
     x = jax.random.normal(jax.random.key(5), (4, 4, D))
     variables = module.init(jax.random.key(0), x)
     y, aux = jax.jit(module.apply)(variables, x)

@@ -31,9 +31,9 @@ from rich.console import Console
 from train_harness import EXAMPLES, TINY, train_checkpoint, train_config, train_moe
 from train_harness import train as _train
 
-from jax_hybridep import traffic
-from jax_hybridep.xdc import migrate
-from jax_hybridep.xdc.domains import INNER_SUFFIX
+from jax_hybridep import traffic, xdc
+from jax_hybridep.xdc.runtime import migrate
+from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
 
 @pytest.fixture(autouse=True)
@@ -146,14 +146,17 @@ def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(t
     exact), no token all-to-all across the DC level, and the experts' all-gather and gradient
     reduce-scatter across it; with SR compression the gather shrinks by the ratio."""
     runs = {}
-    for name, domains, ratio in (("plain", None, None), ("dc", "dc=2", None), ("sr", "dc=2", 8.0)):
+    for name, domains, ratio in (
+        ("plain", (), None),
+        ("dc", {"dc": 2}, None),
+        ("sr", {"dc": 2}, 8.0),
+    ):
         cfg = dataclasses.replace(
             TINY,
             steps=4,
             mesh="dc=2,node=2,local=2",
             backend="xla",
-            domains=domains,
-            domain_compression=ratio,
+            migration=xdc.Migration(domains, ratio),
             output_dir=str(tmp_path / name),
         )
         runs[name], _ = _train(cfg)
@@ -173,6 +176,9 @@ def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(t
     # gate's gradient (32 x 8 float32, summed over the 8 ranks: 2 * 4 / 8 of it too).
     assert sr["program_traffic"]["dc"]["all-reduce"] == 3 * 32 * 32 * 4 + 32 * 8 * 4
     assert all(math.isfinite(r["loss"]) for r in sr["train"])
+
+
+M = xdc.Migration
 
 
 def _no_model(*args, **kwargs):
@@ -231,15 +237,10 @@ def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidt
         (dict(batch=1, seq_len=31), r"--batch=1 x --seq_len=31 = 31 tokens per step do not split"),
         (dict(seq_len=10**9), r"--seq_len=1000000000 is too long for the \d+-byte training text"),
         (dict(eval_batches=10**6), r"--eval_batches=1000000 x --batch=8 = 8000000 held-out"),
-        (dict(domains="dc=2"), r"--domains=dc=2 on --mesh=ep=8: domain sizes name \['dc'\]"),
-        (dict(domains="ep=3"), r"--domains=ep=3 on --mesh=ep=8: domain size 3 at level"),
-        (dict(domains="ep"), r"--domains=ep must look like 'dc=2'"),
-        (dict(domain_compression=8.0), r"--domain_compression=8.0 needs --domains"),
-        (dict(domains="ep=2", domain_compression=0.5), r"--domain_compression=0.5 must be a"),
-        (dict(domain_shared="median"), r"--domain_shared='median' must be one of persistent, "),
-        (dict(domain_sync_every=0), r"--domain_sync_every=0 must be an integer >= 1"),
-        (dict(grad_compression=4.0), r"--grad_compression=4.0 needs --domains or --replan_"),
-        (dict(domains="ep=2", grad_compression=1.0), r"--grad_compression=1.0 must be a finite"),
+        (dict(migration=M({"dc": 2})), r"--domains=dc=2 on --mesh=ep=8: domain sizes name"),
+        (dict(migration=M({"ep": 3})), r"--domains=ep=3 on --mesh=ep=8: domain size 3 at level"),
+        (dict(migration=M(compression=8.0)), r"--domain_compression=8.0 needs --domains"),
+        (dict(migration=M(grad_compression=4.0)), r"--grad_compression=4.0 needs --domains or --"),
         (dict(memory_limit_mb=-1.0), r"--memory_limit_mb=-1.0 must be a finite number >= 0"),
         (dict(prefetch="yes"), r"--prefetch='yes' must be true or false"),
         (dict(links="ep=10"), r"--links=ep=10 is only used with --replan_every"),
@@ -256,6 +257,31 @@ def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monk
     with pytest.raises(train_moe.FlagError, match=message):
         train_moe.train(cfg)
     assert not os.path.exists(cfg.output_dir)  # nothing written either
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(domains="ep"), r"--domains=ep must look like 'dc=2'"),
+        (dict(domains="ep=0"), r"--domains=ep=0: Migration.domains\['ep'\] must be an int >= 1"),
+        (dict(domains="ep=2", domain_compression=0.5), r"--domain_compression=0.5 must be a"),
+        (dict(domain_shared="median"), r"--domain_shared='median' must be one of persistent, "),
+        (dict(domain_sync_every=0), r"--domain_sync_every=0 must be an integer >= 1"),
+        (dict(domains="ep=2", grad_compression=1.0), r"--grad_compression=1.0 must be a finite"),
+    ],
+)
+def test_bad_migration_flags_are_named_when_parsed(flags, message):
+    with pytest.raises(train_moe.FlagError, match=message):
+        train_config.parse_migration(**flags)
+
+
+def test_migration_flags_parse_into_one_value_and_back():
+    flags = dict(domains="dc=2,node=2", domain_compression=8.0, domain_shared="mean",
+                 domain_sync_every=3, grad_compression=4.0)  # fmt: skip
+    m = train_config.parse_migration(**flags)
+    assert m == xdc.Migration((("dc", 2), ("node", 2)), 8.0, "mean", 3, 4.0)
+    assert train_config.migration_flags(m) == flags
+    assert train_config.parse_migration() == xdc.Migration()
 
 
 @pytest.mark.parametrize(

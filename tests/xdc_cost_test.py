@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 from jax_hybridep import traffic
 from jax_hybridep.topology import Topology
-from jax_hybridep.xdc import compress, cost, loads, planner, volumes, wire
-from jax_hybridep.xdc.domains import ExpertDomains
+from jax_hybridep.xdc import wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, loads, planner, volumes
+from jax_hybridep.xdc.runtime.domains import ExpertDomains
 
 LEVELS = {
     (2, 4): ("dc", "local"),
@@ -196,13 +198,11 @@ def test_compressed_bytes_match_runtime(compression, dtype, shape):
     dt = np.dtype(dtype)
     n = math.prod(shape)
     runtime = None if compression is None or compression <= 1 else compression
-    assert wire.expert_wire_bytes([shape, n], compression, dt.itemsize) == 2 * compress.sent_bytes(
+    assert wire.expert_wire_bytes([shape, n], compression, dt.itemsize) == 2 * wire.sent_bytes(
         shape, dt, runtime
     )
     if runtime:
-        assert wire.topk_count(n, compression, dt.itemsize) == compress.kept_entries(
-            n, dt, compression
-        )
+        assert wire.topk_count(n, compression, dt.itemsize) == wire.kept_entries(n, dt, compression)
 
 
 def test_compressed_volumes():
@@ -215,7 +215,7 @@ def test_compressed_volumes():
     def vols(**kw):
         return volumes.expected_volumes(
             sizes, domains, tokens=4, top_k=2, **_kw(expert_bytes=None, expert_matrices=mats),
-            compression=8, **kw,
+            migration=Migration(compression=8, **kw),
         )  # fmt: skip
 
     sent = 2 * wire.topk_count(512, 8, 4) * 8
@@ -241,7 +241,7 @@ def test_compressed_volumes():
     assert persistent.step_bytes(training=True) == pytest.approx(expected, rel=1e-12)
     plain = volumes.expected_volumes(
         sizes, (1, 1), tokens=4, top_k=2, **_kw(expert_bytes=None, expert_matrices=mats),
-        compression=8,
+        migration=Migration(compression=8),
     )  # fmt: skip
     assert all(v.shared_refresh_bytes == 0 for v in plain.levels)  # nothing migrates
 
@@ -335,7 +335,7 @@ def test_plan_never_worse_than_plain_ep(sizes, wan, alpha, tokens, p1, compressi
         hidden=512,
         act_bytes=2,
         expert_bytes=4 * p1,
-        compression=compression,
+        migration=Migration(compression=compression),
         layers=2,
         lat_pe=lat_pe,
     )
@@ -393,12 +393,19 @@ def test_public_constructors_name_the_bad_value():
         (dict(hidden=0), "Workload.hidden must be an integer >= 1, got 0"),
         (dict(layers=1.5), "Workload.layers must be an integer >= 1, got 1.5"),
         (dict(compute=-1.0), "Workload.compute must be seconds >= 0, got -1.0"),
-        (dict(compression=-2.0), "compression must be None or a finite number > 0, got -2.0"),
-        (dict(compression="10"), "compression must be None or a number > 0, got '10'"),
         (dict(dense_bytes=-8), "Workload.dense_bytes must be an integer >= 0, got -8"),
+        (dict(migration=Migration({"dc": 2})), "the planner chooses them"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             planner.Workload(**{**kw, **bad})
+    for bad, message in (
+        (dict(compression=-2.0), "compression must be None or a finite number > 0, got -2.0"),
+        (dict(compression="10"), "compression must be None or a number > 0, got '10'"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Migration(**bad)
+    with pytest.raises(TypeError, match="Workload.migration must be a jax_hybridep.xdc.Migr"):
+        planner.Workload(**kw, migration=10.0)
     cluster, w = cost.Cluster((2, 4), (link, link)), planner.Workload(**kw)
     with pytest.raises(ValueError, match=r"candidates \[\(3, 1\)\] are not domain tuples"):
         planner.plan(cluster, w, candidates=[(3, 1)])

@@ -1,6 +1,7 @@
-"""The HybridEP paper's numbers and their reproduction (`xdc.paper`, `xdc.reproduction`): the
-stream model against brute force, Table VII, Table IV's structure, the Table V fit and its pass /
-fail tiers (recomputed here from the JSON points), the expert-size sweep and the CLI.
+"""The HybridEP paper's numbers and their reproduction (`xdc.paper.tables`,
+`xdc.paper.reproduction`): the stream model against brute force, Table VII, Table IV's structure,
+the Table V fit and its pass / fail tiers (recomputed here from the JSON points), the expert-size
+sweep and the CLI.
 
 Host-side numpy only (no devices, no compilation, no timing).
 """
@@ -13,20 +14,22 @@ import json
 import numpy as np
 import pytest
 
-from jax_hybridep.xdc import cost, paper, reproduction
+from jax_hybridep.xdc.model import cost
+from jax_hybridep.xdc.paper import reproduction, tables
+from jax_hybridep.xdc.paper.__main__ import main as paper_main
 
 # -- the paper's stream model ----------------------------------------------------------------
 
 
 def test_table_vii_exact():
-    assert paper.table_vii(8) == paper.TABLE_VII
+    assert tables.table_vii(8) == tables.TABLE_VII
     for g in (4, 12, 32):
         for s in cost.divisors(g):
             a2a, ag = cost.pair_counts(g, s)
             assert a2a + ag == g * (g // s + s - 2)
 
 
-STREAM_CASES = [case for _, case in paper.STREAM_CASES]
+STREAM_CASES = [case for _, case in tables.STREAM_CASES]
 
 
 @pytest.mark.parametrize("case", STREAM_CASES)
@@ -40,7 +43,7 @@ def test_optimal_p_is_brute_force_minimum(case):
 
 
 def test_p_star_table():
-    for r in paper.p_star_vs_brute_force(points=2001):
+    for r in tables.p_star_vs_brute_force(points=2001):
         assert r["lat_p_star"] <= r["lat_grid"] * (1 + 1e-12)
         assert abs(r["p_star"] - r["p_grid"]) <= 1e-3
 
@@ -61,7 +64,7 @@ def test_divisor_latency_is_continuous_form_at_its_p(case):
 
 
 def test_table_iv_structure():
-    rows = paper.table_iv()
+    rows = tables.table_iv()
     assert [r["best_s"] for r in rows] == [1, 2]  # the equations' choice, not the table's p
     for r in rows:
         assert 0 < r["p_star"] < 1 and r["lat_p_star"] <= min(r["latency"].values())
@@ -74,7 +77,7 @@ def test_minimax_offset_is_the_brute_force_minimum():
     rng = np.random.default_rng(0)
     for _ in range(20):
         r, y = rng.normal(size=6), rng.uniform(0.5, 3, size=6)
-        c, err = paper._minimax_offset(r, y)
+        c, err = tables._minimax_offset(r, y)
         grid = np.linspace(0, 5, 50_001)
         errs = (np.abs(grid[:, None] - r[None]) / y[None]).max(axis=1)
         assert err <= errs.min() + 1e-12 and c >= 0
@@ -86,7 +89,7 @@ def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("paper") / "table_v.json"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        paper.main(["--json", str(path)])
+        paper_main(["--json", str(path)])
     with open(path) as f:
         return json.load(f), out.getvalue()
 
@@ -97,14 +100,14 @@ def test_paper_json_has_every_table_v_point(report):
     assert len(points) == 2 * 6 * 2
     keys = {"cluster", "dcs", "data_mb", "system", "paper_s", "model_s", "fit_point"}
     assert all(set(p) == keys for p in points)
-    for name in paper.TABLE_V:
+    for name in tables.TABLE_V:
         row = [p for p in points if p["cluster"] == name]
         assert [p["paper_s"] for p in row if p["system"] == "tutel"] == list(
-            paper.TABLE_V[name]["tutel"]
+            tables.TABLE_V[name]["tutel"]
         )
         assert all(p["fit_point"] for p in row if p["system"] == "tutel")  # minimax: whole row
         fitted = [p for p in row if p["system"] == "hybridep" and p["fit_point"]]
-        assert [p["data_mb"] for p in fitted] == [paper.HYBRID_FIT_MB]  # one named point
+        assert [p["data_mb"] for p in fitted] == [tables.HYBRID_FIT_MB]  # one named point
         assert fitted[0]["model_s"] == pytest.approx(fitted[0]["paper_s"], rel=1e-6)
 
 
@@ -114,20 +117,20 @@ def test_tiers_follow_from_the_points(report):
     data, text = report
     tiers = {t["tier"]: t for t in data["tiers"]}
     checks = {c["name"]: c for t in data["tiers"] for c in t["checks"]}
-    for name in paper.TABLE_V:
+    for name in tables.TABLE_V:
         pts = [p for p in data["points"] if p["cluster"] == name]
         err = {(p["system"], p["data_mb"]): p["model_s"] / p["paper_s"] - 1 for p in pts}
-        tutel = max(abs(err["tutel", d]) for d in paper.DATA_MB)
+        tutel = max(abs(err["tutel", d]) for d in tables.DATA_MB)
         check = checks[f"{name}: every Tutel |error %| (2 parameters, minimax over the row)"]
         assert check["pass"] == (tutel <= reproduction.TUTEL_LIMIT)
-        others = [abs(err["hybridep", d]) for d in paper.DATA_MB if d != paper.HYBRID_FIT_MB]
-        fitted = f"{paper.HYBRID_FIT_MB} MB"
+        others = [abs(err["hybridep", d]) for d in tables.DATA_MB if d != tables.HYBRID_FIT_MB]
+        fitted = f"{tables.HYBRID_FIT_MB} MB"
         check = checks[f"{name}: every HybridEP |error %| but the fitted {fitted}"]
         assert check["pass"] == (max(others) <= reproduction.HYBRID_LIMIT)
         gain = [
             [p["model_s"] for p in pts if p["system"] == "tutel" and p["data_mb"] == d][0]
             / [p["model_s"] for p in pts if p["system"] == "hybridep" and p["data_mb"] == d][0]
-            for d in paper.DATA_MB
+            for d in tables.DATA_MB
         ]
         rising = all(a < b for a, b in itertools.pairwise(gain))
         assert checks[f"{name}: speedup rises with data size"]["pass"] == rising
@@ -147,11 +150,11 @@ def test_structure_checks_can_fail(monkeypatch):
 
 
 def test_expert_size_sweep_gains_less_with_larger_experts():
-    for name in paper.TABLE_V:
+    for name in tables.TABLE_V:
         gains = [r["speedup"] for r in reproduction.expert_size_sweep(name)]  # 32 -> 2 MB
         assert all(a <= b for a, b in itertools.pairwise(gains)) and gains[-1] > 1
 
 
 def test_paper_cli_names_a_bad_path():
     with pytest.raises(ValueError, match="--json='/no/such/dir/x.json'"):
-        paper.main(["--json", "/no/such/dir/x.json"])
+        paper_main(["--json", "/no/such/dir/x.json"])

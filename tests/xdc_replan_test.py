@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jax_hybridep import xdc
-from jax_hybridep.xdc import cost, planner
+from jax_hybridep.xdc.model import cost, planner
 
 GBPS = 1e9 / 8
 
@@ -39,6 +39,7 @@ def _workload(**kw):
 
 
 P1 = 3 * 128 * 256 * 4
+SR = xdc.Migration(compression=10.0, sync_every=10, grad_compression=10.0)
 
 
 def test_memory_counts_every_layers_replicas_residuals_and_shared_experts():
@@ -52,7 +53,7 @@ def test_memory_counts_every_layers_replicas_residuals_and_shared_experts():
     assert dataclasses.replace(fwd, prefetch=True).memory_bytes(sizes, (2, 1, 2)) == 10**6 + 9 * P1
     # Gradient compression keeps, per inner level, the gradient entering its reduce-scatter
     # (2 then 4 slots); SR's persistent shared expert is one more expert.
-    sr = dataclasses.replace(w, compression=10.0, grad_compression=10.0)
+    sr = dataclasses.replace(w, migration=xdc.Migration(compression=10.0, grad_compression=10.0))
     assert sr.layer_memory_bytes(sizes, (2, 1, 2)) == 3 * P1 + (2 + 4) * P1 + P1
     assert w.memory_bytes(sizes, [(2, 1, 2), (1, 1, 1), (2, 2, 2)]) == 10**6 + (3 + 0 + 7) * P1
 
@@ -60,10 +61,9 @@ def test_memory_counts_every_layers_replicas_residuals_and_shared_experts():
 def test_memory_limit_gives_the_fastest_feasible_domains():
     w = _workload(resident_bytes=5 * 10**6)
     cluster = _cluster(wan_gbps=0.3, node_gbps=100.0)
-    free = xdc.plan(cluster, dataclasses.replace(w, compression=10.0, grad_compression=10.0,
-                                                   sync_every=10))  # fmt: skip
+    sr = dataclasses.replace(w, migration=SR)
+    free = xdc.plan(cluster, sr)
     assert free.domains == (2, 2, 2)  # full replication: every GPU holds every expert
-    sr = dataclasses.replace(w, compression=10.0, grad_compression=10.0, sync_every=10)
     limit = free.best.memory_bytes - 1
     p = xdc.plan(cluster, sr, memory_limit_bytes=limit)
     assert p.best.memory_bytes <= limit and p.domains != (2, 2, 2)
@@ -80,7 +80,7 @@ def test_memory_limit_gives_the_fastest_feasible_domains():
 def test_per_layer_plans_where_the_memory_fits_some_layers_replicas():
     """A limit with room for one layer's replicas: each layer picks its own domains; the answer
     is the best of every per-layer assignment under the full step model."""
-    w = _workload(compression=10.0, grad_compression=10.0, sync_every=10, prefetch=False)
+    w = _workload(migration=SR, prefetch=False)
     cluster = _cluster(wan_gbps=0.3, node_gbps=100.0)
     # (2, 1, 1): one replica, its residuals on the DC level (2 slots), the shared expert.
     limit = w.layer_memory_bytes((2, 2, 2), (2, 1, 1))

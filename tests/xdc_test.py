@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
-from jax_hybridep.xdc import compress
+from jax_hybridep.xdc import wire
 
 SHAPE, NAMES = (2, 2, 2), ("dc", "node", "local")
 DOMAINS = [{"dc": 2}, {"dc": 2, "local": 2}, {"node": 2}, {"dc": 2, "node": 2, "local": 2}]
@@ -29,7 +29,7 @@ H, F, E, K, TOKENS = 16, 32, 16, 4, 64
 def _domains(sizes, compression=None, shape=SHAPE, names=NAMES):
     mesh = make_mesh(shape, names)
     topo = hep.Topology.from_mesh(mesh, levels=names)
-    return mesh, topo, xdc.ExpertDomains.from_mesh(mesh, topo, sizes, compression)
+    return mesh, topo, xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration(sizes, compression))
 
 
 def _gathered(domains, weights):
@@ -77,17 +77,22 @@ def test_domain_errors_name_the_offending_values():
     mesh = make_mesh(SHAPE, NAMES)
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
     with pytest.raises(ValueError, match="domain size 3 at level .*'node'.* divide .* 2"):
-        xdc.ExpertDomains.from_mesh(mesh, topo, {"node": 3})
+        xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration({"node": 3}))
     with pytest.raises(ValueError, match="'rack'.* not levels"):
-        xdc.ExpertDomains.from_mesh(mesh, topo, {"rack": 2})
+        xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration({"rack": 2}))
     two_axis = hep.Topology.from_mesh(mesh, levels=(("dc", "node"), "local"))
     with pytest.raises(ValueError, match="spans several mesh axes"):
-        xdc.ExpertDomains.from_mesh(mesh, two_axis, [4, 1])
+        xdc.ExpertDomains.from_mesh(mesh, two_axis, xdc.Migration({"dc": 4}))
+    with pytest.raises(TypeError, match="migration must be a jax_hybridep.xdc.Migration"):
+        xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2})
     with pytest.raises(
         ValueError, match="compression must be None or a finite number > 0, got nan"
     ):
-        xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2}, float("nan"))
-    assert xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2}, 1.0).compression is None
+        xdc.Migration({"dc": 2}, float("nan"))
+    with pytest.raises(ValueError, match="compression must be None or a ratio > 1 .*, got 1.0"):
+        xdc.Migration({"dc": 2}, 1.0)
+    with pytest.raises(ValueError, match=r"Migration.domains\['dc'\] must be an int >= 1, got 0"):
+        xdc.Migration({"dc": 0})
 
 
 def _block(sizes, backend, compression=None, capacity_factor=None):
@@ -95,15 +100,14 @@ def _block(sizes, backend, compression=None, capacity_factor=None):
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
     return hnn.MoEBlock(
         H,
-        F,
         router=hnn.RouterConfig(num_experts=E, top_k=K),
         mesh=mesh,
         topology=topo,
         dispatch=hep.DispatchConfig(
             num_experts=E, backend=backend, capacity_factor=capacity_factor
         ),
-        expert_domains=sizes,
-        domain_compression=compression,
+        experts=hnn.ExpertConfig(d_ff=F),
+        migration=xdc.Migration(sizes, compression) if sizes is not None else None,
         rngs=nnx.Rngs(0),
     )
 
@@ -138,7 +142,7 @@ def _numpy_gather(domains, w, ratio, shared, reference=None):
     labels = jnp.asarray(np.arange(E, dtype=np.float32))
     held = _gathered(dataclasses.replace(domains, migration=xdc.Migration()), labels)  # per slot
     n = int(np.prod(w.shape[1:]))
-    k = compress.kept_entries(n, w.dtype, ratio)
+    k = wire.kept_entries(n, w.dtype, ratio)
     out = np.zeros((8, held.shape[1], *w.shape[1:]), w.dtype)
     for device in range(8):
         experts = held[device].astype(int)
@@ -184,8 +188,8 @@ def test_compressed_gather_decodes_top_k_residuals_and_passes_gradients_straight
     ratio = 4.0
     mesh = make_mesh(SHAPE, NAMES)
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
-    domains = xdc.ExpertDomains.from_mesh(mesh, topo, sizes, ratio, shared=shared)
-    plain = xdc.ExpertDomains.from_mesh(mesh, topo, sizes)
+    domains = xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration(sizes, ratio, shared=shared))
+    plain = xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration(sizes))
     rng = np.random.default_rng(0)
     w = rng.normal(size=(E, 4, 6)).astype(np.float32)
     ref = (
@@ -214,11 +218,11 @@ def test_compressed_gather_decodes_top_k_residuals_and_passes_gradients_straight
 
 
 def test_sent_bytes_follow_the_ratio():
-    assert compress.sent_bytes((64, 128), np.float32, None) == 64 * 128 * 4
+    assert wire.sent_bytes((64, 128), np.float32, None) == 64 * 128 * 4
     # k = floor(8192 * 4 / (10 * 8)) = 409 values of 4 bytes + 409 int32 indices.
-    assert compress.kept_entries(64 * 128, np.float32, 10.0) == 409
-    assert compress.sent_bytes((64, 128), np.float32, 10.0) == 409 * 8
-    assert compress.sent_bytes((64, 128), jnp.bfloat16, 50.0) == 54 * 6
+    assert wire.kept_entries(64 * 128, np.float32, 10.0) == 409
+    assert wire.sent_bytes((64, 128), np.float32, 10.0) == 409 * 8
+    assert wire.sent_bytes((64, 128), jnp.bfloat16, 50.0) == 54 * 6
     _, _, domains = _domains({"dc": 2, "local": 2}, compression=10.0)
     w = [jax.ShapeDtypeStruct((2, 64, 128), np.float32)]
     assert domains.gather_bytes(w) == {
@@ -339,16 +343,18 @@ def test_capacity_is_per_replica_and_drops_are_counted():
 def test_moe_block_rejects_compression_it_would_ignore():
     mesh = make_mesh(SHAPE, NAMES)
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
-    kw = dict(router=hnn.RouterConfig(num_experts=E, top_k=K), mesh=mesh, topology=topo)
-    with pytest.raises(ValueError, match="domain_compression=10.0, .* need expert_domains"):
-        hnn.MoEBlock(H, F, domain_compression=10.0, rngs=nnx.Rngs(0), **kw)
-    with pytest.raises(ValueError, match="grad_compression=4.0 need expert_domains"):
-        hnn.MoEBlock(H, F, grad_compression=4.0, rngs=nnx.Rngs(0), **kw)
-    domains = xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2})
-    with pytest.raises(ValueError, match="beside an ExpertDomains"):
-        hnn.MoEBlock(H, F, expert_domains=domains, domain_compression=10.0, rngs=nnx.Rngs(0), **kw)
+    kw = dict(router=hnn.RouterConfig(num_experts=E, top_k=K), experts=hnn.ExpertConfig(d_ff=F),
+              mesh=mesh, topology=topo, rngs=nnx.Rngs(0))  # fmt: skip
+    with pytest.raises(ValueError, match=r"compression=10.0, .*\) needs domains"):
+        hnn.MoEBlock(H, migration=xdc.Migration(compression=10.0), **kw)
+    with pytest.raises(ValueError, match=r"grad_compression=4.0\) needs domains"):
+        hnn.MoEBlock(H, migration=xdc.Migration(grad_compression=4.0), **kw)
+    domains = xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration({"dc": 2}))
+    with pytest.raises(TypeError, match="migration must be a jax_hybridep.xdc.Migration"):
+        hnn.MoEBlock(H, migration=domains, **kw)
     with pytest.raises(ValueError, match="Migration.shared must be one of"):
-        hnn.MoEBlock(H, F, expert_domains={"dc": 2}, domain_shared="median", rngs=nnx.Rngs(0),
-                     **kw)  # fmt: skip
+        xdc.Migration({"dc": 2}, shared="median")
     with pytest.raises(ValueError, match="Migration.sync_every must be an int >= 1, got 0"):
-        xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2}, 10.0, sync_every=0)
+        xdc.Migration({"dc": 2}, 10.0, sync_every=0)
+    # No domains and nothing compressed: plain EP.
+    assert hnn.MoEBlock(H, migration=xdc.Migration(), **kw).domains is None

@@ -18,7 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import traffic
-from jax_hybridep.xdc import cost, domains, migrate, volumes
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, volumes
+from jax_hybridep.xdc.runtime import domains, migrate
 
 GROUPS = "mesh['dc'=2,'local'=2]"
 HLO = f"""
@@ -68,11 +70,11 @@ def test_all_reduce_convention():
     assert traffic.all_reduce_bytes(800, 8, 4) == 800  # 8 ranks, 4 across a level of 2
 
 
-def _compressed_step(mesh, topo, sizes, layers, compression, **migration):
+def _compressed_step(mesh, topo, migration, layers):
     """HLO of the forward and backward of the SR-compressed gathers of `layers` layers' three
     expert matrices (E = 16), with the persistent reference and the error feedback as inputs
     where the migration keeps them, and the reference's refresh as a block runs it."""
-    doms = domains.ExpertDomains.from_mesh(mesh, topo, sizes, compression, **migration)
+    doms = domains.ExpertDomains.from_mesh(mesh, topo, migration)
     mig = doms.migration
     shapes = [(16, 8, 12), (16, 8, 12), (16, 12, 8)] * layers
     spec, every = P(doms.expert_axes), P(tuple(doms.mesh.axis_names))
@@ -108,12 +110,12 @@ def _compressed_step(mesh, topo, sizes, layers, compression, **migration):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 2))).lower(*args).compile().as_text()
 
 
-SR_CASES = [  # (layers, DCs, domain, migration)
-    (2, 2, 2, dict(shared="mean")),
-    (4, 4, 4, dict(shared="mean")),
-    (2, 4, 4, dict(shared="persistent")),
-    (2, 2, 2, dict(shared="none", grad_compression=8.0)),
-    (2, 4, 2, dict(shared="persistent", grad_compression=4.0)),
+SR_CASES = [  # (layers, DCs, domain, migration: SR 8x with ...)
+    (2, 2, 2, Migration(compression=8.0, shared="mean")),
+    (4, 4, 4, Migration(compression=8.0, shared="mean")),
+    (2, 4, 4, Migration(compression=8.0, shared="persistent")),
+    (2, 2, 2, Migration(compression=8.0, shared="none", grad_compression=8.0)),
+    (2, 4, 2, Migration(compression=8.0, shared="persistent", grad_compression=4.0)),
 ]
 
 
@@ -125,17 +127,17 @@ def test_sr_variants_move_in_the_program_what_volumes_and_cost_count(
     DC level equal `xdc.volumes` for each SR variant; the cost model times those bytes."""
     mesh = make_mesh((dcs, 2), ("dc", "local"))
     topo = hep.Topology.from_mesh(mesh, levels=("dc", "local"))
-    hlo = _compressed_step(mesh, topo, {"dc": domain}, layers, 8.0, **migration)
+    hlo = _compressed_step(mesh, topo, migration.with_domains({"dc": domain}), layers)
     axes = {"dc", "dc" + domains.INNER_SUFFIX}
     # Arrays of rank >= 1: the scalar loss's all-reduce is not the model's.
     moved = traffic.crossing_bytes(hlo, axes, operands=lambda kind, shape: len(shape) >= 1)
     vols = volumes.expected_volumes(
         (dcs, 2), (domain, 1), tokens=1, top_k=1, num_experts=16, hidden=4, act_bytes=4,
-        expert_matrices=((8, 12), (8, 12), (12, 8)), compression=8.0, **migration,
+        expert_matrices=((8, 12), (8, 12), (12, 8)), migration=migration,
     )  # fmt: skip
     level = vols.levels[0]
     p1 = 3 * 8 * 12 * 4
-    shared = migration["shared"]
+    shared, grad_compressed = migration.shared, migration.grad_compression is not None
     assert level.shared_sync_bytes == (2 * (domain - 1) * p1 // domain if shared == "mean" else 0)
     ranks = 2 * dcs  # the persistent refresh: one expert all-reduced over every rank
     refresh = 2 * p1 * (ranks - 2) // ranks if shared == "persistent" else 0
@@ -146,9 +148,9 @@ def test_sr_variants_move_in_the_program_what_volumes_and_cost_count(
     )
     assert moved["all-gather"] == layers * level.gather_bytes
     # Gradients: a reduce-scatter at full size, or top-k blocks in an all-to-all.
-    rs = moved["all-to-all"] if "grad_compression" in migration else moved["reduce-scatter"]
+    rs = moved["all-to-all"] if grad_compressed else moved["reduce-scatter"]
     assert rs == layers * level.reduce_scatter_bytes
-    if "grad_compression" in migration:
+    if grad_compressed:
         assert moved["reduce-scatter"] == 0 and rs < layers * level.gather_experts * p1
     # One call's matrices (every layer's here) travel together: one gather per element type
     # (values, indices), not one per matrix.

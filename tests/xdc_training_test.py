@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
-from jax_hybridep.xdc import compress, migrate
+from jax_hybridep.xdc import wire
+from jax_hybridep.xdc.migration import SHARED_VARIANTS
+from jax_hybridep.xdc.runtime import migrate
 
 SHAPE, NAMES = (2, 2), ("dc", "local")
 H, F, E, K, TOKENS, RATIO = 8, 16, 8, 2, 32, 4.0
@@ -38,8 +40,9 @@ def _block(**kw):
     mesh = make_mesh(SHAPE, NAMES)
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
     return hnn.MoEBlock(
-        H, F, router=hnn.RouterConfig(num_experts=E, top_k=K), mesh=mesh, topology=topo,
-        dispatch=hep.DispatchConfig(num_experts=E, backend="xla"), rngs=nnx.Rngs(0), **kw,
+        H, router=hnn.RouterConfig(num_experts=E, top_k=K), experts=hnn.ExpertConfig(d_ff=F),
+        mesh=mesh, topology=topo, dispatch=hep.DispatchConfig(num_experts=E, backend="xla"),
+        rngs=nnx.Rngs(0), **kw,
     )  # fmt: skip
 
 
@@ -99,13 +102,13 @@ def _set(block, weights, refs):
             ref[...] = jax.device_put(r, ref[...].sharding)
 
 
-@pytest.mark.parametrize("shared", compress.SHARED_VARIANTS)
+@pytest.mark.parametrize("shared", SHARED_VARIANTS)
 def test_sr_gather_decodes_sparse_residuals_exactly(shared):
     """Every replica a rank holds equals its owner's expert when the residual is k-sparse."""
-    assert compress.kept_entries(H * F, np.float32, RATIO) == 16
+    assert wire.kept_entries(H * F, np.float32, RATIO) == 16
     mesh = make_mesh(SHAPE, NAMES)
     doms = xdc.ExpertDomains.from_mesh(
-        mesh, hep.Topology.from_mesh(mesh, levels=NAMES), {"dc": 2}, RATIO, shared=shared
+        mesh, hep.Topology.from_mesh(mesh, levels=NAMES), xdc.Migration({"dc": 2}, RATIO, shared)
     )
     persistent = shared == "persistent"
     spec, every = P(doms.expert_axes), P(tuple(doms.mesh.axis_names))
@@ -132,7 +135,7 @@ def test_sr_block_values_and_gradients_equal_plain_ep_on_sparse_residuals():
     gradients straight through to the owners; lossy otherwise."""
     rng = np.random.default_rng(7)
     plain = _block()
-    sr = _block(expert_domains={"dc": 2}, domain_compression=RATIO)
+    sr = _block(migration=xdc.Migration({"dc": 2}, RATIO))
     for sparse in (True, False):
         weights, refs = _experts("persistent", rng, sparse)
         _set(plain, weights, refs)
@@ -152,7 +155,7 @@ def _compressed_scatter(ratio):
     gradient compression (each rank owns one expert of n = 64 entries; full-expert forward)."""
     mesh = make_mesh((2,), ("dc",))
     topo = hep.Topology.from_mesh(mesh, levels=("dc",))
-    doms = xdc.ExpertDomains.from_mesh(mesh, topo, {"dc": 2}, grad_compression=ratio)
+    doms = xdc.ExpertDomains.from_mesh(mesh, topo, xdc.Migration({"dc": 2}, grad_compression=ratio))
 
     def loss(w, g, fb):
         def body(w, g, fb):
@@ -168,7 +171,7 @@ def _compressed_scatter(ratio):
 
 def test_error_feedback_delivers_every_gradient_over_steps():
     ratio, n, steps = 8.0, 64, 100
-    k = compress.kept_entries(n, np.float32, ratio)
+    k = wire.kept_entries(n, np.float32, ratio)
     assert k == 4  # 4 of 64 entries a step
     rng = np.random.default_rng(0)
     g = jnp.asarray(rng.normal(size=(4, n)), jnp.float32)  # rank r holds rows 2r, 2r + 1
@@ -199,7 +202,7 @@ def test_error_feedback_delivers_every_gradient_over_steps():
 class _TwoLayers(nnx.Module):
     def __init__(self, prefetch):
         self.prefetch = prefetch
-        self.blocks = nnx.List([_block(expert_domains={"dc": 2}) for _ in range(2)])
+        self.blocks = nnx.List([_block(migration=xdc.Migration({"dc": 2})) for _ in range(2)])
 
     def __call__(self, x):
         gathered = hnn.prefetch_experts(list(self.blocks)) if self.prefetch else [None, None]

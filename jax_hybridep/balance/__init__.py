@@ -1,6 +1,8 @@
 """Expert load balancing: redundant copies of hot experts placed from measured load (docs/design.md
 §2.1.6), with exact training.
 
+* `BalanceConfig` (`config`): a block's balancing as one value (redundant slots, the placement
+  to start from), `nn.MoEBlock(balance=...)`.
 * `Placement` (`placement`): each logical expert's physical slots (one primary, where its weights
   are stored, and any redundant copies), the replica rule that spreads a hot expert's rows over
   its copies (the sender's node first), and the loads and replica-sync bytes it predicts.
@@ -13,7 +15,8 @@
   of docs/balance.md.
 """
 
-from jax_hybridep.balance import moves, placement, planner, runtime, workloads
+from jax_hybridep.balance import config, moves, placement, planner, runtime, workloads
+from jax_hybridep.balance.config import BalanceConfig
 from jax_hybridep.balance.moves import expert_tags, move_experts
 from jax_hybridep.balance.placement import EMPTY, Placement, imbalance, permutation
 from jax_hybridep.balance.planner import BalancePlan, moving_average, plan_placement
@@ -21,10 +24,12 @@ from jax_hybridep.balance.runtime import Replicas, ReplicaStats
 
 __all__ = [
     "EMPTY",
+    "BalanceConfig",
     "BalancePlan",
     "Placement",
     "ReplicaStats",
     "Replicas",
+    "config",
     "expert_tags",
     "imbalance",
     "move_experts",

@@ -1,8 +1,10 @@
-"""Flax layers over dispatch/combine: router, MoE block (NNX) and a Linen wrapper; the MoE block's
-cross-DC migration state, prefetch and `value_and_grad` (`migration`)."""
+"""Flax layers over dispatch/combine: router, MoE block (NNX) and a Linen wrapper; the block's
+grouped settings (`RouterConfig`, `ExpertConfig`; `moe_config` checks them with the dispatch,
+migration and balance values); its cross-DC migration state, prefetch and `value_and_grad`
+(`migration`)."""
 
 from jax_hybridep.nn import migration
-from jax_hybridep.nn.experts import expert_swiglu, swiglu
+from jax_hybridep.nn.experts import ExpertConfig, expert_swiglu, swiglu
 from jax_hybridep.nn.migration import (
     Gathered,
     GradFeedback,
@@ -16,6 +18,7 @@ from jax_hybridep.nn.router import Router, RouterBias, RouterConfig, RouterOutpu
 __all__ = [
     "COMBINE_NAME",
     "DISPATCH_NAME",
+    "ExpertConfig",
     "Gathered",
     "GradFeedback",
     "MoEAux",

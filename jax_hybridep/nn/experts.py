@@ -1,4 +1,5 @@
-"""Per-shard expert computation over expert-major rows (the output of `dispatch`).
+"""The experts' settings (`ExpertConfig`) and their per-shard computation over expert-major rows
+(the output of `dispatch`).
 
 `group_sizes[e]` consecutive rows belong to local expert e, packed from row 0; rows after the
 last group are padding. On GPUs the experts run as `jax.lax.ragged_dot`. On CPU `ragged_dot`
@@ -8,10 +9,49 @@ expert instead runs over a window of `capacity` rows starting at its group (docs
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jax_hybridep import compat
+from jax_hybridep.values import check_int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertConfig:
+    """What each routed expert (and the optional always-on shared expert) is.
+
+    Attributes:
+      d_ff: each routed expert's hidden width F.
+      shared_ff: hidden width of an always-on shared expert applied to every token, or None
+        for none.
+      dtype: compute dtype of the experts (the dispatched rows travel in it); a floating dtype.
+      param_dtype: dtype the expert (and router) parameters are stored in; a floating dtype.
+    """
+
+    d_ff: int
+    shared_ff: int | None = None
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def __post_init__(self):
+        check_int("ExpertConfig.d_ff", self.d_ff, 1)
+        if self.shared_ff is not None:
+            check_int("ExpertConfig.shared_ff", self.shared_ff, 1)
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, _floating(f"ExpertConfig.{name}", getattr(self, name)))
+
+
+def _floating(name: str, value) -> jnp.dtype:
+    """value as a floating jnp dtype (TypeError otherwise)."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype (e.g. jnp.bfloat16), got {value!r}")
+    return dtype
 
 
 def swiglu(x, w_gate, w_up, w_down):

@@ -1,8 +1,8 @@
-"""Cross-DC expert migration for the Flax MoE block: its state, the gather (per block or
-prefetched for a whole model at step start), and a `value_and_grad` that keeps the gradient
-compression's error feedback.
+"""Cross-DC expert migration for the Flax MoE block: its state (made by `init_state`), the gather
+(per block or prefetched for a whole model at step start), and a `value_and_grad` that keeps the
+gradient compression's error feedback.
 
-State a block with expert domains may hold (`xdc.compress.Migration` says which):
+State a block with expert domains may hold (`xdc.Migration` says which):
 * `SRReference` variables: the persistent SR shared expert (one per matrix, replicated) and the
   step count that times its refresh; updated by `MoEBlock.update_state` from `MoEAux.sr_shared`.
 * `GradFeedback` variables: the error-feedback residuals of the compressed gradient
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_hybridep.xdc import migrate
+from jax_hybridep.xdc.runtime import migrate
 
 
 class SRReference(nnx.Variable):
@@ -49,6 +49,39 @@ class Gathered:
 
 
 jax.tree_util.register_dataclass(Gathered, data_fields=["weights", "sr_shared"], meta_fields=[])
+
+
+def init_state(block) -> None:
+    """Gives `block` the state its domains' migration keeps: a persistent SR shared expert (the
+    mean of the experts) and its clock; error-feedback residuals (zero), each device its own."""
+    d = block.domains
+    if d is None or not d.inner_axes:  # every domain of size 1: plain EP, nothing migrates
+        return
+    weights = block.expert_weights()
+    if d.migration.persistent:
+        block.sr_reference = nnx.List([SRReference(jnp.mean(w[...], axis=0)) for w in weights])
+        block.sr_clock = SRReference(jnp.zeros((), jnp.int32))
+    if d.migration.grad_compression is not None:
+        mesh = block.mesh
+        shards, axes = mesh.devices.size, tuple(mesh.axis_names)  # each device its own residuals
+        local = [(w.shape[0] // d.topology.ep_size, *w.shape[1:]) for w in weights]
+
+        def zeros(shape):  # [shards * local rows, ...], sharded over every mesh axis
+            spec = (axes,) + (None,) * (len(shape) - 1)
+            init = lambda key, shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+            shape = (shards * shape[0], *shape[1:])
+            return nnx.with_partitioning(init, spec, mesh=mesh)(None, shape, block.dtype)
+
+        block.grad_feedback = nnx.List(
+            [GradFeedback(zeros(s)) for per_axis in d.feedback_shapes(local) for s in per_axis]
+        )
+
+
+def reset_sr_reference(block) -> None:
+    """Sets a persistent SR shared expert to the mean of the block's current experts."""
+    if hasattr(block, "sr_reference"):
+        for ref, w in zip(block.sr_reference, block.expert_weights(), strict=True):
+            ref[...] = jnp.mean(w[...], axis=0).astype(ref[...].dtype)
 
 
 def prefetch_experts(blocks) -> list[Gathered | None]:

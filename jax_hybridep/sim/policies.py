@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from jax_hybridep.sim.cluster import Datacenters, MoELayer
 from jax_hybridep.sim.moe_step import StepTime, step_time
-from jax_hybridep.xdc import cost, planner
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, planner
 
 
 def lower_bound(c: Datacenters, w: MoELayer, domain: int) -> float:
@@ -107,8 +108,8 @@ def plan(c: Datacenters, w: MoELayer) -> planner.Plan:
         hidden=_HIDDEN,
         act_bytes=_ACT_BYTES,
         expert_bytes=round(w.expert_bytes),
-        compression=w.compression if w.compressed else None,
-        shared="mean",  # the simulator's SR: a mean shared expert synced every step
+        # The simulator's SR: a mean shared expert synced every step.
+        migration=Migration(compression=w.compression if w.compressed else None, shared="mean"),
         training=not w.forward_only,
         lat_pe=w.pre_expert_s,
     )

@@ -1,31 +1,35 @@
-"""Cross-datacenter expert parallelism (the HybridEP paper, docs/design.md §4).
+"""Cross-datacenter expert parallelism (the HybridEP paper, docs/design.md §4), in three parts
+that share three plain modules and never import each other's internals:
 
-* `ExpertDomains` (`domains`): the runtime — split a level into domains, all-gather experts inside
-  a domain, dispatch tokens only between domains. `migrate` holds the collectives (fused over
-  matrices and layers), `compress` what travels (`Migration`: SR compression and its shared
-  expert, gradient compression with error feedback; exact only when nothing is compressed).
-* `volumes`: the bytes that runtime moves per level (expected, or exact for a routing), from
-  `geometry` (where replicas live), `loads` (token copies per rank) and `wire` (an expert's bytes,
-  whole or compressed).
-* `cost`: the paper's stream model and the extended multi-level model (latency, shared uplinks,
-  backward reduce-scatter, skew, compression, dense gradients).
-* `planner.plan(cluster, workload)`: the fastest per-level domain sizes under that model, within a
-  memory limit, per layer if asked; `replan` / `Replanner` (`replanning`) plan again as the
-  measured routing and the links change.
-* `paper` and `reproduction` (imported on their own, or run as `python -m jax_hybridep.xdc.paper`):
-  the paper's tables reproduced, with pass / fail tiers.
+* shared: `migration` (`Migration`, the one value of cross-DC EP everywhere: the domains, and how
+  experts travel: SR compression and its shared expert, gradient compression with error feedback;
+  exact only when nothing is compressed), `wire` (what an expert costs on the wire) and
+  `geometry` (where replicas live).
+* `runtime` (JAX): `ExpertDomains` (`domains`) splits a level into domains, all-gathers experts
+  inside a domain, dispatches tokens only between domains; `migrate` holds the collectives (fused
+  over matrices and layers), `compress` what travels.
+* `model` (numpy): `volumes` (the bytes the runtime moves per level), `cost` (the paper's stream
+  model and the extended multi-level model), `planner.plan(cluster, workload)` (the fastest
+  per-level domain sizes under that model, within a memory limit, per layer if asked) and
+  `replanning` (`replan` / `Replanner`: plan again as the measured routing and the links change).
+* `paper` (imported on its own, or run as `python -m jax_hybridep.xdc.paper`): the paper's tables
+  reproduced by the model, with pass / fail tiers.
 
-The SR compression ratio (full bytes / bytes sent) is called `compression` throughout; the Flax
-block and the training examples name it `domain_compression`, beside `expert_domains`.
+The SR compression ratio (full bytes / bytes sent) is called `compression` throughout; the
+training examples' flag is `--domain_compression`, beside `--domains`. The runtime's and the
+model's modules stay reachable by their short names (`xdc.domains`, `xdc.volumes`, ...).
 """
 
-from jax_hybridep.xdc import compress, cost, domains, migrate, planner, replanning, volumes
-from jax_hybridep.xdc.compress import Migration
-from jax_hybridep.xdc.domains import ExpertDomains
-from jax_hybridep.xdc.planner import Workload, plan
-from jax_hybridep.xdc.replanning import LinkSchedule, Replanner, parse_links, replan
+from jax_hybridep.xdc import geometry, migration, wire
+from jax_hybridep.xdc.migration import SHARED_VARIANTS, Migration
+from jax_hybridep.xdc.model import cost, loads, planner, replanning, volumes
+from jax_hybridep.xdc.model.planner import Workload, plan
+from jax_hybridep.xdc.model.replanning import LinkSchedule, Replanner, parse_links, replan
+from jax_hybridep.xdc.runtime import compress, domains, migrate
+from jax_hybridep.xdc.runtime.domains import ExpertDomains
 
 __all__ = [
+    "SHARED_VARIANTS",
     "ExpertDomains",
     "LinkSchedule",
     "Migration",
@@ -34,11 +38,15 @@ __all__ = [
     "compress",
     "cost",
     "domains",
+    "geometry",
+    "loads",
     "migrate",
+    "migration",
     "parse_links",
     "plan",
     "planner",
     "replan",
     "replanning",
     "volumes",
+    "wire",
 ]

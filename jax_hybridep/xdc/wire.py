@@ -1,9 +1,10 @@
 """What one expert costs on the wire, whole or SR-compressed (host-side numpy).
 
-Shared by the runtime (`compress`, which sends it) and the byte model (`volumes`, which counts
-it), so both follow one rule: a matrix of n entries compressed by `compression` (full bytes /
-bytes sent) travels as its top `k = max(1, floor(n vb / (compression (vb + 4))))` residual entries,
-k values of `vb` bytes and k int32 indices.
+Shared by the runtime (`runtime.migrate`, which sends it, and `ExpertDomains.gather_bytes`) and
+the byte model (`model.volumes`, which counts it), so both follow one rule: a matrix of n entries
+compressed by `compression` (full bytes / bytes sent) travels as its top
+`k = max(1, floor(n vb / (compression (vb + 4))))` residual entries, k values of `vb` bytes and k
+int32 indices.
 """
 
 from __future__ import annotations
@@ -73,3 +74,18 @@ def expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes
         [n * value_bytes for n in _sizes(expert_matrices)],
         compressed(compression),
     )
+
+
+def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
+    """k: entries of one matrix sent at compression `compression` (all of them when None)."""
+    if compression is None:
+        return num_entries
+    return topk_count(num_entries, compression, np.dtype(dtype).itemsize)
+
+
+def sent_bytes(matrix_shape, dtype, compression: float | None) -> int:
+    """Bytes one expert matrix of `matrix_shape` costs on the wire."""
+    n, value_bytes = math.prod(matrix_shape), np.dtype(dtype).itemsize
+    if compression is None:
+        return n * value_bytes
+    return kept_entries(n, dtype, compression) * (value_bytes + INDEX_BYTES)

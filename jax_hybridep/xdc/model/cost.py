@@ -23,7 +23,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
-from jax_hybridep.xdc.volumes import Volumes
+from jax_hybridep.xdc.model.volumes import Volumes
 
 # -- 1. The paper's stream model -------------------------------------------------------------
 

@@ -27,7 +27,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_hybridep.values import check_bool, check_int
-from jax_hybridep.xdc import compress, cost, volumes, wire
+from jax_hybridep.xdc import wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, volumes
+
+# The Workload fields `volumes.expected_volumes` / `routed_volumes` take as they are.
+_VOLUME_FIELDS = ("num_experts", "hidden", "act_bytes", "expert_bytes", "expert_matrices",
+                  "migration", "value_bytes", "dense_bytes")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +49,9 @@ class Workload:
       expert_bytes: P1, one expert's parameter bytes (or give `expert_matrices`).
       expert_matrices: element count (or shape) of each of an expert's matrices.
       value_bytes: bytes per parameter value.
-      compression: SR compression of the forward gather, full bytes / bytes sent (None or <= 1:
-        off; the public `MoEBlock` keyword is `domain_compression`).
-      shared: the SR reference, "persistent" (default), "mean" or "none" (`xdc.compress`).
-      sync_every: steps between refreshes of the persistent shared expert.
-      grad_compression: top-k ratio of the gradients' reduce-scatter (None or <= 1: full).
+      migration: how experts travel, as the runtime is configured (`xdc.Migration`: SR
+        compression of the forward gather, its reference variant and refresh period, gradient
+        compression). Its `domains` must be empty: they are what the planner chooses.
       prefetch: every layer's experts gathered at step start (one collective per level).
       layers: MoE layers per step.
       training: forward + backward (True) or forward only.
@@ -68,10 +72,7 @@ class Workload:
     expert_bytes: int | None = None
     expert_matrices: tuple | None = None
     value_bytes: int = 4
-    compression: float | None = None
-    shared: str = "persistent"
-    sync_every: int = 1
-    grad_compression: float | None = None
+    migration: Migration = Migration()
     prefetch: bool = False
     layers: int = 1
     training: bool = True
@@ -100,33 +101,20 @@ class Workload:
             if not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
                 raise ValueError(f"Workload.{name} must be seconds >= 0, got {value!r}")
         check_bool("Workload.prefetch", self.prefetch)
-        check_int("Workload.sync_every", self.sync_every, 1)
-        # Raises for a ratio that is not a positive number or an unknown reference variant.
-        self.migration  # noqa: B018
-
-    @property
-    def migration(self) -> compress.Migration:
-        """What travels inside a domain, as the runtime is configured."""
-        return compress.Migration.make(
-            self.compression, self.shared, self.sync_every, self.grad_compression
-        )
+        if not isinstance(self.migration, Migration):
+            raise TypeError(
+                f"Workload.migration must be a jax_hybridep.xdc.Migration, got {self.migration!r}"
+            )
+        if self.migration.domains:
+            raise ValueError(
+                f"Workload.migration names domains {self.migration.domains}: the planner chooses "
+                "them (start a Replanner from given ones with layer_domains=...)"
+            )
 
     def volumes(self, level_sizes: Sequence[int], domains: Sequence[int], routing="uniform"):
         """This runtime's volumes of one layer: expected ("uniform"; `expert_probs` if set), for
         [E] expert probabilities, or exact for a [G, T, K] `topk_idx`."""
-        common = dict(
-            num_experts=self.num_experts,
-            hidden=self.hidden,
-            act_bytes=self.act_bytes,
-            expert_bytes=self.expert_bytes,
-            expert_matrices=self.expert_matrices,
-            compression=self.compression,
-            value_bytes=self.value_bytes,
-            dense_bytes=self.dense_bytes,
-            shared=self.shared,
-            sync_every=self.sync_every,
-            grad_compression=self.grad_compression,
-        )
+        common = {name: getattr(self, name) for name in _VOLUME_FIELDS}
         probs = self.expert_probs
         if isinstance(routing, str):
             if routing != "uniform":

@@ -10,7 +10,7 @@ Tiers:
    brute-force grid in the paper's Table IV cases and in random ones.
 2. Fit: per cluster, two parameters fitted minimax on the whole Tutel row put every Tutel point
    within `TUTEL_LIMIT`; with one declared extra parameter (token-proportional compute) fitted on
-   the one named HybridEP point (`paper.HYBRID_FIT_MB`), the other HybridEP points have mean
+   the one named HybridEP point (`tables.HYBRID_FIT_MB`), the other HybridEP points have mean
    |error| within `HYBRID_MEAN_LIMIT` and each within `HYBRID_LIMIT`.
 3. Shape: speedup rising with data size; each 192 MB speedup within `SPEEDUP_LIMIT` of the
    paper's; the paper's orderings of the clusters (L slower than M in both systems at every
@@ -25,7 +25,8 @@ import itertools
 
 import numpy as np
 
-from jax_hybridep.xdc import cost, paper
+from jax_hybridep.xdc.model import cost
+from jax_hybridep.xdc.paper import tables
 
 TUTEL_LIMIT = 0.30
 HYBRID_MEAN_LIMIT = 0.25
@@ -86,12 +87,12 @@ def structure_checks(random_cases: int = 2000, points: int = 10_001) -> list[dic
         rows = {s: cost.pair_counts(g, s) for s in cost.divisors(g)}
         same = all(rows[s] == enumerated_pairs(g, s) for s in rows)
         if g == 8:
-            same = same and rows == paper.TABLE_VII
+            same = same and rows == tables.TABLE_VII
         value = "; ".join(f"S={s}: {a}/{b}" for s, (a, b) in rows.items())
         limit = "= enumeration" + (" and = the paper's table" if g == 8 else "")
         checks.append(_check(f"Table VII, {g} GPUs (all-to-all/all-gather pairs)", value, limit,
                              same))  # fmt: skip
-    named = [case for _, case in paper.STREAM_CASES]
+    named = [case for _, case in tables.STREAM_CASES]
     ok = sum(p_star_agrees(c, points) for c in named)
     checks.append(_check("p* = brute force, the paper's cases", f"{ok}/{len(named)}", "all",
                          ok == len(named)))  # fmt: skip
@@ -111,7 +112,7 @@ def fit_checks(rows: dict[str, list[dict]]) -> list[dict]:
                              worst <= TUTEL_LIMIT))  # fmt: skip
         others = [abs(r["hybrid_err"]) / 100 for r in table if not r["hybrid_fit"]]
         mean, most = sum(others) / len(others), max(others)
-        fitted = f"{paper.HYBRID_FIT_MB} MB"
+        fitted = f"{tables.HYBRID_FIT_MB} MB"
         checks.append(_check(f"{name}: HybridEP mean |error %| but the fitted {fitted}",
                              round(100 * mean, 1), f"<= {100 * HYBRID_MEAN_LIMIT:.0f}%",
                              mean <= HYBRID_MEAN_LIMIT))  # fmt: skip
@@ -176,7 +177,7 @@ def points(rows: dict[str, list[dict]]) -> list[dict]:
             for system, key, fitted in (("tutel", "tutel", True),
                                         ("hybridep", "hybrid", r["hybrid_fit"])):  # fmt: skip
                 out.append({
-                    "cluster": name, "dcs": paper.TABLE_V[name]["dcs"], "data_mb": r["data_mb"],
+                    "cluster": name, "dcs": tables.TABLE_V[name]["dcs"], "data_mb": r["data_mb"],
                     "system": system, "paper_s": r[f"{key}_paper"], "model_s": r[key],
                     "fit_point": bool(fitted),
                 })  # fmt: skip
@@ -185,7 +186,7 @@ def points(rows: dict[str, list[dict]]) -> list[dict]:
 
 def report() -> dict:
     """Points, fits and tiers, as `python -m jax_hybridep.xdc.paper --json` writes them."""
-    rows = {name: paper.reproduce_table_v(name) for name in paper.TABLE_V}
+    rows = {name: tables.reproduce_table_v(name) for name in tables.TABLE_V}
     tiers = []
     for tier, (title, checks) in enumerate(
         (("exact structure", structure_checks()), ("fit", fit_checks(rows)),
@@ -194,11 +195,11 @@ def report() -> dict:
         tiers.append({"tier": tier, "name": title, "checks": checks,
                       "pass": all(c["pass"] for c in checks)})  # fmt: skip
     fits = {}
-    for name in paper.TABLE_V:
-        f = paper.fit(name)
+    for name in tables.TABLE_V:
+        f = tables.fit(name)
         fits[name] = {
-            "compute_s": f.compute, "wan_gbps": f.wan_bandwidth / paper.GBPS,
-            "token_compute_ms_per_mb": 1e3 * f.token_compute, "hybrid_fit_mb": paper.HYBRID_FIT_MB,
+            "compute_s": f.compute, "wan_gbps": f.wan_bandwidth / tables.GBPS,
+            "token_compute_ms_per_mb": 1e3 * f.token_compute, "hybrid_fit_mb": tables.HYBRID_FIT_MB,
             "tutel_max_error": f.tutel_error,
         }  # fmt: skip
     return {"points": points(rows), "fits": fits, "tiers": tiers}
@@ -218,34 +219,34 @@ def summary(tiers: list[dict]) -> str:
 def expert_size_sweep(name: str) -> list[dict]:
     """The model's speedup over Tutel at `SWEEP`'s data size for each expert size (no
     compression), beside the paper's gains at the sweep's two ends."""
-    f, d = paper.fit(name), paper.SWEEP["data_mb"]
+    f, d = tables.fit(name), tables.SWEEP["data_mb"]
     tutel = f.tutel(d)
     rows = []
-    for mb in paper.SWEEP["expert_mb"]:
-        p = f.plan(d, expert_bytes=round(mb * paper.MB))
+    for mb in tables.SWEEP["expert_mb"]:
+        p = f.plan(d, expert_bytes=round(mb * tables.MB))
         rows.append(
             {
                 "expert_mb": mb,
                 "speedup": tutel / p.time,
                 "domains": p.domains,
-                "paper": paper.SWEEP["paper_speedup"].get(mb),
+                "paper": tables.SWEEP["paper_speedup"].get(mb),
             }
         )
     return rows
 
 
 def ablation() -> dict:
-    """The model's iteration seconds for `paper.ABLATION`: the best domains without compression
-    ("partition alone") and with SR compression `paper.COMPRESSION` (exact gradients, so only the
+    """The model's iteration seconds for `tables.ABLATION`: the best domains without compression
+    ("partition alone") and with SR compression `tables.COMPRESSION` (exact gradients, so only the
     forward gather shrinks), beside the paper's."""
-    f, d = paper.fit(paper.ABLATION["cluster"]), paper.ABLATION["data_mb"]
-    p1 = round(paper.ABLATION["expert_mb"] * paper.MB)
+    f, d = tables.fit(tables.ABLATION["cluster"]), tables.ABLATION["data_mb"]
+    p1 = round(tables.ABLATION["expert_mb"] * tables.MB)
     partition, sr = (
         f.plan(d, expert_bytes=p1),
-        f.plan(d, expert_bytes=p1, compression=paper.COMPRESSION),
+        f.plan(d, expert_bytes=p1, compression=tables.COMPRESSION),
     )
     return {
-        **paper.ABLATION,
+        **tables.ABLATION,
         "model_partition_s": partition.time,
         "model_partition_domains": partition.domains,
         "model_sr_s": sr.time,
@@ -259,22 +260,22 @@ def markdown() -> str:
     p* against brute force, Table VII."""
     out = ["| cluster | compute s/step | WAN uplink (fitted) | token compute | Tutel max err |"]
     out.append("|---|---|---|---|---|")
-    for name in paper.TABLE_V:
-        f = paper.fit(name)
+    for name in tables.TABLE_V:
+        f = tables.fit(name)
         out.append(
-            f"| {name} | {f.compute:.3f} | {f.wan_bandwidth / paper.GBPS:.2f} Gbps "
+            f"| {name} | {f.compute:.3f} | {f.wan_bandwidth / tables.GBPS:.2f} Gbps "
             f"({f.wan_bandwidth / 1e9:.3f} GB/s) | {f.token_compute * 1e3:.2f} ms/MB "
-            f"(fit at {paper.HYBRID_FIT_MB} MB) | {100 * f.tutel_error:.1f}% |"
+            f"(fit at {tables.HYBRID_FIT_MB} MB) | {100 * f.tutel_error:.1f}% |"
         )
-    for name in paper.TABLE_V:
-        out.append(f"\n**Cluster {name}** ({paper.TABLE_V[name]['dcs']} DCs x 8 GPUs):\n")
+    for name in tables.TABLE_V:
+        out.append(f"\n**Cluster {name}** ({tables.TABLE_V[name]['dcs']} DCs x 8 GPUs):\n")
         out.append(
             "| D MB | Tutel paper | Tutel model | err % | HybridEP paper | planned | err % "
             "| domains (dc, local) | speedup paper | speedup model | our plain EP "
             "| paper config (G_dc, 1) | err % |"
         )
         out.append("|" + "---|" * 13)
-        for r in paper.reproduce_table_v(name):
+        for r in tables.reproduce_table_v(name):
             fitted = " (fit)" if r["hybrid_fit"] else ""
             out.append(
                 f"| {r['data_mb']} | {r['tutel_paper']:.2f} | {r['tutel']:.2f} | "
@@ -283,19 +284,19 @@ def markdown() -> str:
                 f"{r['speedup']:.2f} | {r['plain_ep']:.2f} | {r['paper_config']:.2f} | "
                 f"{r['paper_config_err']:+.1f} |"
             )
-    out.append(f"\n**Expert-size sweep** (D = {paper.SWEEP['data_mb']} MB, no compression):\n")
-    out.append("| expert MB | " + " | ".join(f"{name} speedup (domains)" for name in paper.TABLE_V)
+    out.append(f"\n**Expert-size sweep** (D = {tables.SWEEP['data_mb']} MB, no compression):\n")
+    out.append("| expert MB | " + " | ".join(f"{name} speedup (domains)" for name in tables.TABLE_V)
                + " | paper |")  # fmt: skip
-    out.append("|---|" + "---|" * len(paper.TABLE_V) + "---|")
-    sweeps = {name: expert_size_sweep(name) for name in paper.TABLE_V}
-    for i, mb in enumerate(paper.SWEEP["expert_mb"]):
-        cells = [f"{sweeps[n][i]['speedup']:.2f} {sweeps[n][i]['domains']}" for n in paper.TABLE_V]
-        reported = paper.SWEEP["paper_speedup"].get(mb)
+    out.append("|---|" + "---|" * len(tables.TABLE_V) + "---|")
+    sweeps = {name: expert_size_sweep(name) for name in tables.TABLE_V}
+    for i, mb in enumerate(tables.SWEEP["expert_mb"]):
+        cells = [f"{sweeps[n][i]['speedup']:.2f} {sweeps[n][i]['domains']}" for n in tables.TABLE_V]
+        reported = tables.SWEEP["paper_speedup"].get(mb)
         out.append(f"| {mb} | " + " | ".join(cells) + f" | {reported or '-'} |")
     a = ablation()
     out.append(
         f"\n**Migration ablation** (cluster {a['cluster']}, D = {a['data_mb']} MB, "
-        f"{a['expert_mb']} MB experts, SR {paper.COMPRESSION}x, exact gradients):\n"
+        f"{a['expert_mb']} MB experts, SR {tables.COMPRESSION}x, exact gradients):\n"
     )
     out.append("| | paper s | model s | domains |")
     out.append("|---|---|---|---|")
@@ -313,17 +314,17 @@ def markdown() -> str:
         "| paper p |"
     )
     out.append("|---|---|---|---|---|---|---|---|")
-    for r in paper.table_iv():
+    for r in tables.table_iv():
         lat = ", ".join(f"{v * 1e3:.3f}" for v in r["latency"].values())
         out.append(
-            f"| {r['p_e'] / paper.MB} | {r['p_star']:.3f} | {r['lat_p_star'] * 1e3:.3f} | {lat} | "
-            f"{r['best_s']} | {r['best_p']:.3f} | {1 - r['best_s'] / paper.TABLE_IV['g']:.3f} | "
+            f"| {r['p_e'] / tables.MB} | {r['p_star']:.3f} | {r['lat_p_star'] * 1e3:.3f} | {lat} | "
+            f"{r['best_s']} | {r['best_p']:.3f} | {1 - r['best_s'] / tables.TABLE_IV['g']:.3f} | "
             f"{r['paper_p']} |"
         )
     out.append("\n**p\\* closed form vs brute force** (grid of 100,001 p in [0, 1]):\n")
     out.append("| case | p* | Lat(p*) ms | grid argmin | grid min ms |")
     out.append("|---|---|---|---|---|")
-    for r in paper.p_star_vs_brute_force():
+    for r in tables.p_star_vs_brute_force():
         out.append(
             f"| {r['case']} | {r['p_star']:.5f} | {r['lat_p_star'] * 1e3:.6f} | "
             f"{r['p_grid']:.5f} | {r['lat_grid'] * 1e3:.6f} |"
@@ -331,6 +332,6 @@ def markdown() -> str:
     out.append("\n**Table VII** (G=8, communicating pairs):\n")
     out.append("| S | all-to-all | all-gather | paper |")
     out.append("|---|---|---|---|")
-    for size, (a2a, ag) in paper.table_vii().items():
-        out.append(f"| {size} | {a2a} | {ag} | {paper.TABLE_VII[size]} |")
+    for size, (a2a, ag) in tables.table_vii().items():
+        out.append(f"| {size} | {a2a} | {ag} | {tables.TABLE_VII[size]} |")
     return "\n".join(out)

@@ -25,14 +25,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
-from jax_hybridep.xdc import compress, geometry, migrate
-from jax_hybridep.xdc.compress import Migration
+from jax_hybridep.xdc import geometry, wire
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.runtime import migrate
 
 INNER_SUFFIX = "_domain"
 
@@ -44,8 +45,9 @@ class ExpertDomains:
     Attributes:
       topology: the plain-EP topology (levels slow -> fast) of the model's mesh.
       sizes: per level, the domain size S_l (a divisor of the level's size; 1 = not split).
-      migration: what travels (`xdc.compress.Migration`): full experts and exact gradients by
-        default; SR compression of the gather, its shared-expert variant, gradient compression.
+      migration: the `xdc.Migration` these domains were built from (its named sizes, and what
+        travels: full experts and exact gradients by default; SR compression of the gather, its
+        shared-expert variant, gradient compression).
       mesh: the model's mesh with each split axis replaced by (outer, inner).
     """
 
@@ -56,42 +58,24 @@ class ExpertDomains:
 
     @classmethod
     def from_mesh(
-        cls,
-        mesh: jax.sharding.Mesh,
-        topology: Topology,
-        sizes: Mapping[str, int] | Sequence[int],
-        compression: float | None = None,
-        *,
-        shared: str = "persistent",
-        sync_every: int = 1,
-        grad_compression: float | None = None,
+        cls, mesh: jax.sharding.Mesh, topology: Topology, migration: Migration
     ) -> ExpertDomains:
-        """Domains on `mesh` (the mesh `topology` was built from).
-
-        Args:
-          sizes: domain size per level, as {level axis: S} (levels left out have S = 1) or one
-            entry per level.
-          compression: SR compression ratio of the gather, or None / <= 1 for none (exact).
-          shared: SR reference, "persistent" (default), "mean" or "none" (`xdc.compress`).
-          sync_every: steps between refreshes of a persistent shared expert.
-          grad_compression: top-k ratio of the gradients' reduce-scatter with error feedback,
-            or None / <= 1 for none (exact). Not exact when set.
-        """
+        """`migration`'s domains (one size per named level, 1 for the others) on `mesh`, the
+        mesh `topology` was built from."""
+        if not isinstance(migration, Migration):
+            raise TypeError(
+                f"migration must be a jax_hybridep.xdc.Migration (domain sizes and how experts "
+                f"travel), got {migration!r}"
+            )
         names = [level[0] for level in topology.levels]
-        if isinstance(sizes, Mapping):
-            unknown = sorted(set(sizes) - set(names))
-            if unknown:
-                raise ValueError(
-                    f"domain sizes name {unknown}, which are not levels of the topology "
-                    f"{topology.levels}"
-                )
-            sizes = [sizes.get(name, 1) for name in names]
-        sizes = tuple(int(s) for s in sizes)
-        if len(sizes) != len(topology.levels):
+        given = dict(migration.domains)
+        unknown = sorted(set(given) - set(names))
+        if unknown:
             raise ValueError(
-                f"got {len(sizes)} domain sizes {sizes} for {len(topology.levels)} levels "
+                f"domain sizes name {unknown}, which are not levels of the topology "
                 f"{topology.levels}"
             )
+        sizes = tuple(given.get(name, 1) for name in names)
         for level, size, level_size in zip(
             topology.levels, sizes, topology.level_sizes, strict=True
         ):
@@ -104,7 +88,6 @@ class ExpertDomains:
                     f"level {level} spans several mesh axes; only a single-axis level can be "
                     f"split into domains"
                 )
-        migration = Migration.make(compression, shared, sync_every, grad_compression)
         return cls(topology, sizes, migration, _split_mesh(mesh, topology, sizes))
 
     @property
@@ -226,9 +209,7 @@ class ExpertDomains:
     def gather_bytes(self, weights: Sequence[jax.Array]) -> dict[str, int]:
         """Bytes one rank receives per inner axis in the forward all-gather of `weights`
         (shapes per shard, [E_local, ...]), as sent: compressed when compression is on."""
-        per_expert = sum(
-            compress.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights
-        )
+        per_expert = sum(wire.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights)
         e_local, held, out = weights[0].shape[0], 1, {}
         for axis, size in zip(self.inner_axes, self.inner_sizes, strict=True):
             out[axis] = (size - 1) * held * e_local * per_expert

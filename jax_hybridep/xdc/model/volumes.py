@@ -4,11 +4,12 @@ What the runtime moves per rank and per MoE layer, level by level (slow -> fast)
 sizes `G_l` split into domains `S_l` (outer `n_l = G_l / S_l`, inner `S_l`):
 
 * Experts: all-gathered over the inner axes, slow -> fast; at level l each rank receives
-  `(S_l - 1) * prod_{m<l} S_m * E_local` experts (SR-compressed when `compression` is set).
-  Training adds the transpose, a reduce-scatter of the gradients with the same counts: full size,
-  or top-k value-index blocks (an all-to-all) with `grad_compression`.
-* SR reference (compression only; `shared`, see `xdc.compress`): "mean" all-reduces one expert
-  (each matrix on its own) over each inner axis with `S_l > 1` every layer call,
+  `(S_l - 1) * prod_{m<l} S_m * E_local` experts (SR-compressed when the migration's
+  `compression` is set; `xdc.Migration`). Training adds the transpose, a reduce-scatter of the
+  gradients with the same counts: full size, or top-k value-index blocks (an all-to-all) with
+  `grad_compression`.
+* SR reference (compression only; `Migration.shared`, see `xdc.compress`): "mean" all-reduces one
+  expert (each matrix on its own) over each inner axis with `S_l > 1` every layer call,
   `2 (S_l - 1) / S_l * P1` received per rank (`traffic.all_reduce_bytes`, the convention
   `traffic.crossing_bytes` reads programs with); "persistent" all-reduces one expert over all G
   ranks once every `sync_every` steps, across level l `2 P1 (G - G / G_l) / G` per refresh;
@@ -36,9 +37,9 @@ import numpy as np
 
 from jax_hybridep import traffic
 from jax_hybridep.xdc import geometry
-from jax_hybridep.xdc.compress import Migration
 from jax_hybridep.xdc.geometry import token_level_sizes
-from jax_hybridep.xdc.loads import exact_loads, expected_loads
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model.loads import exact_loads, expected_loads
 from jax_hybridep.xdc.wire import expert_bytes_on_wire, expert_wire_bytes
 
 
@@ -189,17 +190,19 @@ def _dense(level_sizes, lvl: int, dense_bytes: int) -> tuple[int, int]:
     return traffic.all_reduce_bytes(dense_bytes, ranks, across), level_sizes[lvl] - 1
 
 
-def _experts(expert_bytes, expert_matrices, value_bytes, compression, shared, sync_every,
-             grad_compression):  # fmt: skip
-    """What one expert costs: (P1, forward wire bytes, bytes per matrix, reference variant or
-    None without SR, gradient wire bytes, sync_every), validated."""
+def _experts(expert_bytes, expert_matrices, value_bytes, migration: Migration | None):
+    """What one expert costs under `migration`: (P1, forward wire bytes, bytes per matrix,
+    reference variant or None without SR, gradient wire bytes, sync_every), validated."""
+    migration = Migration() if migration is None else migration
+    if not isinstance(migration, Migration):
+        raise TypeError(f"migration must be a jax_hybridep.xdc.Migration, got {migration!r}")
     p1, sent, matrices, compressed = expert_bytes_on_wire(
-        expert_bytes, expert_matrices, compression, value_bytes
+        expert_bytes, expert_matrices, migration.compression, value_bytes
     )
     matrices_spec = expert_matrices if expert_matrices is not None else [p1 // value_bytes]
-    grad = expert_wire_bytes(matrices_spec, grad_compression, value_bytes)
-    Migration.make(compression, shared, sync_every, grad_compression)  # validates the settings
-    return p1, sent, matrices, (shared if compressed else None), grad, sync_every
+    grad = expert_wire_bytes(matrices_spec, migration.grad_compression, value_bytes)
+    reference = migration.shared if compressed else None
+    return p1, sent, matrices, reference, grad, migration.sync_every
 
 
 def _build(
@@ -279,13 +282,10 @@ def expected_volumes(
     act_bytes: int,
     expert_bytes: int | None = None,
     expert_matrices: Sequence | None = None,
-    compression: float | None = None,
+    migration: Migration | None = None,
     value_bytes: int = 4,
     expert_probs: Sequence[float] | None = None,
     dense_bytes: int = 0,
-    shared: str = "persistent",
-    sync_every: int = 1,
-    grad_compression: float | None = None,
 ) -> Volumes:
     """Expected per-level volumes for routing of K distinct experts per token.
 
@@ -295,23 +295,20 @@ def expected_volumes(
       tokens, top_k, num_experts, hidden, act_bytes: `T` per rank, `K`, `E`, `H`, token bytes.
       expert_bytes: `P1`, one expert's parameter bytes (treated as one matrix when compressed).
       expert_matrices: alternatively, the element count (or shape) of each expert matrix.
-      compression: SR compression of the forward gather, full bytes / bytes sent (None or <= 1:
-        off).
+      migration: how experts travel (`xdc.Migration`: SR compression of the forward gather,
+        its reference variant and refresh period, gradient compression; its domains are not
+        read: `domains` above are the sizes); None: full experts, exact gradients.
       value_bytes: bytes per parameter value.
       expert_probs: [E] routing probability of each expert (default uniform); the busiest rank
         and site then carry more than the mean.
       dense_bytes: bytes of the replicated parameters whose gradients a training step
         all-reduces over every rank (0: not counted).
-      shared, sync_every: the SR reference variant and the persistent one's refresh period
-        (`xdc.compress.Migration`; used only with compression).
-      grad_compression: top-k ratio of the gradients' reduce-scatter (None or <= 1: full).
     """
     level_sizes, domains = _check(
         level_sizes, domains, num_experts, top_k, tokens=tokens, hidden=hidden,
         act_bytes=act_bytes, dense_bytes=dense_bytes,
     )  # fmt: skip
-    experts = _experts(expert_bytes, expert_matrices, value_bytes, compression, shared,
-                       sync_every, grad_compression)  # fmt: skip
+    experts = _experts(expert_bytes, expert_matrices, value_bytes, migration)
     if expert_probs is None:
         probs = np.full(num_experts, 1 / num_experts)
     else:
@@ -342,12 +339,9 @@ def routed_volumes(
     act_bytes: int,
     expert_bytes: int | None = None,
     expert_matrices: Sequence | None = None,
-    compression: float | None = None,
+    migration: Migration | None = None,
     value_bytes: int = 4,
     dense_bytes: int = 0,
-    shared: str = "persistent",
-    sync_every: int = 1,
-    grad_compression: float | None = None,
 ) -> Volumes:
     """Exact per-level volumes of an actual routing.
 
@@ -367,8 +361,7 @@ def routed_volumes(
         raise ValueError(f"topk_idx must be [G={ranks}, T, K], got {topk_idx.shape}")
     if topk_idx.max(initial=-1) >= num_experts or topk_idx.min(initial=0) < -1:
         raise ValueError(f"topk_idx holds ids outside [-1, {num_experts})")
-    experts = _experts(expert_bytes, expert_matrices, value_bytes, compression, shared,
-                       sync_every, grad_compression)  # fmt: skip
+    experts = _experts(expert_bytes, expert_matrices, value_bytes, migration)
     groups = geometry.replica_placement(level_sizes, domains, num_experts)[0]
     dest = np.where(topk_idx >= 0, groups[np.maximum(topk_idx, 0)], -1)
     token_sizes = token_level_sizes(level_sizes, domains)

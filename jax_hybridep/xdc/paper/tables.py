@@ -10,8 +10,9 @@
   hybrid (`planner.plan` under the fitted model) at every other data size.
 * The expert-size sweep and the migration ablation, where the paper states their inputs
   (`SWEEP`, `ABLATION`; reproduced in `reproduction`).
-* `python -m jax_hybridep.xdc.paper [--json FILE]` prints the tables of docs/crossdc_model.md
-  and the reproduction's pass / fail tiers (`reproduction`), and writes every Table V point.
+* `python -m jax_hybridep.xdc.paper [--json FILE]` (`paper.__main__`) prints the tables of
+  docs/crossdc_model.md and the reproduction's pass / fail tiers (`reproduction`), and writes
+  every Table V point.
 
 Setting (assumptions, docs/crossdc_model.md): D is the bytes a rank feeds into one token all-to-all
 per MoE layer, `T K H act_bytes` (Tutel's dispatch buffer at capacity factor 1); 12 MoE layers, 4
@@ -21,17 +22,14 @@ inside a DC every GPU has its own 128 Gbps PCIe link.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
-import os
-import sys
 
 import numpy as np
 
-from jax_hybridep.xdc import cost, planner, volumes
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.model import cost, planner, volumes
 
 MB = 1e6  # the paper's MB
 GBPS = 1e9 / 8  # bytes/s per Gbit/s
@@ -175,8 +173,8 @@ def workload(
         hidden=HIDDEN,
         act_bytes=ACT_BYTES,
         expert_bytes=expert_bytes,
-        compression=compression,
-        shared="mean",  # as recorded in docs/crossdc_model.md: the shared expert synced each step
+        # As recorded in docs/crossdc_model.md: the shared expert synced each step.
+        migration=Migration(compression=compression, shared="mean"),
         layers=LAYERS,
         training=True,
         compute=compute,
@@ -345,38 +343,3 @@ def reproduce_table_v(name: str) -> list[dict]:
             }
         )
     return rows
-
-
-def main(argv=None) -> dict:
-    """`python -m jax_hybridep.xdc.paper [--json FILE] [--strict]`: the tables and the tiers."""
-    from jax_hybridep.xdc import reproduction  # imports this module
-
-    parser = argparse.ArgumentParser(
-        prog="python -m jax_hybridep.xdc.paper",
-        description="The HybridEP paper's tables reproduced by the cost model, and the pass / "
-        "fail tiers of the reproduction.",
-    )
-    parser.add_argument("--json", default=None, help="write every Table V point and the tiers")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if a tier fails")
-    args = parser.parse_args(argv)
-    if args.json is not None:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not args.json or not os.path.isdir(folder):
-            raise ValueError(f"--json={args.json!r}: no directory {folder!r} to write it in")
-    report = reproduction.report()
-    print(reproduction.markdown())
-    print("\n" + reproduction.summary(report["tiers"]))
-    if args.json is not None:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.strict and not all(t["pass"] for t in report["tiers"]):
-        sys.exit(1)
-    return report
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"python -m jax_hybridep.xdc.paper: error: {e}")

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jax_hybridep.values import check_int, check_real
-from jax_hybridep.xdc import cost, planner
+from jax_hybridep.xdc.model import cost, planner
 
 GBPS = 1e9 / 8  # bytes/s in one Gbit/s
 

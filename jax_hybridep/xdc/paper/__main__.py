@@ -1,0 +1,44 @@
+"""`python -m jax_hybridep.xdc.paper [--json FILE] [--strict]`: the paper's tables reproduced by
+the cost model (`tables`) and the reproduction's pass / fail tiers (`reproduction`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from jax_hybridep.xdc.paper import reproduction
+
+
+def main(argv=None) -> dict:
+    """`python -m jax_hybridep.xdc.paper [--json FILE] [--strict]`: the tables and the tiers."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_hybridep.xdc.paper",
+        description="The HybridEP paper's tables reproduced by the cost model, and the pass / "
+        "fail tiers of the reproduction.",
+    )
+    parser.add_argument("--json", default=None, help="write every Table V point and the tiers")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a tier fails")
+    args = parser.parse_args(argv)
+    if args.json is not None:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not args.json or not os.path.isdir(folder):
+            raise ValueError(f"--json={args.json!r}: no directory {folder!r} to write it in")
+    report = reproduction.report()
+    print(reproduction.markdown())
+    print("\n" + reproduction.summary(report["tiers"]))
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.strict and not all(t["pass"] for t in report["tiers"]):
+        sys.exit(1)
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"python -m jax_hybridep.xdc.paper: error: {e}")

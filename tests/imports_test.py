@@ -1,0 +1,116 @@
+"""No import circle among jax_hybridep's modules (pure Python: the sources' ASTs, nothing imported).
+
+Every `import` and `from ... import` anywhere in a module (function-level ones too: a deferred
+import still ties the two modules together) is an edge to the module it names: `from p import m`
+to the submodule `p.m` when there is one, else to `p` itself. A package's `__init__` is the
+module named by the package. An import circle is a strongly connected set of two or more modules;
+the test names every one it finds.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jax_hybridep")
+PACKAGE = "jax_hybridep"
+NATIVE = ("jax_hybridep._hybridep",)  # compiled extension modules (built elsewhere; no imports)
+
+
+def _modules() -> dict[str, str]:
+    """{dotted module name: path} of every .py file under jax_hybridep/."""
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            parts = os.path.relpath(path, os.path.dirname(ROOT))[: -len(".py")].split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out | dict.fromkeys(NATIVE)
+
+
+def _imports(name: str, path: str, modules) -> set[str]:
+    """The jax_hybridep modules `name` (at `path`) imports."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+
+    def known(dotted: str) -> str | None:  # the longest prefix that is a module
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [known(alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the enclosing package, `level - 1` steps up
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules else known(base)
+                       for a in node.names]  # fmt: skip
+        else:
+            continue
+        found.update(t for t in targets if t and t.split(".")[0] == PACKAGE and t != name)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of two or more nodes (Tarjan, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def test_cycle_finder_finds_a_circle_and_only_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_jax_hybridep():
+    modules = _modules()
+    assert "jax_hybridep.xdc.runtime.domains" in modules and len(modules) > 50
+    graph = {
+        name: _imports(name, path, modules) if path else set() for name, path in modules.items()
+    }
+    assert "jax_hybridep.xdc.model.volumes" in graph["jax_hybridep.xdc.model.cost"]
+    cycles = _cycles(graph)
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
