@@ -143,6 +143,6 @@ def test_cli_rejects_a_bad_flag_before_building_a_model(tmp_path):
         timeout=300,
     )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == f"cross_dc.py: {message} (a compression ratio; "
-    "leave it unset for none)"  # one line, the last
+    last = out.stderr.strip().splitlines()[-1]  # one line, the last
+    assert last == f"cross_dc.py: {message} (a compression ratio; leave it unset for none)"
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written

@@ -372,6 +372,8 @@ def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
         (dict(seed=1), "seed", "0", "1"),
         (dict(lr=1e-3), "lr", "0.003", "0.001"),
         (dict(batch=16), "batch", "8", "16"),
+        (dict(migration=xdc.Migration((("ep", 2),))), "domains", "(unset)", "ep=2"),
+        (dict(prefetch=True), "prefetch", "false", "true"),
     ],
 )
 def test_resume_refuses_a_checkpoint_of_another_model(
