@@ -145,7 +145,7 @@ class Processes:
         self._timeout = heartbeat_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._decisions = 0  # decisions and barriers so far: each one's key is new
+        self._decisions = 0  # decisions, exchanges and barriers so far: each key is new
 
     @property
     def is_main(self) -> bool:
@@ -166,12 +166,15 @@ class Processes:
     # -- what the processes share ---------------------------------------------------------------
 
     def exchange(self, name: str, value) -> list:
-        """Every process's JSON-able `value`, by process index (one call on every process)."""
+        """Every process's JSON-able `value`, by process index (one call on every process, in
+        the same order; `name` says what is exchanged)."""
+        self._decisions += 1
         if self.count == 1:
             return [value]
         mine = json.dumps(value, sort_keys=True).encode()
-        got = compat.kv_exchange(f"{KEY}/exchange/{name}", self.index, mine, self.count,
-                                 DECIDE_TIMEOUT_MS)  # fmt: skip
+        # A new key each time: a name may come again (cross_dc.py trains several runs in a job).
+        got = compat.kv_exchange(f"{KEY}/exchange/{self._decisions}/{name}", self.index, mine,
+                                 self.count, DECIDE_TIMEOUT_MS)  # fmt: skip
         return [json.loads(v) for v in got]
 
     def decide(self, name: str, fn: Callable[[], object]):
