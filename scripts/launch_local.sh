@@ -40,8 +40,9 @@ unset http_proxy https_proxy HTTP_PROXY HTTPS_PROXY all_proxy ALL_PROXY
 
 pids=()
 for ((i = 0; i < num; i++)); do
+  : >"$logs/process_$i.log" # here, before the follower below opens it
   "$python" "$script" "$@" --coordinator_address="127.0.0.1:$port" --num_processes="$num" \
-    --process_id="$i" >"$logs/process_$i.log" 2>&1 &
+    --process_id="$i" >>"$logs/process_$i.log" 2>&1 &
   pids+=($!)
 done
 tail -n +1 -f "$logs/process_0.log" --pid="${pids[0]}" &
