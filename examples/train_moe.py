@@ -185,15 +185,16 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
         os.makedirs(cfg.output_dir, exist_ok=True)
 
     def checkpoint(step, backend, params, rest, opt_state):
-        """Commits the state after `step` steps, then (process 0) the metrics up to it."""
+        """Commits the state after `step` steps, the metrics up to it first (process 0): a
+        --resume from any committed step then finds its history (later records are dropped)."""
+        if processes.is_main:
+            metrics = metrics_of(cfg, history, backend, start, processes.count)
+            write_outputs(cfg.output_dir, metrics, plot=False)
         params, opt_state = balancer.checkpoint_state(params, opt_state)
         state = dict(params=params, rest=rest, opt_state=opt_state)
         train_checkpoint.save(
             ckpt_dir, step, state, dict(meta, balance=balancer.to_meta()), processes
         )
-        if step < cfg.steps and processes.is_main:  # the history a --resume from here extends
-            write_outputs(cfg.output_dir, metrics_of(cfg, history, backend, start,
-                                                     processes.count), plot=False)  # fmt: skip
 
     history, params, rest, opt_state, backend, feeder = _loop(
         cfg=cfg,
