@@ -1,8 +1,15 @@
-"""Loads the native module `_hybridep` and registers its XLA FFI targets once, at import."""
+"""Loads the native module `_hybridep` and registers its XLA FFI targets once, at import.
+
+`_hybridep` is the production module: handler registrations and the few runtime services the
+package needs. Tests and the GPU transport benchmark reach the self-tests, harness, benchmark hooks
+and introspection through `testing_module()`, the `_hybridep_testing` module built beside it on the
+same runtime library (so it sees the same handlers' state).
+"""
 
 from __future__ import annotations
 
 import atexit
+import functools
 
 import jax
 
@@ -19,12 +26,17 @@ else:
         jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
     if _hybridep.with_cuda:
         # Registered whether or not a GPU is present: XLA keeps them until a CUDA backend starts.
-        for _name, _capsule in _hybridep.cuda_registrations().items():
-            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+        # The handlers' per-site state (owned by each executable) has its type registered first.
+        for _name, _registration in _hybridep.cuda_state_type_registrations().items():
+            compat.register_ffi_state_type(_name, _registration, platform="CUDA")
+        for _name, _stages in _hybridep.cuda_registrations().items():
+            jax.ffi.register_ffi_target(_name, _stages, platform="CUDA")
         # Window handles of EP groups that span processes travel through jax.distributed.
         _hybridep.set_kv_exchange(compat.kv_exchange)
         # Registered windows are freed before the interpreter (and the CUDA runtime) goes away.
         atexit.register(_hybridep.release_cuda_windows)
+
+_BUILD_HINT = "Build it with `pip install -e .` (see README)"
 
 
 def available() -> bool:
@@ -39,12 +51,37 @@ def platforms() -> tuple[str, ...]:
     return ("cpu", "gpu") if _hybridep.with_cuda else ("cpu",)
 
 
+@functools.cache
+def has_cuda_v2() -> bool:
+    """Whether the build has CUDA transport v2's handlers (CMake JAX_HYBRIDEP_CUDA_V2)."""
+    return (_hybridep is not None and _hybridep.with_cuda
+            and "jax_hybridep_cuda_v2_dispatch" in _hybridep.cuda_registrations())  # fmt: skip
+
+
 def module():
     """The native module; raises ImportError with the build hint when it is missing."""
     if _hybridep is None:
         raise ImportError(
             "jax_hybridep was installed without its native module (_hybridep); the 'ffi' backend "
-            "needs it. Build it with `pip install -e .` (see README), or use backend='xla'. "
-            f"Import error: {IMPORT_ERROR}"
+            f"needs it. {_BUILD_HINT}, or use backend='xla'. Import error: {IMPORT_ERROR}"
         )
     return _hybridep
+
+
+@functools.cache
+def testing_module():
+    """The test module `_hybridep_testing` (self-tests, the virtual-rank harness, benchmark hooks,
+    introspection), its CPU probe handlers registered on first use; ImportError when missing."""
+    module()  # the same build hint when nothing native was built
+    try:
+        from jax_hybridep import _hybridep_testing  # noqa: PLC0415  (tests and benchmarks only)
+    except ImportError as err:
+        raise ImportError(
+            f"jax_hybridep's test module (_hybridep_testing) is missing. {_BUILD_HINT}. "
+            f"Import error: {err}"
+        ) from err
+    for name, registration in _hybridep_testing.cpu_state_type_registrations().items():
+        compat.register_ffi_state_type(name, registration, platform="cpu")
+    for name, handler in _hybridep_testing.cpu_registrations().items():
+        jax.ffi.register_ffi_target(name, handler, platform="cpu")
+    return _hybridep_testing

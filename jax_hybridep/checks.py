@@ -10,8 +10,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_hybridep import compat, fp8
-from jax_hybridep.config import DispatchPlan
+from jax_hybridep.config import DispatchConfig, DispatchPlan
 from jax_hybridep.topology import Topology
+from jax_hybridep.values import short
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -50,6 +51,16 @@ def check_context(op: str, topology: Topology, args) -> frozenset[str]:
     return manual
 
 
+def check_config(op: str, config) -> DispatchConfig:
+    """config itself, when it is a DispatchConfig."""
+    if not isinstance(config, DispatchConfig):
+        raise TypeError(
+            f"jax_hybridep.{op}: config must be a jax_hybridep.DispatchConfig, got "
+            f"{type(config).__name__} {short(config)}"
+        )
+    return config
+
+
 def _check_quantized(x, config):
     """An already quantised x = (q [T, H] float8_e4m3fn, scales [T, ceil(H / 128)] float32)."""
     if not config.fp8_rows:
@@ -59,21 +70,17 @@ def _check_quantized(x, config):
         )
     if len(x) != 2:
         raise ValueError(f"a quantised x must be (q, scales), got a tuple of {len(x)}")
-    q, scales = jnp.asarray(x[0]), jnp.asarray(x[1])
-    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
-        raise TypeError(f"quantised x: q must be [T, H] float8_e4m3fn, got {q.dtype}{q.shape}")
-    want = (q.shape[0], fp8.num_blocks(q.shape[1]))
-    if scales.shape != want or scales.dtype != jnp.float32:
-        raise ValueError(
-            f"quantised x: scales must be {list(want)} float32 (one per 128 elements of H="
-            f"{q.shape[1]}), got {scales.dtype}{list(scales.shape)}"
-        )
-    return q, scales
+    return fp8.check_pair("quantised x", *x)
 
 
 def check_dispatch_inputs(x, topk_idx, topk_weights, config=None):
     """(x, topk_idx, topk_weights) as arrays, checked: x [T, H] float (or, with fp8_rows, a
     quantised (q, scales)), ids [T, K] integer, weights [T, K] float, T, H, K >= 1."""
+    if isinstance(x, list):  # jnp.asarray would stack or promote it: never what was meant
+        raise TypeError(
+            f"x must be an array [T, H] or, with fp8_rows, a tuple (q, scales); got a list of "
+            f"{len(x)}{' (pass the quantised pair as a tuple)' if len(x) == 2 else ''}"
+        )
     quantized = _check_quantized(x, config) if isinstance(x, tuple) else None
     x = jnp.asarray(quantized[0] if quantized else x)  # the rows: x, or the quantised payload
     topk_idx, topk_weights = jnp.asarray(topk_idx), jnp.asarray(topk_weights)

@@ -104,3 +104,19 @@ def profile_data(xplane_path: str):
     if data is None:
         from jax._src.profiler import ProfileData as data  # noqa: PLC0415  (jax 0.11)
     return data.from_file(xplane_path)
+
+
+def register_ffi_state_type(name: str, registration: dict, platform: str) -> None:
+    """Registers the type of a stateful FFI handler's state ({"type_id", "type_info"} capsules)
+    for `platform`, before its handlers.
+
+    On CPU, XLA:CPU's type handler is installed first (a private jaxlib attribute): until the CPU
+    backend starts, registrations are queued and replayed handlers first, and XLA then refuses a
+    stateful handler ("Types used by FFI handlers must be registered before the handler
+    registration", jaxlib 0.12). The GPU plugins install their type handler before their handlers.
+    """
+    if platform == "cpu":
+        from jax._src.lib import xla_client  # noqa: PLC0415  (private: isolated here)
+
+        xla_client.register_custom_type_handler("cpu", xla_client._xla.register_custom_type)
+    jax.ffi.register_ffi_type(name, registration, platform=platform)

@@ -15,11 +15,13 @@ import warnings
 
 import numpy as np
 
-from jax_hybridep.fp8 import WIRE_DTYPES
+from jax_hybridep.fp8 import wire_dtype_name
 from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_bool, check_int, is_real
 
 BACKENDS = ("auto", "xla", "ffi")
+GPU_TRANSPORTS = ("v1", "v2")
+GPU_TRANSPORT_ENV = "JAX_HYBRIDEP_GPU_TRANSPORT"
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
 # Test switch: with zero_padding=False, rows past sum(group_sizes) are filled with NaN (in the
@@ -68,8 +70,16 @@ class DispatchConfig:
         backend; gradients are the 16-bit path's (straight-through).
       fp8_rows: with wire_dtype: deliver the rows as FP8 payload (`d.tokens` float8_e4m3fn)
         plus `d.scales [C, ceil(H / 128)]` float32, for an FP8 grouped GEMM, instead of
-        dequantising them. Such rows carry no gradient (differentiating raises); `dispatch`
-        then also takes an already quantised `x = (q [T, H] e4m3fn, scales [T, nb] float32)`.
+        dequantising them; `dispatch` then also takes an already quantised
+        `x = (q [T, H] e4m3fn, scales [T, nb] float32)`. The rows carry no gradient: one that
+        needs x's cotangent through them raises TypeError while tracing, while gradients with
+        respect to `topk_weights` work and equal the dequantised path's bit for bit
+        (docs/errors.md).
+      gpu_transport: GPUs only: which CUDA transport the ffi backend runs over the fastest
+        level: "v1" (default) or "v2", built on Hybrid-EP's structure (persistent bulk-copy send
+        blocks on num_sms SMs, wide permute and unpermute on every SM; docs/gpu.md). Both
+        compute the same bits (docs/design.md §2.1); v1 stays the default until an H200 has
+        measured v2. The env var JAX_HYBRIDEP_GPU_TRANSPORT overrides it.
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
@@ -86,6 +96,7 @@ class DispatchConfig:
     timeout_s: float = 120.0
     row_budget: int | None = None
     num_sms: int = 16
+    gpu_transport: str = "v1"
     gpu_stream: str | int | None = None
     zero_padding: bool = True
     wire_dtype: str | None = None
@@ -105,13 +116,7 @@ class DispatchConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         self._set("strict", check_bool("strict", self.strict))
         self._set("zero_padding", check_bool("zero_padding", self.zero_padding))
-        if self.wire_dtype is not None and not isinstance(self.wire_dtype, str):
-            self._set("wire_dtype", _dtype_name(self.wire_dtype))
-        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(
-                f"wire_dtype must be None (x's dtype) or one of {WIRE_DTYPES}, got "
-                f"{self.wire_dtype!r}"
-            )
+        self._set("wire_dtype", wire_dtype_name(self.wire_dtype))
         self._set("fp8_rows", check_bool("fp8_rows", self.fp8_rows))
         if self.fp8_rows and self.wire_dtype is None:
             raise ValueError("fp8_rows=True needs wire_dtype='float8_e4m3fn' (FP8 on the wire)")
@@ -126,6 +131,10 @@ class DispatchConfig:
                     "bounds the buffer)"
                 )
         self._set("num_sms", check_int("num_sms", self.num_sms, 1, MAX_SMS))
+        if not isinstance(self.gpu_transport, str) or self.gpu_transport not in GPU_TRANSPORTS:
+            raise ValueError(
+                f"gpu_transport must be one of {GPU_TRANSPORTS}, got {self.gpu_transport!r}"
+            )
         stream = self.gpu_stream
         if not (stream is None or stream == "collective" or (
             isinstance(stream, int | np.integer) and not isinstance(stream, bool) and stream >= 1
@@ -140,6 +149,14 @@ class DispatchConfig:
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
+
+    @property
+    def resolved_gpu_transport(self) -> str:
+        """gpu_transport, or the env var JAX_HYBRIDEP_GPU_TRANSPORT when it is set."""
+        value = os.environ.get(GPU_TRANSPORT_ENV, self.gpu_transport)
+        if value not in GPU_TRANSPORTS:
+            raise ValueError(f"{GPU_TRANSPORT_ENV}={value!r}; expected one of {GPU_TRANSPORTS}")
+        return value
 
     @property
     def poison_padding(self) -> bool:
@@ -248,14 +265,6 @@ class DispatchPlan:
 
 # Row indices are int32 everywhere (row_pos, group sizes, the handlers' buffers).
 _MAX_ROWS = 2**31 - 1
-
-
-def _dtype_name(dtype) -> str | object:
-    """A dtype-like's name (jnp.float8_e4m3fn -> "float8_e4m3fn"), else the value itself."""
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return dtype
 
 
 def _warn_clamped(setting: str, result: str) -> None:

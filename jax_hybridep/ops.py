@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_hybridep import checks, compat
 from jax_hybridep.config import DispatchConfig, DispatchPlan, make_plan
@@ -122,6 +123,7 @@ def dispatch_with_route(
 ) -> Dispatched:
     """`dispatch` along an explicit route (None: the one `config.backend` selects); tests use it
     to run step kinds the platform lacks, e.g. the CUDA bottom over a pure-JAX twin on CPU."""
+    checks.check_config("dispatch", config)
     leaves = (*x, topk_idx, topk_weights) if isinstance(x, tuple) else (x, topk_idx, topk_weights)
     manual = checks.check_context("dispatch", topology, leaves)
     x, topk_idx, topk_weights = checks.check_dispatch_inputs(x, topk_idx, topk_weights, config)
@@ -137,7 +139,8 @@ def dispatch_with_route(
     safe_idx = jnp.clip(topk_idx, 0, plan.num_experts - 1)
     dest = jnp.where(lay.row_pos >= 0, expert_rank[safe_idx], -1)
     row_end = jnp.sum(lay.group_sizes, dtype=jnp.int32)
-    tokens, scales, row_weights, handle = _dispatch_rows(
+    rows_fn = _dispatch_fp8_rows if config.fp8_rows else _dispatch_rows
+    tokens, scales, row_weights, handle = rows_fn(
         route, plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, row_end, shard
     )
     if config.poison_padding:
@@ -165,12 +168,6 @@ def _dispatch_rows_fwd(route, plan, x, weights, row_pos, dest, row_end, shard):
 
 def _dispatch_rows_bwd(route, plan, handle, cotangents):
     ct_tokens, _, ct_weights, _ = cotangents
-    if plan.config.fp8_rows:
-        raise TypeError(
-            "jax_hybridep.dispatch with DispatchConfig(fp8_rows=True) delivers FP8 rows, which "
-            "carry no gradient; to train through dispatch use the dequantised rows "
-            "(fp8_rows=False, the default: the gradient is the 16-bit path's)"
-        )
     # FP8 on the wire is straight-through: the rows' cotangent is combined at 16 bits.
     grad_x = walk.combine(handle, ct_tokens, None)
     grad_weights = walk.return_row_values(handle, ct_weights)
@@ -178,6 +175,49 @@ def _dispatch_rows_bwd(route, plan, handle, cotangents):
 
 
 _dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+# FP8 rows (DispatchConfig(fp8_rows=True)) carry no gradient: quantisation has none, and the
+# straight-through one is the dequantised path's (fp8_rows=False). The routing weights still
+# do, exactly: each row's weight cotangent goes back to its (t, k) as on every other path. So a
+# gradient is refused only when it needs x's cotangent through the rows: x is differentiated
+# (perturbed) and the rows or their scales get a cotangent that is not a symbolic zero.
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Perturbed:
+    """Whether dispatch's x was differentiated (a static residual)."""
+
+    x: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_fp8_rows(route, plan, x, weights, row_pos, dest, row_end, shard):
+    return walk.dispatch(route, plan, x, weights, row_pos, dest, row_end, shard)
+
+
+def _dispatch_fp8_rows_fwd(route, plan, x, *args):
+    perturbed = _Perturbed(any(leaf.perturbed for leaf in jax.tree.leaves(x)))
+    x, args = custom_vjp_primal_tree_values((x, args))
+    out = walk.dispatch(route, plan, x, *args)
+    return out, (out[3], perturbed)
+
+
+def _dispatch_fp8_rows_bwd(route, plan, residuals, cotangents):
+    handle, perturbed = residuals
+    ct_tokens, ct_scales, ct_weights, _ = cotangents
+    zero = lambda ct: isinstance(ct, SymbolicZero)  # noqa: E731
+    if perturbed.x and not (zero(ct_tokens) and zero(ct_scales)):
+        raise TypeError(
+            "jax_hybridep.dispatch with DispatchConfig(fp8_rows=True): this gradient needs x's "
+            "cotangent through the FP8 rows, which carry none; differentiate only topk_weights "
+            "(stop_gradient on x), or use the dequantised rows (fp8_rows=False: the gradient "
+            "is the 16-bit path's)"
+        )
+    grad_weights = None if zero(ct_weights) else walk.return_row_values(handle, ct_weights)
+    return None, grad_weights, None, None, None, None
+
+
+_dispatch_fp8_rows.defvjp(_dispatch_fp8_rows_fwd, _dispatch_fp8_rows_bwd, symbolic_zeros=True)
 
 
 def combine(
@@ -202,6 +242,12 @@ def combine(
     if not isinstance(handle, Handle):
         raise TypeError(f"handle must be Dispatched.handle, got {type(handle).__name__}")
     plan = handle.plan
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(
+            f"combine: topology must be a Topology or None, got {type(topology).__name__}"
+        )
+    if config is not None:
+        checks.check_config("combine", config)
     if topology is not None and topology != plan.topology:
         raise ValueError(
             f"combine got a handle made for topology {plan.topology.levels} "

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jax_hybridep.values import check_bool, check_str, is_int, short
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -40,26 +42,31 @@ class Topology:
 
     def __post_init__(self):
         # Normalise sequences to tuples (hashable, comparable); a bare string is one axis name.
-        levels = (self.levels,) if isinstance(self.levels, str) else self.levels
-        try:
-            levels = tuple((lvl,) if isinstance(lvl, str) else tuple(lvl) for lvl in levels)
-        except TypeError:
-            raise ValueError(
-                f"Topology levels must be a sequence of axis names, got {self.levels!r}"
-            ) from None
-        object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "levels", _levels(self.levels))
+        if isinstance(self.mesh_axes, str) or not isinstance(self.mesh_axes, Sequence):
+            raise TypeError(f"Topology mesh_axes must be a sequence of axis names, got "
+                            f"{short(self.mesh_axes)}")  # fmt: skip
+        if isinstance(self.mesh_shape, str) or not isinstance(self.mesh_shape, Sequence):
+            raise TypeError(f"Topology mesh_shape must be a sequence of axis sizes, got "
+                            f"{short(self.mesh_shape)}")  # fmt: skip
         object.__setattr__(self, "mesh_axes", tuple(self.mesh_axes))
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
-        if not all(isinstance(a, str) for level in levels for a in level):
-            raise ValueError(f"Topology levels must name mesh axes by string, got {levels}")
+        if not all(isinstance(a, str) for a in self.mesh_axes):
+            raise TypeError(f"Topology mesh_axes must be axis names (str), got {self.mesh_axes}")
+        if len(set(self.mesh_axes)) != len(self.mesh_axes):
+            raise ValueError(f"Topology mesh_axes name an axis twice: {self.mesh_axes}")
         if len(self.mesh_shape) != len(self.mesh_axes) or not all(
-            isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
-            for n in self.mesh_shape
+            is_int(n) and n >= 1 for n in self.mesh_shape
         ):
             raise ValueError(
                 f"Topology mesh_shape {self.mesh_shape} must give one size >= 1 per mesh axis "
                 f"{self.mesh_axes}"
             )
+        object.__setattr__(self, "mesh_shape", tuple(int(n) for n in self.mesh_shape))
+        object.__setattr__(
+            self, "single_process", check_bool("single_process", self.single_process)
+        )
+        check_str("platform", self.platform)
         if not self.levels or any(not level for level in self.levels):
             raise ValueError(f"Topology needs at least one level of mesh axes, got {self.levels}")
         seen = [axis for level in self.levels for axis in level]
@@ -73,10 +80,14 @@ class Topology:
             )
         if self.level_local is None:
             object.__setattr__(self, "level_local", (self.single_process,) * len(self.levels))
-        elif len(self.level_local) != len(self.levels):
+        elif (
+            not isinstance(self.level_local, Sequence)
+            or len(self.level_local) != len(self.levels)
+            or not all(isinstance(b, bool | np.bool_) for b in self.level_local)
+        ):
             raise ValueError(
-                f"level_local {self.level_local} has {len(self.level_local)} entries for "
-                f"{len(self.levels)} levels {self.levels}"
+                f"level_local must be one bool per level ({len(self.levels)} levels "
+                f"{self.levels}), got {short(self.level_local)}"
             )
         object.__setattr__(self, "level_local", tuple(bool(b) for b in self.level_local))
 
@@ -91,9 +102,12 @@ class Topology:
           levels: each entry a mesh axis name or a sequence of names forming one level, e.g.
             ("node", "local"), ("dc", "node", "local") or (("x", "y"),) for one level over two axes.
         """
-        if isinstance(levels, str):
-            levels = (levels,)
-        norm = tuple((lvl,) if isinstance(lvl, str) else tuple(lvl) for lvl in levels)
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(
+                f"Topology.from_mesh: mesh must be a jax.sharding.Mesh, got "
+                f"{type(mesh).__name__} {short(mesh)}"
+            )
+        norm = _levels(levels)
         names = tuple(mesh.axis_names)
         processes = np.vectorize(lambda d: d.process_index)(mesh.devices)
         level_local = []
@@ -132,6 +146,8 @@ class Topology:
         return dict(zip(self.mesh_axes, self.mesh_shape, strict=True))
 
     def axis_size(self, axis: str) -> int:
+        if axis not in self.mesh_axes:
+            raise ValueError(f"axis {axis!r} is not a mesh axis of this topology {self.mesh_axes}")
         return self.mesh_shape[self.mesh_axes.index(axis)]
 
     @property
@@ -148,3 +164,19 @@ class Topology:
         """EP-rank stride of each level: rank = sum of coordinate * stride (row-major)."""
         sizes = self.level_sizes
         return tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
+
+
+def _levels(levels) -> tuple[tuple[str, ...], ...]:
+    """Levels as tuples of axis names; a bare string is one level of one axis."""
+    if isinstance(levels, str):
+        return ((levels,),)
+    try:
+        norm = tuple((lvl,) if isinstance(lvl, str) else tuple(lvl) for lvl in levels)
+    except TypeError:
+        raise ValueError(
+            f"Topology levels must be a sequence of axis names (or of sequences of them), got "
+            f"{short(levels)}"
+        ) from None
+    if not all(isinstance(a, str) for level in norm for a in level):
+        raise ValueError(f"Topology levels must name mesh axes by string, got {short(levels)}")
+    return norm

@@ -10,7 +10,8 @@
   text, `collective_bytes` their sizes, and `crossing_bytes` what crosses a level, with one
   all-reduce convention (`all_reduce_bytes`) shared with the cross-DC model (`xdc.volumes`).
 
-Host-side helpers on concrete values (numpy), not for use inside `jit`.
+Host-side helpers on concrete values (numpy), not for use inside `jit`; each checks its
+arguments (ValueError/TypeError naming the argument).
 """
 
 from __future__ import annotations
@@ -18,25 +19,55 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from jax_hybridep import fp8
 from jax_hybridep.topology import Topology
+from jax_hybridep.values import check_array, check_int, check_ints, check_str, check_type, short
+
+
+def _itemsize(dtype) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        raise TypeError(f"dtype must be a numpy or jax dtype, got {short(dtype)}") from None
+
+
+def _topology(topology) -> Topology:
+    return check_type("topology", topology, Topology, "a jax_hybridep.Topology")
+
+
+def _dest(dest, num_ranks: int | None = None) -> np.ndarray:
+    """dest [R, T, K] as int64, every entry a rank in [0, R) or -1."""
+    dest = check_array("dest", dest, ndim=3, integer=True, lo=-1)
+    ranks = dest.shape[0] if num_ranks is None else num_ranks
+    if dest.shape[0] != ranks:
+        raise ValueError(
+            f"dest has {dest.shape[0]} source ranks, the topology's EP size is {ranks}"
+        )
+    if np.any(dest >= ranks):
+        raise ValueError(
+            f"dest names ranks >= {ranks}: {sorted(set(dest[dest >= ranks].tolist()))[:8]}"
+        )
+    return dest
 
 
 def copy_bytes(hidden: int, dtype, wire_dtype: str | None = None) -> int:
     """Bytes one token copy carries: hidden x itemsize, or with FP8 on the wire its payload and
     block scales (`jax_hybridep.fp8.wire_bytes`)."""
-    if wire_dtype is not None:
+    hidden = check_int("hidden", hidden, 1)
+    itemsize = _itemsize(dtype)
+    if fp8.wire_dtype_name(wire_dtype) is not None:
         return fp8.wire_bytes(hidden)
-    return hidden * np.dtype(dtype).itemsize
+    return hidden * itemsize
 
 
 def level_bytes(level_rows, hidden: int, dtype, wire_dtype: str | None = None) -> np.ndarray:
     """Payload bytes per level: copies x copy_bytes (int64, exact)."""
-    return np.asarray(level_rows, np.int64) * copy_bytes(hidden, dtype, wire_dtype)
+    rows = check_array("level_rows", level_rows, integer=True, lo=0, nonempty=False)
+    return rows * copy_bytes(hidden, dtype, wire_dtype)
 
 
 def routed_pairs(dest, topology: Topology) -> np.ndarray:
@@ -49,7 +80,7 @@ def routed_pairs(dest, topology: Topology) -> np.ndarray:
     At level l a copy of token t travels to every distinct destination prefix (coordinates of
     levels 0..l) whose level-l coordinate differs from the source's; a rank never sends to itself.
     """
-    dest = np.asarray(dest)
+    dest = _dest(dest, _topology(topology).ep_size)
     num_ranks, tokens, _ = dest.shape
     sizes, strides = topology.level_sizes, topology.level_strides
     counts = np.zeros(len(sizes), np.int64)
@@ -64,8 +95,9 @@ def routed_pairs(dest, topology: Topology) -> np.ndarray:
 
 
 def flat_pairs(dest) -> int:
-    """Copies flat EP sends: one per (token, destination rank other than the source)."""
-    dest = np.asarray(dest)
+    """Copies flat EP sends: one per (token, destination rank other than the source), for
+    dest [R, T, K] as in `routed_pairs`."""
+    dest = _dest(dest)
     return sum(
         len({int(d) for d in dest[src, t] if d >= 0 and d != src})
         for src in range(dest.shape[0])
@@ -76,11 +108,15 @@ def flat_pairs(dest) -> int:
 def padded_level_bytes(topology: Topology, tokens: int, hidden: int, dtype) -> list[int]:
     """Payload bytes one rank's static send buffer holds per level: S_l x M_l x H x itemsize,
     with M_0 = T and M_{l+1} = S_l x M_l (every level is dropless)."""
-    return padded_buffer_bytes(topology.level_sizes, tokens, hidden, np.dtype(dtype).itemsize)
+    return padded_buffer_bytes(_topology(topology).level_sizes, tokens, hidden, _itemsize(dtype))
 
 
 def padded_buffer_bytes(level_sizes, tokens: int, hidden: int, itemsize: int) -> list[int]:
     """`padded_level_bytes` from the level sizes alone."""
+    level_sizes = check_ints("level_sizes", level_sizes, 1, min_len=0)  # none: nothing moves
+    check_int("tokens", tokens, 0)
+    check_int("hidden", hidden, 1)
+    check_int("itemsize", itemsize, 1)
     out, held = [], tokens
     for size in level_sizes:
         out.append(size * held * hidden * itemsize)
@@ -140,6 +176,7 @@ def array_bytes(kind: str, shape) -> int:
     """Bytes of one array of HLO element type `kind` (e.g. "f32") and `shape`."""
     if kind not in _DTYPE_BYTES:
         raise ValueError(f"unknown HLO element type {kind!r} (known: {sorted(_DTYPE_BYTES)})")
+    shape = check_ints("shape", shape, 0, min_len=0)
     return math.prod(shape) * _DTYPE_BYTES[kind]
 
 
@@ -149,8 +186,9 @@ def collectives(hlo_text: str, op: str | None = None) -> list[Collective]:
     An async `all-gather-start` prints its operands and results as one tuple; only the results
     are kept, so that every op's operands are what each rank holds afterwards.
     """
-    if op is not None and op not in COLLECTIVES:
-        raise ValueError(f"op must be one of {COLLECTIVES}, got {op!r}")
+    check_str("hlo_text", hlo_text)
+    if op is not None:
+        check_str("op", op, COLLECTIVES)
     out = []
     for shape, kind, start, rest in _INSTRUCTION.findall(hlo_text):
         if op is not None and kind != op:
@@ -179,8 +217,9 @@ def collective_bytes(
     the result is what each rank holds afterwards (its own block included). `op_name` keeps only
     the arrays whose metadata op_name contains it (e.g. "shard_map"; `Collective.op_names`).
     """
-    if op not in COLLECTIVES:
-        raise ValueError(f"op must be one of {COLLECTIVES}, got {op!r}")
+    check_str("op", op, COLLECTIVES)
+    if op_name is not None:
+        check_str("op_name", op_name)
     out = []
     for c in collectives(hlo_text, op):
         kept = [
@@ -199,6 +238,9 @@ def all_reduce_bytes(nbytes: int, members: int, across: int) -> int:
     all-gather, `nbytes / members` from each peer in each. Over one level's `S` members that is
     `2 (S - 1) / S * nbytes`, a ring's volume. The one all-reduce convention of `crossing_bytes`,
     `xdc.volumes` and `xdc.cost`."""
+    check_int("nbytes", nbytes, 0)
+    check_int("members", members, 1)
+    check_int("across", across, 0, members - 1, what=f"an int in [0, members - 1 = {members - 1}]")
     return 2 * nbytes * across // members
 
 
@@ -235,7 +277,19 @@ def crossing_bytes(
     Reads replica groups printed as `mesh['a'=2,...] {'a',...}` (how XLA prints `shard_map`
     collectives); a group printed otherwise raises ValueError rather than being miscounted.
     """
-    axes = {axes} if isinstance(axes, str) else set(axes)
+    check_str("hlo_text", hlo_text)
+    if isinstance(axes, str):
+        axes = {axes}
+    elif not isinstance(axes, Iterable) or not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"axes must be a mesh axis name or a collection of them, got {short(axes)}")
+    axes = set(axes)
+    if dtype is not None:
+        check_str("dtype", dtype, tuple(_DTYPE_BYTES))
+    if op_name is not None:
+        check_str("op_name", op_name)
+    if operands is not None and not callable(operands):
+        raise TypeError(f"operands must be a callable (element type, shape) -> bool or None, got "
+                        f"{short(operands)}")  # fmt: skip
     out = {op: 0 for op in COLLECTIVES}
     for c in collectives(hlo_text):
         names = c.op_names

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the host targets of //:BUILD with Bazel, offline, and smoke-tests the resulting module.
+# Builds the host targets of //:BUILD with Bazel, offline, and smoke-tests the resulting modules.
 #
 # Made for Debian's bazel-bootstrap (Bazel 4.2.3; `apt-get install bazel-bootstrap`), which cannot
 # download rules: every external repository BUILD needs is wired to a local stand-in
@@ -13,7 +13,8 @@
 #   BAZEL_CHECK_ROOT  scratch directory: workspace + Bazel output root, reused across runs for
 #                     caching (default: build/bazel_check in this checkout; build/ is git-ignored)
 #   BAZEL_CHECK_JOBS  --jobs (default: number of CPUs)
-# Exit status 0 when everything built and the module imported with its CPU handlers.
+# Exit status 0 when everything built and the modules imported, the production one with its CPU
+# handlers.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -90,7 +91,9 @@ EOF
 TARGETS=(
   @jax_hybridep//:hybridep_kernels
   @jax_hybridep//:hybridep_cpu_handlers
+  @jax_hybridep//:libhybridep_runtime.so
   @jax_hybridep//:_hybridep
+  @jax_hybridep//:_hybridep_testing
   @jax_hybridep//:jax_hybridep
 )
 echo "bazel_check: $("$BAZEL" --version 2>/dev/null || echo bazel), python $PYTHON"
@@ -111,20 +114,32 @@ cd "$WS"
   "${TARGETS[@]}"
 
 BIN="$("$BAZEL" --batch --output_user_root="$ROOT/out" info --compilation_mode=opt bazel-bin 2>/dev/null)"
-SO="$BIN/external/jax_hybridep/jax_hybridep/_hybridep.so"
-[[ -f "$SO" ]] || { echo "bazel_check: $SO was not built" >&2; exit 1; }
+PKG="$BIN/external/jax_hybridep/jax_hybridep"
+for so in _hybridep.so _hybridep_testing.so libhybridep_runtime.so; do
+  [[ -f "$PKG/$so" ]] || { echo "bazel_check: $PKG/$so was not built" >&2; exit 1; }
+done
 
-# The Bazel-built module must import and expose the CPU handlers, like the CMake-built one.
-"$PYTHON" - "$SO" <<'EOF'
+# The Bazel-built modules must import from the package directory (finding the runtime beside them)
+# and expose what the CMake-built ones do: the production module its CPU handlers only, the test
+# module its hooks, both on one runtime.
+"$PYTHON" - "$PKG" <<'EOF'
 import importlib.machinery, importlib.util, sys
-path = sys.argv[1]
-loader = importlib.machinery.ExtensionFileLoader("_hybridep", path)
-spec = importlib.util.spec_from_file_location("_hybridep", path, loader=loader)
-mod = importlib.util.module_from_spec(spec)
-loader.exec_module(mod)
+def load(name):
+    path = f"{sys.argv[1]}/{name}.so"
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+mod, testing = load("_hybridep"), load("_hybridep_testing")
 regs = mod.cpu_registrations()
 assert regs and all(name.startswith("jax_hybridep_") for name in regs), regs
-assert mod.with_cuda is False, "host-only build reports CUDA"
-assert mod.open_exchange_count() == 0
-print(f"bazel_check: OK, {path} imports; {len(regs)} CPU handlers: {', '.join(sorted(regs))}")
+assert mod.with_cuda is False and testing.with_cuda is False, "host-only build reports CUDA"
+assert {n for n in dir(mod) if not n.startswith("__")} == {
+    "cpu_registrations", "take_recorded_errors", "with_cuda"}, dir(mod)
+assert testing.open_exchange_count() == 0
+testing.record_transport_error("bazel_check")
+assert mod.take_recorded_errors() == [("transport", "bazel_check")], "the modules share no runtime"
+print(f"bazel_check: OK, {sys.argv[1]}: _hybridep imports with {len(regs)} CPU handlers "
+      f"({', '.join(sorted(regs))}); _hybridep_testing shares its runtime")
 EOF

@@ -31,9 +31,9 @@ mkdir -p "$build"
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O0 -g" -DJAX_HYBRIDEP_SANITIZE=ON -DJAX_HYBRIDEP_CUDA=OFF \
   -DPython_EXECUTABLE="$PWD/.venv/bin/python" >"$build.log" 2>&1 ||
   { cat "$build.log" >&2; exit 1; }
-.venv/bin/cmake --build "$build" --target _hybridep >>"$build.log" 2>&1 ||
+.venv/bin/cmake --build "$build" --target _hybridep _hybridep_testing >>"$build.log" 2>&1 ||
   { cat "$build.log" >&2; exit 1; }
-module=$(ls "$build"/_hybridep*.so)
+module=$(ls "$build"/_hybridep.*so)
 
 if [ $# -eq 0 ]; then
   set -- tests/native_test.py tests/dispatch_combine_test.py tests/hierarchical_test.py -k \
@@ -46,24 +46,30 @@ fi
 export LD_PRELOAD="$asan $("$cxx" -print-file-name=libstdc++.so.6)"
 export ASAN_OPTIONS="${ASAN_EXTRA:-}detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=0"
 export UBSAN_OPTIONS="${UBSAN_EXTRA:-}print_stacktrace=1:halt_on_error=1"
-echo "sanitize: $module (ASan + UBSan) on: $*"
-exec .venv/bin/python - "$module" "$@" <<'EOF'
+echo "sanitize: $module and its test module (ASan + UBSan) on: $*"
+exec .venv/bin/python - "$build" "$@" <<'EOF'
 import importlib.machinery
 import importlib.util
+import pathlib
 import sys
 
 import pytest
 
-# Load the sanitized build as jax_hybridep._hybridep before the package imports its own.
-path, args = sys.argv[1], sys.argv[2:]
-loader = importlib.machinery.ExtensionFileLoader("jax_hybridep._hybridep", path)
-spec = importlib.util.spec_from_file_location("jax_hybridep._hybridep", path, loader=loader)
-module = importlib.util.module_from_spec(spec)
-sys.modules["jax_hybridep._hybridep"] = module
-spec.loader.exec_module(module)
+# Load the sanitized builds as jax_hybridep._hybridep and _hybridep_testing before the package
+# imports its own; both find the sanitized runtime library beside them (build RPATH).
+build, args = pathlib.Path(sys.argv[1]), sys.argv[2:]
+loaded = {}
+for name in ("_hybridep", "_hybridep_testing"):
+    (path,) = build.glob(f"{name}.*so")
+    full = f"jax_hybridep.{name}"
+    loader = importlib.machinery.ExtensionFileLoader(full, str(path))
+    spec = importlib.util.spec_from_file_location(full, path, loader=loader)
+    loaded[name] = sys.modules[full] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded[name])
 
 import jax_hybridep  # noqa: E402
 
-assert jax_hybridep._native._hybridep is module, "the sanitized module was not the one loaded"
+assert jax_hybridep._native._hybridep is loaded["_hybridep"], "the sanitized module was not loaded"
+assert jax_hybridep._native.testing_module() is loaded["_hybridep_testing"]
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *args]))
 EOF

@@ -340,7 +340,7 @@ def test_gpu_transport_bandwidths_from_the_hook(monkeypatch):
         def cuda_bench_transport(self, *args, **kwargs):
             return raw
 
-    monkeypatch.setattr(_native, "module", lambda: Hook())
+    monkeypatch.setattr(_native, "testing_module", lambda: Hook())
     result = gpu_transport.measure(tokens=tokens, hidden=hidden, k=k, experts=4, sms=(4,))
     (row,) = result["per_sms"]
     payload = tokens * hidden * 2

@@ -51,10 +51,9 @@ REQUIRE_GPU = os.environ.get("JAX_HYBRIDEP_REQUIRE_GPU") == "1"
 
 def no_gpu_reason() -> str | None:
     """Why the CUDA kernels cannot run here, or None."""
-    native = _native.module()
-    if not native.with_cuda:
+    if not _native.module().with_cuda:
         return "jax_hybridep was built without CUDA (with_cuda is False)"
-    if native.cuda_device_count() == 0:
+    if _native.testing_module().cuda_device_count() == 0:
         return "no CUDA device visible (no GPU or no driver)"
     return None
 

@@ -51,8 +51,10 @@ def main():
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--dir", required=True)
     args = p.parse_args()
-    native = _native.module()
-    native.set_kv_exchange(file_exchange(pathlib.Path(args.dir)))
+    # Windows come by CUDA IPC through the production module's key-value exchange; the test
+    # module's harness runs on the same runtime, so it uses that exchange.
+    _native.module().set_kv_exchange(file_exchange(pathlib.Path(args.dir)))
+    native = _native.testing_module()
     routings = ("random", "duplicates", "one_expert")
     rounds = [Round(r, "bfloat16", 264, R=args.ranks, seed=n) for n, r in enumerate(routings)]
     per_round = [r.inputs(weighted=True) for r in rounds]

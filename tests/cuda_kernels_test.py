@@ -1,27 +1,29 @@
-"""CUDA per-rank kernels against the host kernels and a numpy model, bit for bit (docs/design.md
-§2.1, §5).
+"""The CUDA layout kernels against the host kernels and a numpy model, bit for bit
+(docs/design.md §2.1.2-3).
 
-The native module's `cuda_selftest_*` hooks run one layout or exchange step on the GPU, or with
-`reference=True` the host kernel of the same name, on the same host inputs. Tests marked `gpu`
-compare the two (and a numpy model of §2.1); they skip without a CUDA build or a GPU, and fail
-instead when JAX_HYBRIDEP_REQUIRE_GPU=1. The unmarked tests run anywhere the module was built with
-CUDA: they check the numpy model against the host kernels, so a GPU run only tests the kernels.
-
-Every rank here is a virtual rank on one device: peers' buffers are separate allocations reached
-through a device array of pointers, as NVLink peer memory would be.
+The test module's `cuda_selftest_layout` runs the layout handler's kernels (PlanGroups and
+AssignRows over the counts XLA all-gathers in production) on the GPU, or with `reference=True`
+every layout step of the host kernels, on the same inputs for R ranks. Tests marked `gpu` compare
+the two; they skip without a CUDA build or a GPU, and fail instead when JAX_HYBRIDEP_REQUIRE_GPU=1.
+The unmarked tests check the numpy model of §2.1.2-3 against the host kernels, so a GPU run only
+tests the kernels. The routings and values here are shared with tests/cuda_transport_test.py.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_hybridep import _hybridep as native
+from jax_hybridep import _native
+
+native = _native.testing_module()
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -34,8 +36,40 @@ def test_built_with_cuda_when_nvcc_present():
     )
     if nvcc is None:
         pytest.skip("no nvcc on this machine")
-    assert native.with_cuda, f"nvcc is at {nvcc} but _hybridep was built without CUDA"
+    assert _native.module().with_cuda, f"nvcc is at {nvcc} but _hybridep was built without CUDA"
+    assert native.with_cuda, "the test module was built without CUDA beside a CUDA _hybridep"
     assert native.cuda_device_count() >= 0  # and it must not raise without a driver
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from $CUOBJDUMP, PATH or the CUDA toolkit (not every toolkit install has it)."""
+    for candidate in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
+                      "/usr/local/cuda/bin/cuobjdump"):  # fmt: skip
+        if candidate and pathlib.Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def _device_code(tool: str, library: pathlib.Path, listing: str) -> set[str]:
+    """The architectures of `library`'s cubins (listing 'elf') or PTX (listing 'ptx')."""
+    proc = subprocess.run([tool, f"--list-{listing}", str(library)], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    return set(re.findall(r"\.(sm_\d+a?)\.", proc.stdout))
+
+
+def test_device_code_for_hopper_blackwell_and_ptx(cuda_build):
+    """The runtime library (every kernel the handlers launch) and the test module (the harness)
+    carry SASS for sm_90a and sm_100a and compute_90 PTX for the rest (CMakeLists.txt); the
+    production module carries none of its own."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (set CUOBJDUMP, or install nvidia-cuda-cuobjdump)")
+    testing = pathlib.Path(native.__file__)
+    for library in (testing.with_name("libhybridep_runtime.so"), testing):
+        assert _device_code(tool, library, "elf") == {"sm_90a", "sm_100a"}, library
+        assert _device_code(tool, library, "ptx") == {"sm_90"}, library
+    production = pathlib.Path(_native.module().__file__)
+    assert _device_code(tool, production, "elf") == set()
 
 
 # ---- Routings (R source ranks, T tokens, K slots, E experts) ----
@@ -188,62 +222,16 @@ def test_host_layout_matches_numpy(cuda_build, routing, mode):
 @pytest.mark.parametrize("routing,mode", LAYOUT_CASES)
 def test_cuda_layout_matches_host(gpu, routing, mode):
     args = _layout_args(_routing(routing, np.random.default_rng(0)), 8, mode)
-    want = native.cuda_selftest_layout(**args, reference=True)
+    host = native.cuda_selftest_layout(**args, reference=True)
+    # The GPU runs what the CUDA layout handler runs; its counts come from XLA in production.
+    want = {
+        key: host[key] for key in host if key not in ("counts", "invalid", "dropped_per_source")
+    }
     _assert_same(native.cuda_selftest_layout(**args), want, "cuda vs host")
     _assert_same(native.cuda_selftest_layout(**args), want, "cuda rerun")  # deterministic
 
 
-# ---- Exchange: receive buffers as the write-based protocol of exchange.h fills them ----
-
-
-def _write_tokens(x: np.ndarray, dest: np.ndarray, row_pos: np.ndarray, weights: np.ndarray):
-    """Every destination's receive buffer (§2.1.1: one copy per (token, destination), ascending t).
-
-    x: [R, T, row_bytes] uint8; dest, row_pos, weights: [R, T, K]. Returns per destination
-    tokens [R, R, T, row_bytes], token_ids [R, R, T], row_pos and weights [R, R, T, K].
-    """
-    R, T, K = dest.shape
-    tokens = np.zeros((R,) + x.shape, np.uint8)
-    ids = np.full((R, R, T), -1, np.int32)
-    pos = np.full((R, R, T, K), -1, np.int32)
-    w = np.zeros((R, R, T, K), np.float32)
-    for src in range(R):
-        next_slot = np.zeros(R, np.int64)
-        for t in range(T):
-            for d in sorted({int(d) for d in dest[src, t] if d >= 0}):
-                j = next_slot[d]
-                next_slot[d] += 1
-                here = dest[src, t] == d
-                tokens[d, src, j] = x[src, t]
-                ids[d, src, j] = t
-                pos[d, src, j] = np.where(here, row_pos[src, t], -1)
-                w[d, src, j] = np.where(here, weights[src, t], 0)
-    return tokens, ids, pos, w
-
-
-class Exchange:
-    """One routed exchange over R virtual ranks, with receive buffers and expert outputs."""
-
-    def __init__(self, routing: str, dtype: str, hidden: int, seed: int = 0, E: int = 8):
-        rng = np.random.default_rng(seed)
-        idx = _routing(routing, rng, E=E)
-        args = _layout_args(idx, E, "dropless")
-        layout = _numpy_layout(**args)
-        self.R, self.T, self.K = idx.shape
-        self.C, self.dtype, self.hidden = args["rows"], dtype, hidden
-        safe = np.clip(idx, 0, E - 1)
-        self.dest = np.where(layout["row_pos"] >= 0, args["placement_rank"][safe], -1)
-        self.dest = self.dest.astype(np.int32)
-        self.topk_weights = rng.standard_normal(idx.shape).astype(np.float32)
-        x = _values(rng, (self.R, self.T, hidden), dtype)
-        self.x_bytes = x.view(np.uint8).reshape(self.R, self.T, -1)
-        self.recv = _write_tokens(self.x_bytes, self.dest, layout["row_pos"], self.topk_weights)
-        # Expert outputs of every destination, and its routing weights per row.
-        self.y = _values(rng, (self.R, self.C, hidden), dtype)
-        self.row_weights = rng.standard_normal((self.R, self.C)).astype(np.float32)
-
-    def y_bytes(self, d: int) -> np.ndarray:
-        return self.y[d].view(np.uint8).reshape(self.C, -1)
+# ---- Values shared with tests/cuda_transport_test.py ----
 
 
 def _values(rng, shape, dtype: str) -> np.ndarray:
@@ -261,209 +249,3 @@ def _values(rng, shape, dtype: str) -> np.ndarray:
 
 def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
-
-
-def _numpy_write_partials(ex: Exchange, d: int, weighted: bool) -> np.ndarray:
-    """Destination d's partials in every source's buffer, [R, R, T, H] (§2.1.4: ascending k)."""
-    out = np.zeros((ex.R, ex.R, ex.T, ex.hidden), DTYPES[ex.dtype])
-    _, ids, pos, _ = ex.recv
-    for src in range(ex.R):
-        for j in range(ex.T):
-            t = ids[d, src, j]
-            if t < 0:
-                continue
-            acc = np.zeros(ex.hidden, np.float32)
-            for row in pos[d, src, j]:
-                if row < 0:
-                    continue
-                v = ex.y[d, row].astype(np.float32)
-                if weighted:
-                    v = v * ex.row_weights[d, row]
-                acc = acc + v
-            with np.errstate(over="ignore"):  # float16 sums may round to inf, as in C++
-                out[src, d, t] = acc.astype(DTYPES[ex.dtype])
-    return out
-
-
-def _numpy_reduce(ex: Exchange, partials: np.ndarray, src: int) -> np.ndarray:
-    """Source src's output [T, H]: partials of its distinct destinations, ascending, in float32."""
-    out = np.zeros((ex.T, ex.hidden), np.float32)
-    for t in range(ex.T):
-        for d in sorted({int(d) for d in ex.dest[src, t] if d >= 0}):
-            out[t] = out[t] + partials[d, t].astype(np.float32)
-    with np.errstate(over="ignore"):
-        return out.astype(DTYPES[ex.dtype])
-
-
-def _run_expand(ex: Exchange, d: int, reference: bool):
-    tokens, ids, pos, w = ex.recv
-    return native.cuda_selftest_expand_rows(
-        tokens[d], ids[d], pos[d], w[d], ex.C, reference=reference
-    )
-
-
-def _run_write_partials(ex: Exchange, d: int, weighted: bool, reference: bool) -> np.ndarray:
-    _, ids, pos, _ = ex.recv
-    weights = ex.row_weights[d] if weighted else None
-    raw = native.cuda_selftest_write_partials(
-        ex.dtype, d, ex.y_bytes(d), weights, ids[d], pos[d], reference=reference
-    )
-    return raw.view(DTYPES[ex.dtype]).reshape(ex.R, ex.R, ex.T, ex.hidden)
-
-
-def _run_reduce(ex: Exchange, partials: np.ndarray, src: int, reference: bool) -> np.ndarray:
-    raw = native.cuda_selftest_reduce_partials(
-        ex.dtype, _bits(partials).reshape(ex.R, ex.T, -1), ex.dest[src], reference=reference
-    )
-    return raw.view(DTYPES[ex.dtype]).reshape(ex.T, ex.hidden)
-
-
-def _combine(ex: Exchange, weighted: bool, reference: bool) -> np.ndarray:
-    """Full combine over all ranks with the hooks: [R, T, H] outputs per source."""
-    partials = np.zeros((ex.R, ex.R, ex.T, ex.hidden), DTYPES[ex.dtype])  # [src, d, t, h]
-    for d in range(ex.R):
-        written = _run_write_partials(ex, d, weighted, reference)
-        partials[:, d] = written[:, d]
-    return np.stack([_run_reduce(ex, partials[s], s, reference) for s in range(ex.R)])
-
-
-def _numpy_combine(ex: Exchange, weighted: bool) -> np.ndarray:
-    partials = np.zeros((ex.R, ex.R, ex.T, ex.hidden), DTYPES[ex.dtype])
-    for d in range(ex.R):
-        partials[:, d] = _numpy_write_partials(ex, d, weighted)[:, d]
-    return np.stack([_numpy_reduce(ex, partials[s], s) for s in range(ex.R)])
-
-
-def _numpy_expand(ex: Exchange, d: int):
-    tokens, ids, pos, w = ex.recv
-    out = np.zeros((ex.C, tokens.shape[-1]), np.uint8)
-    out_w = np.zeros(ex.C, np.float32)
-    for src in range(ex.R):
-        for j in range(ex.T):
-            if ids[d, src, j] < 0:
-                continue
-            for kk in range(ex.K):
-                row = pos[d, src, j, kk]
-                if row >= 0:
-                    out[row] = tokens[d, src, j]
-                    out_w[row] = w[d, src, j, kk]
-    return out, out_w
-
-
-EXCHANGE_ROUTINGS = ("random", "all_minus_one", "one_expert", "duplicates", "invalid", "empty_rank")
-
-
-def _assert_bits(got: np.ndarray, want: np.ndarray, what: str):
-    assert got.shape == want.shape, what
-    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=what)
-
-
-@pytest.mark.parametrize("routing", EXCHANGE_ROUTINGS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_host_exchange_matches_numpy(cuda_build, routing, dtype):
-    ex = Exchange(routing, dtype, hidden=5)
-    for weighted in (False, True):
-        _assert_bits(
-            _combine(ex, weighted, True),
-            _numpy_combine(ex, weighted),
-            f"combine weighted={weighted}",
-        )
-    for d in range(ex.R):
-        tokens, weights = _run_expand(ex, d, reference=True)
-        want_tokens, want_weights = _numpy_expand(ex, d)
-        _assert_bits(tokens, want_tokens, f"expand tokens d={d}")
-        _assert_bits(weights, want_weights, f"expand weights d={d}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("routing", EXCHANGE_ROUTINGS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("weighted", [False, True])
-def test_cuda_combine_matches_host(gpu, routing, dtype, weighted):
-    ex = Exchange(routing, dtype, hidden=300)  # more columns than threads in a block
-    want = _combine(ex, weighted, reference=True)
-    _assert_bits(_combine(ex, weighted, reference=False), want, "combine")
-    _assert_bits(want, _numpy_combine(ex, weighted), "host vs numpy")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("routing", EXCHANGE_ROUTINGS)
-@pytest.mark.parametrize(
-    "dtype,hidden",
-    [
-        ("float32", 3),
-        ("float32", 2),
-        ("bfloat16", 3),
-        ("bfloat16", 24),
-        ("float16", 1),
-        ("float16", 300),
-    ],
-)  # row_bytes 12, 8, 6, 48, 2, 600: every copy width from 2 to 16 bytes
-def test_cuda_expand_rows_matches_host(gpu, routing, dtype, hidden):
-    ex = Exchange(routing, dtype, hidden=hidden)
-    for d in range(ex.R):
-        want = _run_expand(ex, d, reference=True)
-        got = _run_expand(ex, d, reference=False)
-        _assert_bits(got[0], want[0], f"tokens d={d}")
-        _assert_bits(got[1], want[1], f"weights d={d}")
-
-
-@pytest.mark.gpu
-def test_cuda_expand_rows_odd_row_bytes(gpu):
-    # 3-byte rows: the byte-wide copy path.
-    rng = np.random.default_rng(3)
-    R, T, K, C = 2, 6, 2, 30
-    tokens = rng.integers(0, 256, size=(R, T, 3), dtype=np.uint8)
-    ids = np.array([[0, 2, 5, -1, -1, -1], [1, 3, -1, -1, -1, -1]], np.int32)
-    rows = rng.permutation(C)[: R * T * K].reshape(R, T, K).astype(np.int32)
-    rows[:, :, 1][rng.random((R, T)) < 0.5] = -1
-    w = rng.standard_normal((R, T, K)).astype(np.float32)
-    want = native.cuda_selftest_expand_rows(tokens, ids, rows, w, C, reference=True)
-    got = native.cuda_selftest_expand_rows(tokens, ids, rows, w, C)
-    _assert_bits(got[0], want[0], "tokens")
-    _assert_bits(got[1], want[1], "weights")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("routing", ("random", "duplicates", "one_expert"))
-def test_cuda_write_row_values_matches_host(gpu, routing):
-    ex = Exchange(routing, "float32", hidden=1)
-    _, ids, pos, _ = ex.recv
-    for d in range(ex.R):
-        want = native.cuda_selftest_write_row_values(
-            ex.row_weights[d], ids[d], pos[d], reference=True
-        )
-        got = native.cuda_selftest_write_row_values(ex.row_weights[d], ids[d], pos[d])
-        _assert_bits(got, want, f"d={d}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_cuda_reduce_partials_many_tokens(gpu, dtype):
-    # More tokens than the grid has blocks, so blocks loop; K = 6 with repeated destinations.
-    rng = np.random.default_rng(5)
-    R, T, K, H = 4, 5000, 6, 4
-    dest = rng.integers(-1, R, size=(T, K)).astype(np.int32)
-    partials = _values(rng, (R, T, H), dtype)
-    raw = _bits(partials).reshape(R, T, -1)
-    want = native.cuda_selftest_reduce_partials(dtype, raw, dest, reference=True)
-    _assert_bits(native.cuda_selftest_reduce_partials(dtype, raw, dest), want, "reduce")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_cuda_combine_nonfinite(gpu, dtype):
-    # inf and NaN inputs: same bits everywhere except NaN payloads. A NaN made or propagated by
-    # float arithmetic has the platform's own payload (x86: 0xffc00000 for inf - inf; NVIDIA GPUs:
-    # canonical 0x7fffffff), so those are compared as "both NaN".
-    ex = Exchange("random", dtype, hidden=8)
-    ex.y[:, ::3, 0] = np.inf
-    ex.y[:, 1::3, 1] = -np.inf
-    ex.y[:, ::2, 1] = np.nan
-    ex.y[:, 1::4, 2] = DTYPES[dtype](-np.inf)
-    ex.y[:, ::4, 2] = DTYPES[dtype](np.inf)
-    want = _combine(ex, True, reference=True).astype(np.float32)
-    got = _combine(ex, True, reference=False).astype(np.float32)
-    nan = np.isnan(want)
-    np.testing.assert_array_equal(np.isnan(got), nan)
-    _assert_bits(got[~nan], want[~nan], "non-NaN values")

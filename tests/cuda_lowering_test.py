@@ -2,7 +2,7 @@
 
 Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
 the custom-call targets: with backend="ffi", a one-level EP group in one process runs the CUDA
-handlers of xla_ffi/cuda/cuda_handlers.cc and nothing of the host's (whether its GPUs share a
+handlers of xla_ffi/cuda/*_handlers.cc and nothing of the host's (whether its GPUs share a
 process or not); under slower levels the transport spans the fastest level and the others go
 through XLA all-to-alls. "auto" keeps to the xla backend on GPUs until the CUDA path has been
 verified on hardware.
@@ -14,6 +14,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -172,3 +173,89 @@ def test_fp8_dispatch_quantises_in_the_send_kernel_on_one_level(levels):
     # 16-bit dispatch leaves the attribute 0.
     plain = _dispatch_call(_lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi")))
     assert "fp8_hidden = 0" in plain
+
+
+# Each CUDA target's attribute struct (xla_ffi/cuda/cuda_attrs.h; the layout takes the host's
+# LayoutAttrsView, as layout_gathered does) and the test module's CPU probe decoding it with the
+# same decoder.
+PROBES = {
+    "jax_hybridep_cuda_layout": "layout",
+    "jax_hybridep_cuda_dispatch": "transport_dispatch",
+    "jax_hybridep_cuda_combine": "transport_combine",
+    "jax_hybridep_cuda_redispatch": "transport",
+    "jax_hybridep_cuda_redispatch_scaled": "transport",
+    "jax_hybridep_cuda_return_row_values": "transport",
+}
+_TRANSPORT = ("site", "num_ranks", "timeout_ms", "num_sms", "multi_process")
+_MEMBERS = {
+    "transport": _TRANSPORT,
+    "transport_dispatch": _TRANSPORT + ("fp8_hidden",),
+    "transport_combine": _TRANSPORT + ("weighted",),
+    "layout": (
+        "num_ranks",
+        "num_slots",
+        "capacity",
+        "rows",
+        "pad_multiple",
+        "strict",
+        "expert_rank",
+        "expert_slot",
+    ),  # fmt: skip
+}
+
+
+def _cuda_call_attrs(monkeypatch, topo, config, weighted) -> list[tuple[str, dict]]:
+    """(target, attributes) of every CUDA custom call the Python side emits for a layer + grads."""
+    calls, real = [], jax.ffi.ffi_call
+
+    def recording(target, *args, **kwargs):
+        issue = real(target, *args, **kwargs)
+
+        def call(*operands, **attrs):
+            if target.startswith("jax_hybridep_cuda_"):
+                calls.append((target, attrs))
+            return issue(*operands, **attrs)
+
+        return call
+
+    monkeypatch.setattr(jax.ffi, "ffi_call", recording)
+    _lowered(topo, config, weighted)
+    monkeypatch.undo()
+    return calls
+
+
+def test_attribute_bundles_decode_into_the_handlers_structs(monkeypatch):
+    """The attributes Python builds for each CUDA call, decoded on CPU by the CUDA handlers' own
+    struct decoders (a member missing, extra, renamed or of another type fails here, not first on
+    a GPU), come back with the values Python sent."""
+    _native.testing_module()  # registers the probes
+    one_level = _gpu_topology({"ep": 4}, ["ep"])
+    across = _gpu_topology({"ep": 4}, ["ep"], local=(False,))
+    calls = _cuda_call_attrs(
+        monkeypatch, one_level, hep.DispatchConfig(num_experts=E, backend="ffi", num_sms=8), True
+    )
+    calls += _cuda_call_attrs(monkeypatch, across, hep.DispatchConfig(
+        num_experts=E, backend="ffi", wire_dtype="float8_e4m3fn", capacity_factor=1.25,
+        strict=True), False)  # fmt: skip
+    assert {target for target, _ in calls} == set(PROBES)
+
+    def expected(target, attrs):
+        values = []
+        for member in _MEMBERS[PROBES[target]]:
+            values.extend(np.atleast_1d(np.asarray(attrs[member])).astype(np.int64).tolist())
+        return values
+
+    def probe_all():
+        return [
+            jax.ffi.ffi_call(f"jax_hybridep_testing_decode_{PROBES[target]}",
+                             jax.ShapeDtypeStruct((len(expected(target, attrs)),), jnp.int32))(
+                                 **attrs)
+            for target, attrs in calls
+        ]  # fmt: skip
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        decoded = jax.jit(probe_all)()  # one program for every call
+    for (target, attrs), got in zip(calls, decoded, strict=True):
+        assert np.asarray(got).tolist() == expected(target, attrs), (target, attrs)
+    multi = {bool(attrs["multi_process"]) for t, attrs in calls if "layout" not in t}
+    assert multi == {True, False}

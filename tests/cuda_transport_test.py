@@ -13,22 +13,20 @@ or a GPU, and fail instead when JAX_HYBRIDEP_REQUIRE_GPU=1.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from cuda_kernels_test import (
     DTYPES,
     _bits,
-    _combine,
     _layout_args,
     _numpy_layout,
     _routing,
     _values,
-    _write_tokens,
 )
 
-from jax_hybridep import _hybridep as native
+from jax_hybridep import _native
+
+native = _native.testing_module()
 
 
 class Round:
@@ -111,17 +109,25 @@ class Round:
         )  # fmt: skip
 
 
-def run_rounds(rounds: list[Round], weighted: bool, send_blocks: int, per_rank_streams=False):
-    """Runs the rounds in order on one set of windows; returns each round's outputs."""
+def run_rounds(
+    rounds: list[Round], weighted: bool, send_blocks: int = 1, per_rank_streams=False,
+    reference=False,
+):  # fmt: skip
+    """Runs the rounds in order on one set of windows (with reference=True: by the host kernels,
+    no GPU); returns each round's outputs."""
     first = rounds[0]
     per_round = [r.inputs(weighted) for r in rounds]
     stacked = {
         key: None if per_round[0][key] is None else np.stack([p[key] for p in per_round])
         for key in per_round[0]
     }
-    out = native.cuda_selftest_transport(
-        first.dtype, first.C, **stacked, send_blocks=send_blocks, per_rank_streams=per_rank_streams
-    )
+    if reference:
+        out = native.transport_reference(first.dtype, first.C, **stacked)
+    else:
+        out = native.cuda_selftest_transport(
+            first.dtype, first.C, **stacked, send_blocks=send_blocks,
+            per_rank_streams=per_rank_streams,
+        )  # fmt: skip
     return [{key: value[n] for key, value in out.items() if key != "blocks_resident"}
             for n in range(len(rounds))]  # fmt: skip
 
@@ -167,6 +173,28 @@ def test_transport_reuses_windows(gpu, per_rank_streams, send_blocks, hidden):
         _assert_round(got[n], case.expected(weighted=True), f"round {n} ({routings[n]})")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_transport_nonfinite_combine(gpu, dtype):
+    """inf and NaN in the expert outputs: the same bits as the host kernels everywhere but NaN
+    payloads. A NaN made or propagated by float arithmetic has the platform's own payload (x86:
+    0xffc00000 for inf - inf; NVIDIA GPUs: canonical 0x7fffffff), so those compare as "both NaN"."""
+    case = Round("random", dtype, 8, R=4)
+    case.y[:, ::3, 0] = np.inf
+    case.y[:, 1::3, 1] = -np.inf
+    case.y[:, ::2, 1] = np.nan
+    case.y[:, 1::4, 2] = DTYPES[dtype](-np.inf)
+    case.y[:, ::4, 2] = DTYPES[dtype](np.inf)
+    (want,) = run_rounds([case], True, reference=True)
+    (got,) = run_rounds([case], True, send_blocks=2)
+    want_rows = want["combined"].view(case.np_dtype).astype(np.float32)
+    got_rows = got["combined"].view(case.np_dtype).astype(np.float32)
+    nan = np.isnan(want_rows)
+    assert nan.any() and np.isinf(want_rows).any()
+    np.testing.assert_array_equal(np.isnan(got_rows), nan)
+    np.testing.assert_array_equal(_bits(got_rows[~nan]), _bits(want_rows[~nan]))
+
+
 def test_transport_hook_rejects_bad_shapes(cuda_build):
     case = Round("random", "float32", 4, R=2)
     args = {k: None if v is None else v[None] for k, v in case.inputs(weighted=False).items()}
@@ -182,26 +210,23 @@ def test_transport_hook_rejects_bad_shapes(cuda_build):
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_numpy_model_matches_host_kernels(cuda_build, routing, dtype):
-    """The model the GPU tests trust, against the host kernels of the same steps (exchange.h):
-    the receive buffers (one slot per (source, token)) + ExpandRows for dispatch, WritePartials +
-    ReducePartials for combine."""
-    case = Round(routing, dtype, 7, R=4)
-    x_bytes = case.x.view(np.uint8).reshape(case.R, case.T, -1)
-    recv = _write_tokens(x_bytes, case.dest, case.row_pos, case.weights)
+def test_numpy_model_matches_host_kernels(routing, dtype):
+    """The model the GPU tests trust, against the host handlers' kernels of the same steps
+    (exchange.h's pull transport: PullRows, PullCombine, PullRowValues) on the same rounds, every
+    output bit for bit; no GPU needed. Two rounds, so a stale round would show."""
+    rounds = [Round(routing, dtype, 7, R=4, seed=n) for n in range(2)]
     for weighted in (False, True):
-        want = case.expected(weighted)
-        for d in range(case.R):
-            tokens, weights = native.cuda_selftest_expand_rows(
-                recv[0][d], recv[1][d], recv[2][d], recv[3][d], case.C, reference=True
-            )
-            np.testing.assert_array_equal(tokens, _bits(want["tokens"][d]).reshape(tokens.shape))
-            np.testing.assert_array_equal(_bits(weights), _bits(want["weights"][d]))
-        host = SimpleNamespace(
-            R=case.R, T=case.T, K=case.K, C=case.C, hidden=case.hidden, dtype=dtype,
-            dest=case.dest, recv=recv, y=case.y, row_weights=case.y_weights,
-            y_bytes=lambda d: case.y[d].view(np.uint8).reshape(case.C, -1),
-        )  # fmt: skip
-        np.testing.assert_array_equal(
-            _bits(_combine(host, weighted, reference=True)), _bits(want["combined"])
-        )
+        got = run_rounds(rounds, weighted, reference=True)
+        for n, case in enumerate(rounds):
+            _assert_round(got[n], case.expected(weighted), f"round {n} weighted={weighted}")
+
+
+def test_reference_hook_rejects_bad_shapes():
+    case = Round("random", "float32", 4, R=2)
+    args = {k: None if v is None else v[None] for k, v in case.inputs(weighted=False).items()}
+    with pytest.raises(ValueError, match=r"scale: expected shape \(1, 2,"):
+        native.transport_reference("float32", case.C, **{**args, "scale": np.zeros((1, 2, 3))})
+    bad = args["row_pos"].copy()
+    bad[0, 0, 0, 0] = -1 if bad[0, 0, 0, 0] >= 0 else 0
+    with pytest.raises(ValueError, match="dest and row_pos disagree on -1"):
+        native.transport_reference("float32", case.C, **{**args, "row_pos": bad})

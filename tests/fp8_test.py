@@ -24,7 +24,7 @@ from jax_hybridep.exchange import cuda_bottom, layouts, routes
 
 MESHES = [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))]
 FP8 = "float8_e4m3fn"
-native = _native._hybridep
+native = _native.testing_module() if _native.available() else None
 needs_native = pytest.mark.skipif(native is None, reason="native module not built")
 
 
@@ -209,17 +209,53 @@ def test_gradients_equal_the_16_bit_path_given_the_same_row_cotangents(backend):
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-def test_fp8_rows_carry_no_gradient():
-    mesh, topo, x, idx, w, kw = _setup((8,), ("ep",), 128, dtype=jnp.float32)
-    cfg = hep.DispatchConfig(backend="xla", wire_dtype=FP8, fp8_rows=True, **kw)
+def _fp8_rows_loss(mesh, topo, kw, backend, rows_fp8, use_rows=True):
+    """sum(combine(1.5 * rows, weights=d.weights) ** 2) with the rows dequantised by the
+    consumer (fp8_rows=True) or by dispatch (fp8_rows=False): the same bits either way."""
+    cfg = hep.DispatchConfig(backend=backend, wire_dtype=FP8, fp8_rows=rows_fp8, **kw)
     spec = all_axes_spec(mesh)
 
-    def rows(x, idx, w):
-        return hep.dispatch(x, idx, w, topology=topo, config=cfg).tokens.astype(jnp.float32)
+    def body(x, idx, w):
+        d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+        if not use_rows:
+            return jnp.zeros(x.shape, jnp.float32).at[:1, :1].add(jnp.sum(d.weights))
+        dtype = jnp.float32 if isinstance(x, tuple) else x.dtype
+        rows = fp8.dequantize(d.tokens, d.scales, dtype) if rows_fp8 else d.tokens
+        return hep.combine(rows * 1.5, d.handle, weights=d.weights).astype(jnp.float32)
 
-    fn = jax.shard_map(rows, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    with pytest.raises(TypeError, match="fp8_rows=True"):
-        jax.jit(jax.grad(lambda x: fn(x, idx, w).sum()))(x)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    return lambda x, idx, w: jnp.sum(fn(x, idx, w) ** 2)  # x may be a quantised (q, scales)
+
+
+def test_fp8_rows_pass_routing_weight_gradients_exactly(backend):
+    """fp8_rows=True: the gradient w.r.t. topk_weights (x not differentiated) is the dequantised
+    path's bit for bit, on both backends (the rows carry no cotangent; each row's weight
+    cotangent returns to its (t, k) as on every path)."""
+    mesh, topo, x, idx, w, kw = _setup((2, 4), ("node", "local"), 200)
+    grads = jax.jit(lambda x, w: [
+        jax.value_and_grad(_fp8_rows_loss(mesh, topo, kw, backend, rows), argnums=2)(x, idx, w)
+        for rows in (True, False)
+    ])(x, w)  # fmt: skip
+    (v8, g8), (v16, g16) = jax.device_get(grads)
+    assert np.count_nonzero(np.nan_to_num(g16)) > g16.size // 2
+    np.testing.assert_array_equal(_bits(v8), _bits(v16))
+    np.testing.assert_array_equal(_bits(g8), _bits(g16))
+
+
+def test_fp8_rows_refuse_gradients_that_need_x_through_the_rows():
+    mesh, topo, x, idx, w, kw = _setup((8,), ("ep",), 128, dtype=jnp.float32)
+    loss = _fp8_rows_loss(mesh, topo, kw, "xla", True)
+    with pytest.raises(TypeError, match="needs x's cotangent through the FP8 rows"):
+        jax.eval_shape(jax.grad(loss), x, idx, w)  # traced only: refused before compiling
+    with pytest.raises(TypeError, match="needs x's cotangent through the FP8 rows"):
+        jax.eval_shape(jax.grad(loss, argnums=(0, 2)), x, idx, w)
+    # x differentiated but the rows unused: their cotangent is zero, so is x's gradient.
+    unused = _fp8_rows_loss(mesh, topo, kw, "xla", True, use_rows=False)
+    assert jax.eval_shape(jax.grad(unused), x, idx, w).shape == x.shape
+    # Pre-quantised input: the same rule for q and scales.
+    pre = _fp8_rows_loss(mesh, topo, kw, "xla", True)
+    with pytest.raises(TypeError, match="needs x's cotangent"):
+        jax.eval_shape(jax.grad(lambda x, w: pre(fp8.quantize(x), idx, w)), x, w)
 
 
 def test_config_rejects_unknown_wire_dtypes():

@@ -14,12 +14,15 @@ difference, whether those are bitwise, and whether the program ran the CUDA hand
 training losses of both backends; whether the FP8 element step (`fp8.cast`, compiled for this
 platform) gives ml_dtypes' bits over every bfloat16 pattern; and whether FP8 dispatch of every
 bfloat16 pattern (on GPUs quantised and dequantised by the CUDA transport's kernels) gives the
-xla backend's bits.
+xla backend's bits; and how many per-site states of the CUDA handlers the re-jitted block
+holds (one per CUDA call site of the program alive, none once it is gone). `--gpu_transport=v2`
+runs every ffi case over transport v2 instead of v1.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -36,7 +39,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_hybridep as hep  # noqa: E402
-from jax_hybridep import fp8  # noqa: E402
+from jax_hybridep import _native, fp8  # noqa: E402
 
 
 def _global(mesh, a, spec):
@@ -61,7 +64,14 @@ def _run(mesh, topo, backend, dtype, capacity, weighted, args, wire_dtype=None):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, idx, experts)
     hlo = fn.lower(x, idx, w, experts).as_text()
     gathered = multihost_utils.process_allgather((out, stacked, grads), tiled=True)
-    return jax.device_get(gathered), "jax_hybridep_cuda_dispatch" in hlo
+    return jax.device_get(gathered), _cuda_transport(hlo)
+
+
+def _cuda_transport(hlo: str) -> str | None:
+    """Which CUDA transport's dispatch the program runs ("v1", "v2"), or None."""
+    if "jax_hybridep_cuda_v2_dispatch" in hlo:
+        return "v2"
+    return "v1" if "jax_hybridep_cuda_dispatch" in hlo else None
 
 
 def _bitwise(a, b) -> bool:
@@ -100,6 +110,31 @@ def _train(n, names):
         losses[backend] = dict(backend=metrics["backend"],
                                train=[r["loss"] for r in metrics["train"]])  # fmt: skip
     return losses
+
+
+def _site_states(mesh, topo, args) -> dict:
+    """Live per-site states of the CUDA handlers (xla_ffi/cuda/site_state.h) while the MoE block is
+    re-jitted (a new trace and new call sites each time, as a retraced model): each
+    program holds one per CUDA call site, and none outlives its program. None without CUDA."""
+    if not _native.module().with_cuda:
+        return None
+    testing = _native.testing_module()
+    E = args.experts_per_gpu * mesh.size
+    x, idx, w, experts = args.inputs(E, jnp.float32)
+    spec = all_axes_spec(mesh)
+    x, idx, w = (_global(mesh, a, spec) for a in (x, idx, w))
+    experts = _global(mesh, experts, P(topo.ep_axes))
+    gc.collect()
+    base = testing.live_site_states()
+    per_program = []
+    # Four on GPUs; two where the CUDA handlers do not run (the CPU check of this worker).
+    for _ in range(4 if jax.devices()[0].platform == "gpu" else 2):
+        fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=E, backend="ffi"))
+        jax.block_until_ready(fn(x, idx, w, experts))
+        per_program.append(testing.live_site_states() - base)
+        del fn
+        gc.collect()
+    return dict(per_program=per_program, after=testing.live_site_states() - base)
 
 
 def _fp8_element_bitwise() -> bool:
@@ -162,12 +197,16 @@ def main():
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--levels", choices=("flat", "hier"), default="flat")
     p.add_argument("--train", action="store_true")
+    # The CUDA transport every ffi run uses (DispatchConfig.gpu_transport, by its env var so the
+    # training example follows too).
+    p.add_argument("--gpu_transport", choices=("v1", "v2"), default="v1")
     # smoke: one variant per code path (CPU runs of the worker itself); all: every variant.
     p.add_argument("--variants", choices=("all", "smoke"), default="all")
     p.add_argument("--process_id", type=int, default=None)
     p.add_argument("--num_processes", type=int, default=1)
     p.add_argument("--port", type=int, default=None)
     args = p.parse_args()
+    os.environ["JAX_HYBRIDEP_GPU_TRANSPORT"] = args.gpu_transport
     if args.process_id is not None:  # one GPU per process
         jax.distributed.initialize(
             f"127.0.0.1:{args.port}", num_processes=args.num_processes,
@@ -204,14 +243,15 @@ def main():
         name += "_fp8" if wire else ""
         run = (dtype, capacity, weighted, args, wire)
         state = rng.bit_generator.state
-        ffi, ran_cuda = _run(mesh, topo, "ffi", *run)
+        ffi, transport = _run(mesh, topo, "ffi", *run)
         rng.bit_generator.state = state
         again, _ = _run(mesh, topo, "ffi", *run)
         rng.bit_generator.state = state
         ref, _ = _run(mesh, topo, "xla", *run)
         (out, stacked, grads), (ref_out, ref_stacked, ref_grads) = ffi, ref
         cases[name] = dict(
-            ran_cuda=ran_cuda,
+            ran_cuda=transport is not None,
+            transport=transport,
             dispatch_bitwise=_bitwise(stacked, ref_stacked),
             rerun_bitwise=_bitwise(ffi, again),
             out_bitwise=_bitwise(out, ref_out),
@@ -225,9 +265,11 @@ def main():
     hep.check_errors()
     report = dict(
         devices=n, processes=jax.process_count(), single_process=topo.single_process,
+        gpu_transport=args.gpu_transport,
         platform=jax.devices()[0].platform, levels=names, cases=cases, train=train,
         fp8_element_bitwise=_fp8_element_bitwise(),
         fp8_every_pattern=_fp8_rows_of_every_pattern(mesh, topo),
+        site_states=_site_states(mesh, topo, args),
     )  # fmt: skip
     print(json.dumps(report))
 

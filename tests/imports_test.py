@@ -14,7 +14,10 @@ import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jax_hybridep")
 PACKAGE = "jax_hybridep"
-NATIVE = ("jax_hybridep._hybridep",)  # compiled extension modules (built elsewhere; no imports)
+NATIVE = (  # compiled extension modules (built elsewhere; no imports)
+    "jax_hybridep._hybridep",
+    "jax_hybridep._hybridep_testing",
+)
 
 
 def _modules() -> dict[str, str]:

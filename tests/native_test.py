@@ -1,4 +1,5 @@
-"""The native module: registration and the float conversions the host kernels rely on."""
+"""The native modules: the production module registers handlers only, the test module beside it
+holds the rest; and the float conversions the host kernels rely on."""
 
 import ml_dtypes
 import numpy as np
@@ -18,9 +19,49 @@ def test_handlers_registered():
     assert targets == {f"jax_hybridep_{name}" for name in one_level | per_level}
 
 
+# What the production module may hold besides handler registrations: the runtime services the
+# package's own Python calls (jax_hybridep/_native.py, errors.py). Anything else belongs in the
+# test module.
+PRODUCTION_SERVICES = {
+    "with_cuda": "which platforms have handlers (_native.platforms)",
+    "take_recorded_errors": "hep.check_errors() raises what the handlers recorded",
+    "cuda_window_error": "hep.check_errors() raises a GPU transport's device-side failure",
+    "set_kv_exchange": "window handles of multi-process EP groups travel through jax.distributed",
+    "release_cuda_windows": "the windows are freed at exit, before the CUDA runtime goes",
+}
+
+
+def test_production_module_registers_handlers_only():
+    production = _native.module()
+    names = {n for n in dir(production) if not n.startswith("__")}
+    registrations = {n for n in names if n.endswith("_registrations")}
+    cuda = {"cuda_registrations", "cuda_state_type_registrations"}  # the handlers, their state
+    assert registrations == {"cpu_registrations"} | (cuda if production.with_cuda else set())
+    cuda_only = {"cuda_window_error", "set_kv_exchange", "release_cuda_windows"}
+    services = set(PRODUCTION_SERVICES) - (set() if production.with_cuda else cuda_only)
+    assert names - registrations == services
+    # The test hooks are in the test module, on the same runtime.
+    testing = _native.testing_module()
+    assert testing.with_cuda == production.with_cuda
+    assert {"round_trip", "limits", "open_exchange_count", "transport_reference"} <= set(
+        dir(testing)
+    )
+    if production.with_cuda:
+        assert {"cuda_selftest_transport", "cuda_bench_transport"} <= set(dir(testing))
+
+
+def test_both_modules_share_one_runtime():
+    """One runtime library under both modules (not a copy each): a failure recorded through the
+    test module is the one the production module's error log hands hep.check_errors()."""
+    _native.testing_module().record_transport_error("jax_hybridep: probe of the shared runtime")
+    assert _native.module().take_recorded_errors() == [
+        ("transport", "jax_hybridep: probe of the shared runtime")
+    ]
+
+
 def test_python_mirrors_the_native_limits():
     """Constants checked on the Python side equal the kernels' own (xla_ffi/limits.h)."""
-    limits = _native.module().limits()
+    limits = _native.testing_module().limits()
     assert config.MAX_SMS == limits["max_send_blocks"]
     assert cuda_bottom.MAX_TOP_K == limits["max_top_k"]
 
@@ -57,7 +98,7 @@ def test_round_to_nearest_even_like_numpy(dtype):
         ]
     )
     values = values[~np.isnan(values)]
-    got = np.frombuffer(_native.module().round_trip(dtype, values.tobytes()), np.float32)
+    got = np.frombuffer(_native.testing_module().round_trip(dtype, values.tobytes()), np.float32)
     with np.errstate(over="ignore"):  # float16 overflow to inf is the expected result
         want = values.astype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else np.float16)
     want = want.astype(np.float32)

@@ -346,7 +346,7 @@ def test_phase_kinds():
 @pytest.mark.parametrize(
     "make,message",
     [
-        (lambda: Datacenters(num_dcs=0), "Datacenters.num_dcs must be an integer >= 1, got 0"),
+        (lambda: Datacenters(num_dcs=0), "Datacenters.num_dcs must be an int >= 1, got 0"),
         (lambda: Datacenters(num_dcs=2, dc_gbps=float("nan")), "dc_gbps must be a finite"),
         (lambda: Datacenters(num_dcs=2, wan_latency_s=-1), "wan_latency_s must be a finite"),
         (lambda: MoELayer(compression=0.5), "MoELayer.compression must be a finite number >= 1"),

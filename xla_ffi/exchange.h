@@ -1,14 +1,13 @@
-// The steps of one direct-write exchange level, on the host (docs/design.md §2.1, §3).
+// The steps of one exchange level on the host (docs/design.md §2.1, §3), as the host handlers run
+// them.
 //
-// Dispatch: every source rank writes one copy of each token per destination rank straight into
-// that destination's receive buffer, one slot per (source, token), then each destination expands
-// its receive buffer into expert-major rows (ExpandRows). Combine runs the reverse: each
-// destination sums its rows per received token and writes the partial into the source's buffer
-// (WritePartials), and the source adds the partials in ascending destination rank
-// (ReducePartials).
-//
-// These write-based steps are the protocol the CUDA kernels implement (and are checked against).
-// The host handlers use the equivalent pull transport below, which needs no staging copy.
+// Inside one process every rank reads its peers' inputs once all have arrived ("pull transport"):
+// a destination copies each of its rows straight from the source's x, and a source sums its
+// partials from the destinations' rows, each partial rounded to the row dtype before the source
+// adds it (the order of docs/design.md §2.1.4: ascending k within a destination, ascending
+// destination).
+// The GPU transport (xla_ffi/cuda/transport.h) writes the same rows and sums by writing into its
+// peers instead, bit for bit (tests/cuda_transport_test.py checks both against one numpy model).
 //
 // Framework-free: raw pointers only. The caller provides the peers' buffers (shared process memory)
 // and the barriers between the write and read steps.
@@ -30,29 +29,6 @@ struct ExchangeShape {
   int64_t rows;       // C, rows of the expert-major buffer
   int64_t row_bytes;  // H * element size
 };
-
-// A destination's receive buffer for dispatch. Slot (src, j) holds the j-th token that source
-// `src` sends here; its metadata says which rows it expands into.
-struct DispatchRecvBuffer {
-  char* tokens;        // [R, T, row_bytes]
-  int32_t* token_ids;  // [R, T]: the source's token index t, -1 for an empty slot
-  int32_t* row_pos;    // [R, T, K]: destination row per k, -1 when (t, k) has no row here
-  float* weights;      // [R, T, K]: routing weight per k
-};
-
-// Expands a destination's receive buffer into expert-major rows; rows nobody fills are zero.
-// out_tokens: [C, row_bytes]; out_weights: [C].
-void ExpandRows(const ExchangeShape& shape, const DispatchRecvBuffer& recv, char* out_tokens,
-                float* out_weights);
-
-// ---------------------------------------------------------------------------- pull transport
-// Inside one process every rank can read its peers' inputs once all have arrived, so the host
-// handlers of the one-level exchange read straight from the peers instead of staging a copy
-// first: a destination copies each of its rows from the source's x (one copy per row instead of a
-// copy per (token, destination) into a receive buffer plus one per row out of it), and a source
-// sums its partials from the destinations' rows. Same results, bit for bit, as writing the
-// receive buffers + ExpandRows and WritePartials + ReducePartials (the same adds in the same order;
-// each partial is still rounded to the row dtype before the source adds it).
 
 // One source's dispatch inputs as a destination reads them.
 struct SourceRows {
@@ -147,24 +123,6 @@ inline void PrefetchRow(const char* row, int64_t bytes) {
 inline void PrefetchRowForWrite(char* row, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset, 1);
 }
-
-// Destination `rank` sums, for every token it received, its rows in ascending k in float32
-// (each row times `weights[row]` when weights is non-null), rounds the partial to `dtype`, and
-// writes it into the source's partial buffer at [rank, t]. peer_partials[src]: [R, T, row_bytes].
-void WritePartials(const ExchangeShape& shape, int64_t rank, Dtype dtype, const char* y,
-                   const float* weights, const int32_t* token_ids, const int32_t* recv_row_pos,
-                   char* const* peer_partials);
-
-// Source side of combine: out[t] = sum over destinations d holding a row of t, in ascending d, of
-// partials[d, t], in float32, rounded once to `dtype`. dest: [T, K] destination rank of each kept
-// (t, k), -1 otherwise.
-void ReducePartials(const ExchangeShape& shape, Dtype dtype, const char* partials,
-                    const int32_t* dest, char* out);
-
-// A destination returns one float per received (t, k), values[recv_row_pos], into the source's
-// [T, K] buffer (the routing-weight gradient). peer_out[src]: [T, K], zeroed by its owner.
-void WriteRowValues(const ExchangeShape& shape, const float* values, const int32_t* token_ids,
-                    const int32_t* recv_row_pos, float* const* peer_out);
 
 }  // namespace jax_hybridep
 

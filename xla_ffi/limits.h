@@ -12,6 +12,8 @@ namespace jax_hybridep {
 constexpr int64_t kMaxSendBlocks = 256;
 // Most routing slots per token the transport kernels take.
 constexpr int64_t kMaxTopK = 64;
+// Most ranks in one window group (the combine's set of destinations is a bitmask of this size).
+constexpr int64_t kMaxWindowRanks = 128;
 
 }  // namespace jax_hybridep
 

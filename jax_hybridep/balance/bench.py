@@ -21,6 +21,8 @@ import numpy as np
 from jax_hybridep.balance.placement import Placement, imbalance
 from jax_hybridep.balance.planner import moving_average, plan_placement
 from jax_hybridep.balance.workloads import KINDS, Skew, counts
+from jax_hybridep.bench import cli
+from jax_hybridep.values import make_parent_dirs
 
 LOAD_DECAY = 0.9
 
@@ -129,10 +131,14 @@ def table_row(kind, experts, top_k, ranks, tokens, redundant, per_node, strength
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank per batch")
-    parser.add_argument("--capacity_factor", type=float, default=1.0)
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_hybridep.balance.bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--tokens", type=cli.positive_int, default=512,
+                        help="tokens per rank per batch")  # fmt: skip
+    parser.add_argument("--capacity_factor", type=cli.positive_float, default=1.0)
+    parser.add_argument("--json", type=cli.output_path, default="",
+                        help="also write the rows here")  # fmt: skip
     args = parser.parse_args(argv)
     import jax  # noqa: PLC0415
 
@@ -149,6 +155,7 @@ def main(argv=None) -> None:
         cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
         print("| " + " | ".join(cells) + " |")
     if args.json:
+        make_parent_dirs(args.json)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

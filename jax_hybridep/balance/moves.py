@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jax_hybridep.balance.placement import Placement
+from jax_hybridep.values import check_array, is_int, short
 
 NOT_EXPERT = -1
 
@@ -48,12 +49,15 @@ def expert_tags(model, params) -> tuple[object, list]:
 
 
 def permute(leaf, perm):
-    """`leaf[perm]` (along the first dim), keeping its sharding; `perm` None: leaf."""
+    """`leaf[perm]` (along the first dim), keeping its sharding; `perm` None: leaf. `perm` must
+    be a permutation of range(leaf.shape[0]) (an index out of range would be clamped)."""
     if perm is None:
         return leaf
-    perm = np.asarray(perm)
-    if leaf.shape[0] != perm.size:
-        raise ValueError(f"cannot move {leaf.shape} expert weights with {perm.size} indices")
+    perm = check_array("perm", perm, ndim=1, integer=True, nonempty=False)
+    if np.ndim(leaf) == 0 or leaf.shape[0] != perm.size:
+        raise ValueError(f"cannot move {np.shape(leaf)} expert weights with {perm.size} indices")
+    if not np.array_equal(np.sort(perm), np.arange(perm.size)):
+        raise ValueError(f"perm must be a permutation of 0..{perm.size - 1}, got {short(perm)}")
     sharding = getattr(leaf, "sharding", None)
     move = jax.jit(lambda a: a[perm], out_shardings=sharding)
     return move(leaf)
@@ -63,6 +67,15 @@ def move_experts(tree, tags, perms: Sequence[np.ndarray | None], *, tx=None):
     """`tree` with every tagged leaf permuted along its first dim by `perms[tag]` (None: left
     as is), sharding kept. With `tx` (the optax transformation), `tree` is its state and the
     parameter-shaped parts of it move (`optax.tree_map_params`)."""
+    if isinstance(perms, str) or not isinstance(perms, Sequence):
+        raise TypeError(f"perms must be a sequence (one per block, or None), got {short(perms)}")
+    used = [t for t in jax.tree.leaves(tags) if t != NOT_EXPERT]
+    bad = sorted({t for t in used if not is_int(t) or not 0 <= t < len(perms)}, key=str)
+    if bad:
+        raise ValueError(
+            f"tags name blocks {bad[:8]} but perms has {len(perms)} entries (expert_tags' "
+            "blocks, in order)"
+        )
 
     def move(leaf, tag):
         return leaf if tag == NOT_EXPERT else permute(leaf, perms[tag])

@@ -22,7 +22,8 @@ import functools
 
 import numpy as np
 
-from jax_hybridep.values import check_int
+from jax_hybridep.topology import Topology
+from jax_hybridep.values import check_array, check_int, check_type
 
 EMPTY = -1  # an unused redundant slot
 
@@ -104,6 +105,7 @@ class Placement:
     def for_topology(cls, num_experts: int, topology, redundant_per_rank: int = 0) -> Placement:
         """`default` on a `Topology`'s EP group; with several levels, a node is the fastest
         level's ranks (the replica rule prefers a copy there)."""
+        check_type("topology", topology, Topology, "a jax_hybridep.Topology")
         per_node = topology.level_sizes[-1] if len(topology.levels) > 1 else None
         return cls.default(num_experts, topology.ep_size, redundant_per_rank, per_node)
 
@@ -116,6 +118,7 @@ class Placement:
 
     @classmethod
     def from_json(cls, data: dict) -> Placement:
+        check_type("data", data, dict, "a dict from Placement.to_json")
         try:
             return cls(
                 tuple(tuple(r) for r in data["slot_expert"]),
@@ -172,6 +175,7 @@ class Placement:
 
     def copies(self, expert: int) -> tuple[int, ...]:
         """Physical slots (rank * L + slot, ascending) holding `expert`."""
+        check_int("expert", expert, 0, self.num_experts - 1)
         return tuple(int(p) for p in np.flatnonzero(self.table.reshape(-1) == expert))
 
     @functools.cached_property
@@ -195,6 +199,7 @@ class Placement:
     def sync_bytes(self, expert_bytes: int) -> np.ndarray:
         """[R] bytes each rank receives per training step for the replicas: a copy's weights
         (forward, at the copy's rank) and its gradient (backward, at the primary's rank)."""
+        check_int("expert_bytes", expert_bytes, 0)
         out = np.zeros(self.num_ranks, np.int64)
         for rank, _, src, _ in self.replica_sources:
             if rank != src:
@@ -224,8 +229,10 @@ class Placement:
 
     def slot_loads(self, load) -> np.ndarray:
         """[R, L] predicted rows per physical slot when every rank sends load[e] / R of
-        expert e's rows (the replica rule above, remainders ignored)."""
-        load = np.asarray(load, np.float64)
+        expert e's rows (the replica rule above, remainders ignored); load [E] finite, >= 0."""
+        load = check_array("load", load, ndim=1, lo=0)
+        if load.size != self.num_experts:
+            raise ValueError(f"load has {load.size} experts, the placement {self.num_experts}")
         count, ids = self.candidates
         out = np.zeros(self.num_slots)
         for node in range(self.nodes):
@@ -241,8 +248,9 @@ class Placement:
 
 
 def imbalance(rank_load) -> float:
-    """max / mean of per-rank loads (1.0 when balanced, and when nothing is routed)."""
-    rank_load = np.asarray(rank_load, np.float64)
+    """max / mean of per-rank loads (1.0 when balanced, and when nothing is routed); rank_load
+    [R] finite, >= 0."""
+    rank_load = check_array("rank_load", rank_load, ndim=1, lo=0)
     mean = rank_load.mean()
     return float(rank_load.max() / mean) if mean > 0 else 1.0
 
@@ -250,6 +258,8 @@ def imbalance(rank_load) -> float:
 def permutation(old: Placement, new: Placement) -> np.ndarray:
     """Index array `perm` with `stored_new = stored_old[perm]` along the expert dim (moves the
     stacked expert weights, and any state shaped like them, to `new`'s storage order)."""
+    check_type("old", old, Placement, "a balance.Placement")
+    check_type("new", new, Placement, "a balance.Placement")
     if old.num_experts != new.num_experts:
         raise ValueError(
             f"placements of {old.num_experts} and {new.num_experts} experts cannot be swapped"

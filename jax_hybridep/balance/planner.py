@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 
 from jax_hybridep.balance.placement import EMPTY, Placement, imbalance
-from jax_hybridep.values import check_int, check_real
+from jax_hybridep.values import check_array, check_int, check_real, check_type
 
 MAX_BUDGETS = 33  # replica counts tried per plan (all of them up to this many)
 SWAP_ROUNDS = 64  # swap-improvement passes per rank and slot
@@ -84,9 +84,7 @@ def plan_placement(
     Returns:
       BalancePlan.
     """
-    load = np.asarray(load, np.float64)
-    if load.ndim != 1 or load.size == 0 or not np.all(np.isfinite(load)) or np.any(load < 0):
-        raise ValueError(f"load must be a non-empty [E] array of finite values >= 0, got {load!r}")
+    load = check_array("load", load, ndim=1, lo=0)
     r = check_int("num_ranks", num_ranks, 1)
     lp = check_int("slots_per_rank", slots_per_rank, 1)
     n = check_int("redundant_per_rank", redundant_per_rank, 0)
@@ -100,7 +98,9 @@ def plan_placement(
         raise ValueError(f"ranks_per_node={per_node} does not divide num_ranks={r}")
     check_int("expert_bytes", expert_bytes, 0)
     check_int("row_bytes", row_bytes, 0)
-    check_real("min_gain", min_gain, 0.0)
+    check_real("min_gain", min_gain, 0.0, 1.0, below_hi=True)
+    if current is not None:
+        check_type("current", current, Placement, "a balance.Placement or None")
     if current is not None and (
         current.num_ranks,
         current.slots_per_rank,
@@ -147,11 +147,17 @@ def plan_placement(
 
 def moving_average(previous, tokens_per_expert, decay: float):
     """`decay * previous + (1 - decay) * tokens_per_expert` (float64); `previous` None starts
-    the average at the first measurement."""
-    new = np.asarray(tokens_per_expert, np.float64)
+    the average at the first measurement. Both [E], finite and >= 0; decay in [0, 1)."""
+    decay = check_real("decay", decay, 0.0, 1.0, below_hi=True)
+    new = check_array("tokens_per_expert", tokens_per_expert, ndim=1, lo=0)
     if previous is None:
         return new
-    return decay * np.asarray(previous, np.float64) + (1 - decay) * new
+    previous = check_array("previous", previous, ndim=1, lo=0)
+    if previous.shape != new.shape:
+        raise ValueError(
+            f"previous has {previous.size} experts but tokens_per_expert has {new.size}"
+        )
+    return decay * previous + (1 - decay) * new
 
 
 def _replica_counts(load, num_ranks, used) -> np.ndarray:

@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep import ops
+from jax_hybridep import checks, ops
 from jax_hybridep.balance.placement import EMPTY, Placement
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
+from jax_hybridep.values import check_int, check_type, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,8 @@ class Replicas:
     topology: Topology
 
     def __post_init__(self):
-        if not isinstance(self.placement, Placement):
-            raise TypeError(f"placement must be a balance.Placement, got {self.placement!r}")
+        check_type("placement", self.placement, Placement, "a balance.Placement")
+        check_type("topology", self.topology, Topology, "a jax_hybridep.Topology")
         if self.placement.num_ranks != self.topology.ep_size:
             raise ValueError(
                 f"the placement spans {self.placement.num_ranks} ranks but the topology "
@@ -74,6 +75,9 @@ class Replicas:
         `top_k` ids per shard. A capacity factor keeps its meaning: every physical slot gets
         the capacity a logical expert has without copies, `ceil(f * T * EP * K / E)` (§2.1.3),
         so a copied expert has a multiple of it and no expert has less (drops never rise)."""
+        check_type("config", config, DispatchConfig, "a jax_hybridep.DispatchConfig")
+        check_int("tokens", tokens, 1)
+        check_int("top_k", top_k, 1)
         p = self.placement
         if config.num_experts != p.num_experts:
             raise ValueError(
@@ -100,10 +104,19 @@ class Replicas:
 
     def physical_ids(self, topk_idx, rank) -> jax.Array:
         """[T, K] logical ids of source rank `rank` -> physical slots by the replica rule
-        (`balance.placement`); -1 stays -1 and invalid ids become the invalid id R * L."""
+        (`balance.placement`); -1 stays -1 and invalid ids become the invalid id R * L.
+        `topk_idx` integer (checked in its own dtype, like dispatch's), `rank` in [0, R)."""
         p = self.placement
+        topk_idx = jnp.asarray(topk_idx)
+        if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+            raise TypeError(f"topk_idx must hold integer expert ids, got dtype {topk_idx.dtype}")
+        if topk_idx.ndim != 2:
+            raise ValueError(f"topk_idx must be [T, K], got shape {topk_idx.shape}")
+        if is_int(rank):
+            check_int("rank", rank, 0, p.num_ranks - 1)
         count, ids = (jnp.asarray(a) for a in p.candidates)
-        idx = jnp.asarray(topk_idx).astype(jnp.int32)
+        # Ids the int32 cast would wrap into range (wide or unsigned) count as invalid first.
+        idx = checks.expert_ids_int32(topk_idx, p.num_experts)
         flat = idx.reshape(-1)
         valid = (flat >= 0) & (flat < p.num_experts)
         expert = jnp.where(valid, flat, p.num_experts)  # invalid ids sort after every expert
@@ -126,6 +139,11 @@ class Replicas:
 
     def logical_counts(self, tokens_per_slot) -> jax.Array:
         """[R * L] per-slot counts -> [E] per logical expert."""
+        if jnp.shape(tokens_per_slot) != (self.placement.num_slots,):
+            raise ValueError(
+                f"tokens_per_slot must be [R * L] = [{self.placement.num_slots}], got shape "
+                f"{jnp.shape(tokens_per_slot)}"
+            )
         e = self.placement.num_experts
         owner = jnp.asarray(np.where(self.slot_logical == EMPTY, e, self.slot_logical))
         return jax.ops.segment_sum(tokens_per_slot, owner, num_segments=e + 1)[:e]
@@ -176,11 +194,16 @@ class Replicas:
         placement (empty slots zero)."""
         p = self.placement
         lp, r = p.slots_per_rank, p.num_ranks
+        if not isinstance(weights, Sequence):  # an array would be split into its rows
+            raise TypeError(
+                f"gather takes a sequence of stored expert arrays, got {type(weights).__name__}"
+                " (wrap one array in a tuple)"
+            )
         weights = tuple(weights)
         for w in weights:
-            if w.shape[0] != lp:
+            if jnp.ndim(w) == 0 or jnp.shape(w)[0] != lp:
                 raise ValueError(
-                    f"gather expects [{lp}, ...] stored experts per shard, got shape {w.shape}"
+                    f"gather expects [{lp}, ...] stored experts per shard, got shape {jnp.shape(w)}"
                 )
         if p.redundant_per_rank == 0:
             return weights

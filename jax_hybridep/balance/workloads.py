@@ -17,6 +17,8 @@ import dataclasses
 
 import numpy as np
 
+from jax_hybridep.values import check_array, check_int, check_real, check_str
+
 KINDS = ("zipf", "group_limited")
 
 
@@ -31,12 +33,33 @@ class Skew:
     num_groups: int = 8
     topk_groups: int = 4
 
+    def __post_init__(self):
+        check_str("kind", self.kind, KINDS)
+        e = check_int("num_experts", self.num_experts, 1)
+        check_int("top_k", self.top_k, 1, e, what=f"an int in [1, num_experts={e}]")
+        pop = check_array("popularity", self.popularity, ndim=1)
+        if pop.size != e:
+            raise ValueError(f"popularity has {pop.size} entries for num_experts={e}")
+        if self.kind == "group_limited":
+            g = check_int("num_groups", self.num_groups, 1)
+            if e % g:
+                raise ValueError(f"num_groups={g} does not divide num_experts={e}")
+            check_int("topk_groups", self.topk_groups, 1, g, what=f"an int in [1, num_groups={g}]")
+            if self.top_k > self.topk_groups * (e // g):
+                raise ValueError(
+                    f"top_k={self.top_k} is more than the {self.topk_groups * (e // g)} experts "
+                    f"of topk_groups={self.topk_groups} groups of {e // g}"
+                )
+        object.__setattr__(self, "popularity", tuple(float(v) for v in pop))
+
     @classmethod
     def make(cls, kind: str, num_experts: int, top_k: int, strength: float, seed: int = 0,
              num_groups: int = 8, topk_groups: int = 4) -> Skew:  # fmt: skip
-        """A skew of `kind` with `strength` (the Zipf exponent, or the bias scale)."""
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        """A skew of `kind` with `strength` (the Zipf exponent, or the bias scale; >= 0)."""
+        check_str("kind", kind, KINDS)
+        check_int("num_experts", num_experts, 1)
+        check_real("strength", strength, 0.0)
+        check_int("seed", seed, 0)
         rng = np.random.default_rng(seed)
         ranks = rng.permutation(num_experts) + 1
         if kind == "zipf":
@@ -48,6 +71,8 @@ class Skew:
 
     def sample(self, tokens: int, seed: int) -> np.ndarray:
         """[tokens, top_k] int32 expert ids (distinct per token)."""
+        check_int("tokens", tokens, 1)
+        check_int("seed", seed, 0)
         rng = np.random.default_rng(seed)
         e, k = self.num_experts, self.top_k
         pop = np.asarray(self.popularity)
@@ -65,6 +90,7 @@ class Skew:
 
 
 def counts(topk_idx, num_experts: int) -> np.ndarray:
-    """[E] rows per expert of a routing (ids outside [0, E) ignored)."""
-    flat = np.asarray(topk_idx).reshape(-1)
+    """[E] rows per expert of a routing (integer ids; those outside [0, E) ignored)."""
+    check_int("num_experts", num_experts, 1)
+    flat = check_array("topk_idx", topk_idx, integer=True, nonempty=False).reshape(-1)
     return np.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)

@@ -7,6 +7,11 @@ import argparse
 import math
 from collections.abc import Sequence
 
+from jax_hybridep.values import output_path_arg
+
+# An output path flag: '' (skip) or a writable file path, checked at parse time.
+output_path = output_path_arg
+
 
 def _int_at_least(lo: int):
     def parse(text: str) -> int:

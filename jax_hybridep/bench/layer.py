@@ -233,7 +233,7 @@ def main(argv=None) -> dict:
                    help="default: dropless")  # fmt: skip
     p.add_argument("--warmup", type=cli.nonnegative_int, default=2)
     p.add_argument("--repeats", type=cli.positive_int, default=5)
-    p.add_argument("--json", default="", help="JSON output path ('' to skip)")
+    p.add_argument("--json", type=cli.output_path, default="", help="JSON output path ('' to skip)")
     args = p.parse_args(argv)
     shape = LayerShape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LayerShape)})
     result = measure(shape, tuple(args.backends), args.capacity_factor, args.warmup,

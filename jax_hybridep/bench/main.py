@@ -10,7 +10,7 @@ import sys
 import jax
 
 import jax_hybridep as hep
-from jax_hybridep import fp8
+from jax_hybridep import fp8, values
 from jax_hybridep.bench import cli, metrics, report, runner
 from jax_hybridep.bench.workloads import PRESETS, ROUTINGS, make_inputs
 
@@ -67,8 +67,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--methods", type=cli.choice_list(METHODS), default=list(METHODS),
                    help=f"subset of {METHODS}")  # fmt: skip
-    p.add_argument("--backends", type=cli.choice_list(("ffi", "xla")), default=["ffi", "xla"],
-                   help="hybridep backends")  # fmt: skip
+    p.add_argument("--backends", type=cli.choice_list(runner.HYBRIDEP_BACKENDS),
+                   default=["ffi", "xla"], help="hybridep backends (ffi-v1/ffi-v2: ffi over that "
+                   "GPU transport)")  # fmt: skip
     p.add_argument("--topologies", type=cli.choice_list(runner.TOPOLOGIES),
                    default=list(runner.TOPOLOGIES))  # fmt: skip
     p.add_argument("--directions", type=cli.choice_list(runner.DIRECTIONS),
@@ -91,8 +92,10 @@ def parser() -> argparse.ArgumentParser:
                    help="timed calls (median reported)")  # fmt: skip
     p.add_argument("--warmup", type=cli.nonnegative_int, default=None,
                    help="untimed calls first")  # fmt: skip
-    p.add_argument("--json", default="bench.json", help="JSON output path ('' to skip)")
-    p.add_argument("--png", default="bench.png", help="PNG chart path ('' to skip)")
+    p.add_argument("--json", type=cli.output_path, default="bench.json",
+                   help="JSON output path ('' to skip)")  # fmt: skip
+    p.add_argument("--png", type=cli.output_path, default="bench.png",
+                   help="PNG chart path ('' to skip)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--keep-freed-memory",
@@ -128,8 +131,11 @@ def benchmark(
     log=print,
 ) -> dict:
     """Runs the benchmark on `devices` (default: the preset's count of `jax.devices()`)."""
+    for name, path in (("json_path", json_path), ("png_path", png_path)):
+        if path:  # checked before anything runs
+            values.check_output_path(name, path)
     malloc_tuned = runner.keep_freed_memory() if keep_freed_memory else False
-    preset = PRESETS[preset_name]
+    preset = PRESETS[values.check_str("preset_name", preset_name, sorted(PRESETS))]
     all_devices = jax.devices()
     platform_name = all_devices[0].platform
     if preset.gpu_only and platform_name != "gpu":

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from jax_hybridep.bench import cli
+from jax_hybridep.values import make_parent_dirs
 
 
 def op_labels(hlo_text: str) -> dict[str, str]:
@@ -101,7 +102,8 @@ def main(argv=None):
     p.add_argument("--topology", default="flat", choices=("flat", "hierarchical"))
     p.add_argument("--routing", default="uniform", choices=("uniform", "deepseek", "skewed"))
     p.add_argument("--steps", type=cli.positive_int, default=3)
-    p.add_argument("--hlo", default="", help="also write the compiled HLO here")
+    p.add_argument("--hlo", type=cli.output_path, default="",
+                   help="also write the compiled HLO here")  # fmt: skip
     p.add_argument("--zero-padding", action=argparse.BooleanOptionalAction, default=True,
                    help="DispatchConfig.zero_padding")  # fmt: skip
     p.add_argument(
@@ -126,6 +128,7 @@ def main(argv=None):
         zero_padding=args.zero_padding,
     )  # fmt: skip
     if args.hlo:
+        make_parent_dirs(args.hlo)
         with open(args.hlo, "w") as f:
             f.write(hlo)
     total = sum(per_device.values())

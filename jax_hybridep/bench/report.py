@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from jax_hybridep.values import make_parent_dirs
+
 
 def _mb(v) -> str:
     return "-" if v is None else f"{v / 2**20:.1f}"
@@ -66,6 +68,7 @@ def write_json(doc: dict, path: str) -> None:
             return [clean(x) for x in v]
         return v
 
+    make_parent_dirs(path)
     with open(path, "w") as f:
         json.dump(clean(doc), f, indent=1)
 
@@ -121,5 +124,6 @@ def write_png(doc: dict, path: str) -> None:
         f"{env['num_devices']} x {env['platform']}"
     )
     fig.tight_layout()
+    make_parent_dirs(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -81,7 +81,7 @@ class Budget:
 @dataclasses.dataclass(frozen=True)
 class Case:
     method: str  # "hybridep" or a baseline name
-    backend: str | None  # hybridep: "ffi" | "xla"; maxtext: "ragged" | "padded"; else None
+    backend: str | None  # hybridep: HYBRIDEP_BACKENDS; maxtext: "ragged" | "padded"; else None
     topology: str  # "flat" | "hierarchical"
     capacity_factor: float | None  # None = dropless
     budget: Budget | None = None  # hybridep only: dropless with a row budget
@@ -160,6 +160,17 @@ def make_meshes(devices, nodes: int):
     return meshes
 
 
+# hybridep's backends: "ffi" with the default GPU transport, "ffi-v1" / "ffi-v2" naming it
+# (DispatchConfig.gpu_transport; the same program off GPUs), "xla".
+HYBRIDEP_BACKENDS = ("ffi", "ffi-v1", "ffi-v2", "xla")
+
+
+def backend_config(name: str) -> dict:
+    """The DispatchConfig fields of a hybridep backend name."""
+    backend, _, transport = name.partition("-")
+    return dict(backend=backend) | (dict(gpu_transport=transport) if transport else {})
+
+
 def _shard_fn(case: Case, mesh, axes, experts: int):
     """Per-shard (x, idx, w) -> (out, dropped [], level_rows [levels], rows [] receive buffer)."""
     ranks = mesh.devices.size
@@ -171,7 +182,7 @@ def _shard_fn(case: Case, mesh, axes, experts: int):
             cfg = hep.DispatchConfig(
                 num_experts=experts,
                 capacity_factor=case.capacity_factor,
-                backend=case.backend,
+                **backend_config(case.backend),
                 row_budget=budget,
                 zero_padding=case.zero_padding,
                 wire_dtype=case.wire_dtype,

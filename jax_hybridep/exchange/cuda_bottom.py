@@ -1,4 +1,4 @@
-"""The CUDA transport (xla_ffi/cuda/cuda_handlers.cc) as the bottom spanning the fastest level.
+"""The CUDA transport (xla_ffi/cuda/transport_handlers.cc) as the bottom spanning the fastest level.
 
 Each GPU writes one copy per (item, destination GPU) into the destinations' registered windows,
 which expand them into expert-major rows; combine sends each (item, destination) partial back the
@@ -22,7 +22,7 @@ import numpy as np
 from jax_hybridep import compat, weight_grad
 from jax_hybridep.config import DispatchPlan
 from jax_hybridep.exchange import wire
-from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32
+from jax_hybridep.exchange.ffi_call import call, i32, transport_attrs
 from jax_hybridep.exchange.steps import (
     FastLevel,
     Items,
@@ -48,13 +48,9 @@ class CudaExchanges:
 
     def _call(self, plan: DispatchPlan, fast: FastLevel, name, out_types, *args, like, **attrs):
         """One exchange over the level, on the configured stream (DispatchConfig.gpu_stream)."""
+        # GPUs of the level in other processes (one process per GPU) are reached by CUDA IPC.
         local = plan.topology.level_local[fast.level]
-        attrs.update(
-            exchange_attrs(plan, fast.size),
-            num_sms=np.int64(plan.config.num_sms),
-            # GPUs of the level in other processes (one process per GPU) are reached by CUDA IPC.
-            multi_process=np.bool_(not local),
-        )
+        attrs.update(transport_attrs(plan, fast.size, multi_process=not local))
 
         def issue():
             return call(f"cuda_{name}", out_types, *args, fast.coord, fast.group, like=like,

@@ -1,8 +1,9 @@
 """Emitting the ffi backend's custom calls (host and CUDA handlers alike) and their attributes.
 
 Two attribute bundles recur across handlers: the exchange's (where a call meets its peers: call
-site, ranks, timeout) and the layout's (the EP group's static plan). The host handlers decode a
-call's attributes as one struct (xla_ffi/ffi_support.h) built from these bundles.
+site, ranks, timeout) and the layout's (the EP group's static plan); the CUDA transport's
+exchanges add how the transport runs. Every handler, host or CUDA, decodes a call's attributes as
+one struct built from these bundles (xla_ffi/ffi_support.h, xla_ffi/cuda/cuda_attrs.h).
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ def exchange_attrs(plan: DispatchPlan, num_ranks: int) -> dict:
         site=next_site(),
         num_ranks=np.int64(num_ranks),
         timeout_ms=np.int64(round(plan.config.resolved_timeout_s * 1000)),
+    )
+
+
+def transport_attrs(plan: DispatchPlan, num_ranks: int, multi_process: bool) -> dict:
+    """A CUDA transport exchange (xla_ffi/cuda/cuda_attrs.h, TransportAttrs): the exchange's
+    meeting point, the blocks each of its phases runs on (DispatchConfig.num_sms), and whether
+    some of the `num_ranks` GPUs live in other processes (their windows come by CUDA IPC)."""
+    return exchange_attrs(plan, num_ranks) | dict(
+        num_sms=np.int64(plan.config.num_sms), multi_process=np.bool_(multi_process)
     )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax_hybridep import compat, errors
 from jax_hybridep.config import DispatchPlan
 from jax_hybridep.errors import StrictModeError, strict_mode_message
-from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32, layout_attrs, next_site
+from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32, layout_attrs
 from jax_hybridep.exchange.steps import Layout, Shard
 
 
@@ -153,7 +153,6 @@ class CudaLayout:
         _, _, gathered = gather_counts(plan, topk_idx)
         row_pos, sizes, per_expert, dropped, invalid = call(
             "cuda_layout", _layout_types(plan, topk_idx, jnp.int64), topk_idx, gathered,
-            shard.rank, shard.group, like=(topk_idx, gathered), plan=plan, site=next_site(),
-            **layout_attrs(plan),
+            shard.rank, shard.group, like=(topk_idx, gathered), plan=plan, **layout_attrs(plan),
         )  # fmt: skip
         return Layout(row_pos, sizes, per_expert, dropped.astype(jnp.int32), invalid)

@@ -6,6 +6,7 @@
 | `ffi`, CPU, 1 in-process level| Host(Gathered)     | none                     | HostFused   |
 | `ffi`, CPU, otherwise         | Host(Gathered)     | HostDirect/HostPacked x L| HostRows    |
 | `ffi`, GPU                    | CudaLayout         | XlaLevel x (L - 1)       | CudaBottom  |
+| `ffi`, GPU, gpu_transport="v2"| CudaLayout         | XlaLevel x (L - 1)       | CudaV2Bottom|
 
 (Host layouts gather through the rendezvous when the EP group is in this process, through XLA
 otherwise; a host level is direct-write when its ranks share the process, packed otherwise.)
@@ -22,7 +23,7 @@ import dataclasses
 import os
 
 from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig
-from jax_hybridep.exchange import cuda_bottom, host_fused, host_steps, layouts, xla_steps
+from jax_hybridep.exchange import cuda_bottom, cuda_v2, host_fused, host_steps, layouts, xla_steps
 from jax_hybridep.exchange.steps import Bottom, LayoutStep, LevelStep
 from jax_hybridep.topology import Topology
 
@@ -102,15 +103,17 @@ def backend_name(config: DispatchConfig, topology: Topology, manual_axes) -> str
     return "xla"
 
 
-def route_for(backend: str, topology: Topology) -> Route:
-    """The route of `backend` ("xla" or "ffi") on `topology`."""
+def route_for(backend: str, topology: Topology, gpu_transport: str = "v1") -> Route:
+    """The route of `backend` ("xla" or "ffi") on `topology`; on GPUs over `gpu_transport`
+    (DispatchConfig.gpu_transport)."""
     num_levels = len(topology.levels)
     if backend == "xla":
         return Route("xla", layouts.JnpLayout(), (xla_steps.XlaLevel(),) * num_levels,
                      xla_steps.XlaRows(), fp8_wire="split")  # fmt: skip
     if topology.platform == "gpu":
         slow = (xla_steps.XlaLevel(),) * (num_levels - 1)
-        return Route("ffi", layouts.CudaLayout(), slow, cuda_bottom.CudaBottom(), fp8_wire="fused")
+        bottom = cuda_v2.CudaV2Bottom() if gpu_transport == "v2" else cuda_bottom.CudaBottom()
+        return Route("ffi", layouts.CudaLayout(), slow, bottom, fp8_wire="fused")
     layout = layouts.HostLayout() if topology.single_process else layouts.HostGatheredLayout()
     if num_levels == 1 and topology.level_local[0]:
         return Route("ffi", layout, (), host_fused.HostFused(), fp8_wire="bytes")
@@ -123,4 +126,14 @@ def route_for(backend: str, topology: Topology) -> Route:
 
 def route(config: DispatchConfig, topology: Topology, manual_axes) -> Route:
     """The route this call runs (backend selection included)."""
-    return route_for(backend_name(config, topology, manual_axes), topology)
+    backend = backend_name(config, topology, manual_axes)
+    transport = config.resolved_gpu_transport
+    if backend == "ffi" and topology.platform == "gpu" and transport == "v2":
+        from jax_hybridep import _native  # noqa: PLC0415  (import registers the targets)
+
+        if not _native.has_cuda_v2():
+            raise ValueError(
+                "gpu_transport='v2' but this build has no CUDA transport v2 (built with "
+                "JAX_HYBRIDEP_CUDA_V2=OFF); use gpu_transport='v1'"
+            )
+    return route_for(backend, topology, transport)

@@ -1,10 +1,17 @@
 """Flax layers over dispatch/combine: router, MoE block (NNX) and a Linen wrapper; the block's
 grouped settings (`RouterConfig`, `ExpertConfig`; `moe_config` checks them with the dispatch,
 migration and balance values); its cross-DC migration state, prefetch and `value_and_grad`
-(`migration`)."""
+(`migration`); HuggingFace MoE families' configs and checkpoints (`hf`)."""
 
-from jax_hybridep.nn import migration
-from jax_hybridep.nn.experts import ExpertConfig, expert_swiglu, swiglu
+from jax_hybridep.nn import hf, migration
+from jax_hybridep.nn.experts import (
+    ACTIVATIONS,
+    FFN,
+    ExpertConfig,
+    expert_ffn,
+    expert_swiglu,
+    swiglu,
+)
 from jax_hybridep.nn.migration import (
     Gathered,
     GradFeedback,
@@ -16,8 +23,10 @@ from jax_hybridep.nn.moe import COMBINE_NAME, DISPATCH_NAME, MoEAux, MoEBlock
 from jax_hybridep.nn.router import Router, RouterBias, RouterConfig, RouterOutput, route
 
 __all__ = [
+    "ACTIVATIONS",
     "COMBINE_NAME",
     "DISPATCH_NAME",
+    "FFN",
     "ExpertConfig",
     "Gathered",
     "GradFeedback",
@@ -28,7 +37,9 @@ __all__ = [
     "RouterConfig",
     "RouterOutput",
     "SRReference",
+    "expert_ffn",
     "expert_swiglu",
+    "hf",
     "migration",
     "prefetch_experts",
     "route",

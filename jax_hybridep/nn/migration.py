@@ -18,12 +18,14 @@ mesh's `expert_axes` (each shard a rank's `S * E_local` slots), passed from the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jax_hybridep.values import check_bool
 from jax_hybridep.xdc.runtime import migrate
 
 
@@ -92,6 +94,11 @@ def prefetch_experts(blocks) -> list[Gathered | None]:
     can run at step start, before (and beside) any layer's compute. Blocks without domains get
     None.
     """
+    if isinstance(blocks, str) or not isinstance(blocks, Sequence):
+        raise TypeError(f"blocks must be a sequence of MoEBlocks, got {blocks!r}")
+    bad = [b for b in blocks if not hasattr(b, "domains") or not hasattr(b, "expert_weights")]
+    if bad:
+        raise TypeError(f"blocks must be MoEBlocks, got {bad[:4]!r}")
     out: list[Gathered | None] = [None] * len(blocks)
     groups: dict = {}
     for i, block in enumerate(blocks):
@@ -157,6 +164,9 @@ def value_and_grad(fn, has_aux: bool = False):
     `GradFeedback` variable replaced by its next value (its cotangent, by construction of the
     compressed reduce-scatter): `(value, grads, rest)`. Without such variables `rest` comes back
     unchanged and the gradients are those of `jax.value_and_grad`."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable fn(params, rest, *args), got {fn!r}")
+    check_bool("has_aux", has_aux)
 
     def wrapped(params, rest, *args):
         feedback, other = nnx.split_state(rest, GradFeedback, ...)

@@ -1,4 +1,4 @@
-"""MoE block (Flax NNX): router -> `dispatch` -> SwiGLU experts -> `combine` (+ a shared expert).
+"""MoE block (Flax NNX): router -> `dispatch` -> experts -> `combine` (+ a shared expert).
 
 Sharding model: the block takes global activations `x [..., d_model]` under `jax.jit`; inside, a
 `jax.shard_map` over every mesh axis gives each device its slice of the tokens, the expert weights
@@ -13,6 +13,7 @@ expert domains (cross-DC EP) the experts are first gathered inside each domain
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +26,9 @@ from jax_hybridep import balance as balance_lib
 from jax_hybridep import xdc
 from jax_hybridep.nn import migration as migration_lib
 from jax_hybridep.nn import moe_config
-from jax_hybridep.nn.experts import ExpertConfig, expert_swiglu, swiglu
+from jax_hybridep.nn.experts import FFN, ExpertConfig, expert_ffn
 from jax_hybridep.nn.migration import Gathered
-from jax_hybridep.nn.router import Router, RouterConfig, route
+from jax_hybridep.nn.router import Router, RouterConfig, RouterOutput, gate_logits, route
 
 DISPATCH_NAME = "moe_dispatch"  # checkpoint_name of the dispatched rows (for remat policies)
 COMBINE_NAME = "moe_combine"  # checkpoint_name of the combined output
@@ -48,6 +49,8 @@ class MoEAux:
         (rank-major), before drops; without a replica placement, the experts themselves.
       sr_shared: with a persistent SR shared expert, its value after this step (refreshed every
         `sync_every` steps), for `MoEBlock.update_state`; else None.
+      router_probs: [E] float32 mean routing probability of each expert over every token (the
+        P_e of the load-balancing loss; `nn.hf.load_balancing_loss` pools it over layers).
     """
 
     loss: jax.Array
@@ -58,6 +61,7 @@ class MoEAux:
     level_rows: jax.Array
     tokens_per_slot: jax.Array | None = None
     sr_shared: tuple[jax.Array, ...] | None = None
+    router_probs: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -71,43 +75,59 @@ jax.tree_util.register_dataclass(
         "level_rows",
         "tokens_per_slot",
         "sr_shared",
+        "router_probs",
     ],
     meta_fields=[],
 )  # fmt: skip
 
 
-def _param(rngs, shape, sharding, mesh, dtype):
-    """A parameter initialised N(0, 1/fan_in) with its mesh sharding recorded (fan_in: dim -2)."""
-    init = nnx.initializers.normal(stddev=shape[-2] ** -0.5)
+def _param(rngs, shape, sharding, mesh, dtype, *, bias=False):
+    """A parameter with its mesh sharding recorded: a weight initialised N(0, 1/fan_in)
+    (fan_in: dim -2), a bias 0."""
+    init = nnx.initializers.zeros if bias else nnx.initializers.normal(stddev=shape[-2] ** -0.5)
     return nnx.Param(nnx.with_partitioning(init, sharding, mesh=mesh)(rngs.params(), shape, dtype))
 
 
 class SharedExpert(nnx.Module):
-    """An always-on SwiGLU expert applied to every token (replicated weights); not the SR shared
-    expert of expert domains (`nn.migration.SRReference`)."""
+    """An always-on expert applied to every token (replicated weights; the routed experts'
+    activation, no biases), optionally scaled per token by sigmoid(x @ output_gate [H, 1])
+    (Qwen2-MoE); not the SR shared expert of expert domains (`nn.migration.SRReference`)."""
 
-    def __init__(self, d_model, d_ff, *, mesh, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        self.gate = _param(rngs, (d_model, d_ff), (None, None), mesh, param_dtype)
-        self.up = _param(rngs, (d_model, d_ff), (None, None), mesh, param_dtype)
-        self.down = _param(rngs, (d_ff, d_model), (None, None), mesh, param_dtype)
+    def __init__(
+        self,
+        d_model,
+        d_ff,
+        *,
+        mesh,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        ffn: FFN | None = None,
+        output_gate: bool = False,
+    ):
+        self.ffn = ffn = ffn or FFN()
+        for name, shape in ffn.shapes(d_model, d_ff).items():  # gate, up, down
+            setattr(self, name[2:], _param(rngs, shape, (None, None), mesh, param_dtype))
+        self.output_gate = (
+            _param(rngs, (d_model, 1), (None, None), mesh, param_dtype) if output_gate else None
+        )
 
     def __call__(self, x):
         dtype = x.dtype
-        return swiglu(
-            x,
-            self.gate[...].astype(dtype),
-            self.up[...].astype(dtype),
-            self.down[...].astype(dtype),
-        )
+        y = self.ffn(x, *(getattr(self, name[2:])[...].astype(dtype) for name in self.ffn.names))
+        if self.output_gate is not None:
+            y = y * jax.nn.sigmoid(jnp.dot(x, self.output_gate[...].astype(dtype)))
+        return y
 
 
 class MoEBlock(nnx.Module):
-    """Top-k routed SwiGLU experts (stacked [E, ...] weights sharded over the EP axes).
+    """Top-k routed experts (stacked [E, ...] weights sharded over the EP axes).
 
     Args:
       d_model: model width H.
-      router: RouterConfig (num_experts and top_k live there).
-      experts: ExpertConfig: the experts' hidden width, an always-on shared expert, dtypes.
+      router: RouterConfig (num_experts and top_k live there; the routing rule, a learned logit
+        bias, an opt-in Switch/GShard group capacity).
+      experts: ExpertConfig: the experts' hidden width and activation, biases, an always-on
+        shared expert (and its sigmoid gate), input- or output-side weighting, dtypes.
       mesh: the device mesh (AxisType.Auto axes).
       topology: hep.Topology over (some of) the mesh's axes: the EP group.
       dispatch: hep.DispatchConfig; num_experts defaults to the router's. The block runs it with
@@ -128,7 +148,10 @@ class MoEBlock(nnx.Module):
       rngs: parameter initialisation.
     """
 
-    EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the stacked [E, ...] expert parameters
+    # The stacked [E, ...] expert parameters of the default experts; a block's own are
+    # `self.EXPERT_WEIGHTS` (its `ExpertConfig.ffn.names`: no w_gate for non-gated activations,
+    # b_* with biases).
+    EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
     def __init__(
         self,
@@ -153,21 +176,37 @@ class MoEBlock(nnx.Module):
         self.dtype = experts.dtype
         param_dtype = experts.param_dtype
         self.router = Router(d_model, router, rngs=rngs, param_dtype=param_dtype)
+        self.ffn = experts.ffn
+        self.EXPERT_WEIGHTS = self.ffn.names
+        if self.domains is not None and self.EXPERT_WEIGHTS != MoEBlock.EXPERT_WEIGHTS:
+            raise ValueError(
+                f"expert domains (migration) move (w_gate, w_up, w_down) only; experts with "
+                f"activation={experts.activation!r}, expert_bias={experts.expert_bias} have "
+                f"{self.EXPERT_WEIGHTS}"
+            )
         ep = topology.ep_axes  # the expert dim spans every EP axis
-        e, d_ff = router.num_experts, experts.d_ff
-        self.w_gate = _param(rngs, (e, d_model, d_ff), (ep, None, None), mesh, param_dtype)
-        self.w_up = _param(rngs, (e, d_model, d_ff), (ep, None, None), mesh, param_dtype)
-        self.w_down = _param(rngs, (e, d_ff, d_model), (ep, None, None), mesh, param_dtype)
-        self.shared = (
-            SharedExpert(d_model, experts.shared_ff, mesh=mesh, rngs=rngs, param_dtype=param_dtype)
-            if experts.shared_ff is not None
-            else None
-        )
+        for name, shape in self.ffn.shapes(d_model, experts.d_ff).items():
+            spec = (ep,) + (None,) * len(shape)
+            shape = (router.num_experts, *shape)
+            bias = name.startswith("b_")
+            setattr(self, name, _param(rngs, shape, spec, mesh, param_dtype, bias=bias))
+        shared = None
+        if experts.shared_ff is not None:
+            shared = SharedExpert(
+                d_model,
+                experts.shared_ff,
+                mesh=mesh,
+                rngs=rngs,
+                param_dtype=param_dtype,
+                ffn=experts.shared_ffn,
+                output_gate=experts.shared_gate,
+            )
+        self.shared = shared  # assigned once: nnx fixes an attribute's kind (data or static)
         migration_lib.init_state(self)
 
     def expert_weights(self):
-        """The (w_gate, w_up, w_down) parameters."""
-        return self.w_gate, self.w_up, self.w_down
+        """The stacked expert parameters, in `EXPERT_WEIGHTS` order."""
+        return tuple(getattr(self, name) for name in self.EXPERT_WEIGHTS)
 
     def reset_sr_reference(self):
         """Sets a persistent SR shared expert to the mean of the current experts (e.g. after
@@ -185,6 +224,7 @@ class MoEBlock(nnx.Module):
         `experts`: this block's gather, already done (`nn.migration.prefetch_experts`); by
         default a block with domains gathers its experts itself.
         """
+        _check_input(x, self.router.gate.shape[0], experts)
         lead, d_model = x.shape[:-1], x.shape[-1]
         tokens = x.reshape(-1, d_model)
         shards = self.mesh.devices.size
@@ -196,6 +236,7 @@ class MoEBlock(nnx.Module):
         mesh, token_topology, _ = self._exchange()
         all_axes = P(tuple(mesh.axis_names))
         expert_spec = P(self.domains.expert_axes if self.domains else self.topology.ep_axes)
+        group_size = self._group_size(x)
         if self.domains is None:
             if experts is not None:
                 raise ValueError("MoEBlock: experts were gathered for a block without domains")
@@ -204,16 +245,16 @@ class MoEBlock(nnx.Module):
             experts = self.gather() if experts is None else experts
             weights = experts.weights
         routed = jax.shard_map(
-            self._per_shard,
+            functools.partial(self._per_shard, group_size=group_size),
             mesh=mesh,
-            in_specs=(all_axes, P(), P(), expert_spec, expert_spec, expert_spec),
-            out_specs=(all_axes,) * 7,
+            in_specs=(all_axes, P(), expert_spec),
+            out_specs=(all_axes,) * 8,
         )
-        y, aux_loss, z_loss, per_expert, dropped, level_rows, per_slot = routed(
-            tokens.astype(self.dtype),
-            self.router.gate[...],
-            self.router.bias[...],
-            *weights,
+        router_params = (self.router.gate[...], self.router.bias[...])
+        if self.router.config.logit_bias:
+            router_params += (self.router.logit_bias[...],)
+        y, aux_loss, z_loss, per_expert, dropped, level_rows, per_slot, probs = routed(
+            tokens.astype(self.dtype), router_params, tuple(weights)
         )
         if self.shared is not None:
             y = y + self.shared(tokens.astype(self.dtype))
@@ -231,8 +272,25 @@ class MoEBlock(nnx.Module):
             level_rows=jnp.sum(level_rows, axis=0, dtype=jnp.int32),
             tokens_per_slot=jnp.sum(per_slot, axis=0, dtype=jnp.int32) // ep_size,
             sr_shared=experts.sr_shared if experts is not None else None,
+            router_probs=jnp.mean(probs, axis=0),
         )
         return y.reshape(*lead, -1).astype(x.dtype), aux
+
+    def _group_size(self, x) -> int | None:
+        """Tokens per router group (a group capacity's "sequence" or "shard"), or None."""
+        cfg = self.router.config
+        if not cfg.has_group_capacity:
+            return None
+        tokens = x.size // x.shape[-1]
+        if cfg.token_group == "shard":
+            return tokens // self.mesh.devices.size
+        return x.shape[-2] if x.ndim >= 3 else tokens
+
+    def route(self, x) -> RouterOutput:
+        """The routing the block gives x [..., d_model] (global; ids and weights as in
+        `__call__`, the losses over all tokens at once rather than per shard)."""
+        tokens = x.reshape(-1, x.shape[-1])
+        return self.router(tokens.astype(self.dtype), group_size=self._group_size(x))
 
     @property
     def token_levels(self) -> tuple[tuple[str, ...], ...]:
@@ -246,14 +304,14 @@ class MoEBlock(nnx.Module):
         d = self.domains
         return d.mesh, d.token_topology, d.dispatch_config(self.dispatch_config)
 
-    def _per_shard(self, x, gate, bias, w_gate, w_up, w_down):
+    def _per_shard(self, x, router_params, weights, *, group_size):
         _, topology, config = self._exchange()
-        routing = route(
-            jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32)), bias, self.router.config
-        )
+        gate, bias, *logit_bias = router_params
+        logits = gate_logits(x, gate, *logit_bias)
+        routing = route(logits, bias, self.router.config, group_size=group_size)
         if self.placement is not None:  # logical ids -> physical slots, replicas fetched
             replicas = balance_lib.Replicas(self.placement, topology)
-            w_gate, w_up, w_down = replicas.gather((w_gate, w_up, w_down))
+            weights = replicas.gather(weights)
             d = replicas.dispatch(x, routing.topk_idx, routing.topk_weights, config=config)
             per_slot = d.stats.tokens_per_slot
         else:
@@ -262,24 +320,30 @@ class MoEBlock(nnx.Module):
             )
             per_slot = d.stats.tokens_per_expert
         rows = checkpoint_name(d.tokens, DISPATCH_NAME)
-        y = expert_swiglu(
+        input_side = self.expert_config.weight_input
+        if input_side:  # Llama-4: the weight scales the expert's input; combine unweighted
+            # A select, not a multiply, past the groups: those rows are unspecified (NaN too).
+            valid = jnp.arange(rows.shape[0]) < jnp.sum(d.group_sizes)
+            rows = jnp.where(valid[:, None], rows * d.weights[:, None].astype(rows.dtype), 0)
+        y = expert_ffn(
             rows,
             d.group_sizes,
-            w_gate,
-            w_up,
-            w_down,
+            weights,
+            ffn=self.ffn,
             capacity=d.capacity,
             platform=topology.platform,
         )
-        out = checkpoint_name(hep.combine(y, d.handle, weights=d.weights), COMBINE_NAME)
+        out = hep.combine(y, d.handle, weights=None if input_side else d.weights)
+        out = checkpoint_name(out, COMBINE_NAME)
         return (
             out,
             routing.aux_loss[None],
             routing.z_loss[None],
             d.stats.tokens_per_expert[None],
-            d.stats.dropped[None],
+            (d.stats.dropped + routing.dropped)[None],
             d.stats.level_rows[None],
             per_slot[None],
+            routing.probs[None],
         )
 
     @property
@@ -312,8 +376,21 @@ class MoEBlock(nnx.Module):
     def update_state(self, aux: MoEAux):
         """After a training step: the router bias step and, with a persistent SR shared
         expert, its value after the step (and its clock)."""
+        if not isinstance(aux, MoEAux):
+            raise TypeError(f"aux must be the MoEAux the block returned, got {aux!r}")
         self.update_router_bias(aux.tokens_per_expert)
         if aux.sr_shared is not None:
             for ref, value in zip(self.sr_reference, aux.sr_shared, strict=True):
                 ref[...] = value
             self.sr_clock[...] = self.sr_clock[...] + 1
+
+
+def _check_input(x, d_model: int, experts) -> None:
+    """MoEBlock's call arguments at trace time: x [..., d_model] floating (integer input would
+    be computed in the experts' dtype and cast back to integers), experts Gathered or None."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"MoEBlock: x must be floating point, got {jnp.result_type(x)}")
+    if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != d_model:
+        raise ValueError(f"MoEBlock: x must be [..., d_model={d_model}], got shape {jnp.shape(x)}")
+    if experts is not None and not isinstance(experts, Gathered):
+        raise TypeError(f"experts must be a Gathered (prefetch_experts) or None, got {experts!r}")

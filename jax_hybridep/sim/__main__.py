@@ -17,6 +17,7 @@ from jax_hybridep.sim.sweep import (
     run_sweep,
     write_csv,
 )
+from jax_hybridep.values import output_path_arg
 
 
 def parser() -> argparse.ArgumentParser:
@@ -112,8 +113,8 @@ def parser() -> argparse.ArgumentParser:
         help="compress the backward reduce-scatter too (the runtime's gradients are exact: off)",
     )
     a("--forward-only", action="store_true")
-    a("--csv", default="crossdc_sim.csv", help="CSV path ('' to skip)")
-    a("--png", default="crossdc_sim.png", help="PNG path ('' to skip)")
+    a("--csv", type=output_path_arg, default="crossdc_sim.csv", help="CSV path ('' to skip)")
+    a("--png", type=output_path_arg, default="crossdc_sim.png", help="PNG path ('' to skip)")
     a("--quiet", action="store_true", help="no progress lines")
     return p
 

@@ -10,28 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import numbers
 
 import numpy as np
 
 from jax_hybridep.sim.network import Congestion
+from jax_hybridep.values import check_bool, check_int, check_real, is_int
 
 TOKENS, GRADS = 0, 1  # Flows.tag values
 EXCHANGES = ("hierarchical", "flat")
 
 
-def _number(owner: str, name: str, value, low: float = 0.0, strict: bool = False) -> None:
-    """ValueError unless `value` is a finite real number >= low (> low when strict)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (strict and value == low):
-        bound = f"> {low:g}" if strict else f">= {low:g}"
-        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+def _number(owner, name: str, value, low: float = 0.0, strict: bool = False) -> None:
+    """Sets owner.name to `value` as a float; ValueError unless it is a finite real number
+    >= low (> 0 when strict)."""
+    value = check_real(f"{type(owner).__name__}.{name}", value, low, positive=strict)
+    object.__setattr__(owner, name, value)
 
 
-def _count(owner: str, name: str, value, low: int = 1) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{owner}.{name} must be an integer >= {low}, got {value!r}")
+def _count(owner, name: str, value, low: int = 1) -> None:
+    object.__setattr__(owner, name, check_int(f"{type(owner).__name__}.{name}", value, low))
+
+
+def _flag(owner, name: str) -> None:
+    object.__setattr__(
+        owner, name, check_bool(f"{type(owner).__name__}.{name}", getattr(owner, name))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +69,23 @@ class Datacenters:
     exchange: str = "hierarchical"
 
     def __post_init__(self):
-        _count("Datacenters", "num_dcs", self.num_dcs)
-        _count("Datacenters", "gpus_per_dc", self.gpus_per_dc)
+        _count(self, "num_dcs", self.num_dcs)
+        _count(self, "gpus_per_dc", self.gpus_per_dc)
         for name in ("dc_gbps", "gpu_gbps"):
-            _number("Datacenters", name, getattr(self, name), strict=True)
+            _number(self, name, getattr(self, name), strict=True)
         for name in (
             "wan_latency_s", "intra_latency_s", "msg_overhead_s", "header_bytes",
             "min_window_bytes", "congestion_exponent",
         ):  # fmt: skip
-            _number("Datacenters", name, getattr(self, name))
-        if self.exchange not in EXCHANGES:
+            _number(self, name, getattr(self, name))
+        if not isinstance(self.exchange, str) or self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+
+    def check_domain(self, domain) -> int:
+        """domain as an int, when it is a DC-level domain size S that divides num_dcs."""
+        if not is_int(domain) or domain < 1 or self.num_dcs % domain:
+            raise ValueError(f"domain size {domain!r} must divide the DC count {self.num_dcs}")
+        return int(domain)
 
     @property
     def num_ranks(self) -> int:
@@ -84,6 +93,9 @@ class Datacenters:
 
     def floor(self, cross: np.ndarray) -> np.ndarray:
         """Per-flow floor rate (min window / RTT) of intra-DC (False) or cross-DC (True) flows."""
+        cross = np.asarray(cross)
+        if cross.dtype != bool:
+            raise TypeError(f"cross must be a bool array (cross-DC or not), got {cross.dtype}")
         rtt = 2 * np.where(cross, self.wan_latency_s, self.intra_latency_s)
         return np.where(rtt > 0, self.min_window_bytes / np.maximum(rtt, 1e-300), 0.0)
 
@@ -97,6 +109,7 @@ class Datacenters:
 
     def token_messages(self, domain: int) -> tuple[int, int]:
         """(cross-DC, intra-DC) messages a rank sends in one token exchange with domain S."""
+        self.check_domain(domain)
         m, g = self.num_dcs // domain, self.gpus_per_dc
         return (m - 1, g - 1) if self.hierarchical else ((m - 1) * g, g - 1)
 
@@ -139,8 +152,10 @@ class MoELayer:
 
     def __post_init__(self):
         for name in ("data_bytes", "expert_bytes", "compute_s", "pre_expert_s", "skew"):
-            _number("MoELayer", name, getattr(self, name))
-        _number("MoELayer", "compression", self.compression, low=1.0)
+            _number(self, name, getattr(self, name))
+        _number(self, "compression", self.compression, low=1.0)
+        _flag(self, "forward_only")
+        _flag(self, "compress_gradients")
 
     @property
     def compressed(self) -> bool:

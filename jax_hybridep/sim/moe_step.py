@@ -21,6 +21,7 @@ import dataclasses
 from jax_hybridep.sim import messages
 from jax_hybridep.sim.cluster import GRADS, TOKENS, Datacenters, MoELayer, Phase
 from jax_hybridep.sim.network import phase_end, simulate, simulate_reference
+from jax_hybridep.values import check_bool, check_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,12 @@ def _exchange(
     return local_s + ends.get(TOKENS, 0.0), scatter_end
 
 
+def check_inputs(c, w, names: tuple[str, str] = ("c", "w")) -> None:
+    """TypeError unless c is a Datacenters and w a MoELayer (the arguments `names`)."""
+    check_type(names[0], c, Datacenters, "a sim.Datacenters")
+    check_type(names[1], w, MoELayer, "a sim.MoELayer")
+
+
 def step_time(c: Datacenters, w: MoELayer, domain: int = 1, *, aggregate: bool = True) -> StepTime:
     """Simulated time of one MoE layer step with DC-level expert domain `domain` (1 = plain EP).
 
@@ -82,8 +89,9 @@ def step_time(c: Datacenters, w: MoELayer, domain: int = 1, *, aggregate: bool =
       domain: S, DCs per expert domain; must divide `c.num_dcs`.
       aggregate: False simulates every GPU flow on every physical link (small clusters only).
     """
-    if not isinstance(domain, int) or domain < 1 or c.num_dcs % domain:
-        raise ValueError(f"domain size {domain!r} must divide the DC count {c.num_dcs}")
+    check_inputs(c, w)
+    domain = c.check_domain(domain)
+    check_bool("aggregate", aggregate)
     sync = fwd_ag = 0.0
     if domain > 1:
         if w.compressed:  # the shared expert: a reduce-scatter, then an all-gather, alike

@@ -26,6 +26,8 @@ import heapq
 
 import numpy as np
 
+from jax_hybridep.values import check_array, check_real, check_type, short
+
 # Relative slack for "this link is full" and "this flow is done": the event loop accumulates
 # float sums, so exact equality would miss simultaneous events by one ulp.
 _TOL = 1e-9
@@ -49,11 +51,14 @@ class Network:
     congestible: np.ndarray | None = None
 
     def __post_init__(self):
-        cap = np.asarray(self.capacity, dtype=np.float64)
-        mult = np.asarray(self.multiplicity, dtype=np.float64)
-        if cap.ndim != 1 or cap.shape != mult.shape or len(self.names) != cap.shape[0]:
+        cap = check_array("Network.capacity", self.capacity, ndim=1)
+        mult = check_array("Network.multiplicity", self.multiplicity, ndim=1)
+        names = self.names
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"Network.names must be a sequence of str, got {short(names)}")
+        if cap.shape != mult.shape or len(names) != cap.shape[0]:
             raise ValueError(
-                f"capacity {cap.shape}, multiplicity {mult.shape} and {len(self.names)} names "
+                f"capacity {cap.shape}, multiplicity {mult.shape} and {len(names)} names "
                 "must all have one entry per link class"
             )
         if (cap <= 0).any() or (mult <= 0).any():
@@ -61,6 +66,9 @@ class Network:
         cong = np.ones(cap.shape, bool) if self.congestible is None else self.congestible
         if np.shape(cong) != cap.shape:
             raise ValueError(f"congestible has shape {np.shape(cong)}, expected {cap.shape}")
+        if np.asarray(cong).dtype != bool:
+            raise TypeError(f"Network.congestible must be bools, got {short(cong)}")
+        object.__setattr__(self, "names", tuple(names))
         object.__setattr__(self, "capacity", cap)
         object.__setattr__(self, "multiplicity", mult)
         object.__setattr__(self, "congestible", np.asarray(cong, dtype=bool))
@@ -91,26 +99,50 @@ class Flows:
     floor: np.ndarray | None = None
 
     def __post_init__(self):
-        n = np.shape(self.path)[0]
-        for name in ("count", "size", "start", "tag"):
-            if np.shape(getattr(self, name)) != (n,):
+        path = check_array("Flows.path", self.path, ndim=1, integer=True, lo=0, nonempty=False)
+        n = path.shape[0]
+        fields = dict(
+            count=check_array("Flows.count", self.count, ndim=1, nonempty=False),
+            size=check_array("Flows.size", self.size, ndim=1, lo=0, nonempty=False),
+            start=check_array("Flows.start", self.start, ndim=1, lo=0, nonempty=False),
+            tag=check_array("Flows.tag", self.tag, ndim=1, integer=True, nonempty=False),
+        )
+        for name, value in fields.items():
+            if value.shape != (n,):
                 raise ValueError(
-                    f"Flows.{name} has shape {np.shape(getattr(self, name))}, "
-                    f"expected ({n},) like Flows.path"
+                    f"Flows.{name} has shape {value.shape}, expected ({n},) like Flows.path"
                 )
-        paths = np.asarray(self.paths, dtype=bool)
+        if (fields["count"] <= 0).any():
+            raise ValueError(f"Flows.count must be > 0 (flows per group), got {short(self.count)}")
+        paths = np.asarray(self.paths)
+        if paths.dtype != bool:
+            raise TypeError(f"Flows.paths must be a (K, L) bool array, got dtype {paths.dtype}")
         if paths.ndim != 2 or not paths.any(axis=1).all():
             raise ValueError(f"every path class must cross at least one link, paths={paths}")
-        if self.floor is not None and np.shape(self.floor) != (paths.shape[0],):
-            raise ValueError(
-                f"Flows.floor has shape {np.shape(self.floor)}, expected "
-                f"({paths.shape[0]},), one per path class"
-            )
+        if n and path.max() >= paths.shape[0]:
+            raise ValueError(f"Flows.path names class {path.max()}, there are {paths.shape[0]}")
+        if self.floor is not None:
+            floor = check_array("Flows.floor", self.floor, ndim=1, lo=0)
+            if floor.shape != (paths.shape[0],):
+                raise ValueError(
+                    f"Flows.floor has shape {floor.shape}, expected ({paths.shape[0]},), one per "
+                    "path class"
+                )
+            object.__setattr__(self, "floor", floor)
         object.__setattr__(self, "paths", paths)
+        object.__setattr__(self, "path", path)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     @staticmethod
     def concat(parts: list[Flows]) -> Flows:
         """One flow set holding all groups of `parts` (path classes merged, duplicates removed)."""
+        if not isinstance(parts, list | tuple) or not parts:
+            raise ValueError(f"parts must be a non-empty list of Flows, got {short(parts)}")
+        for p in parts:
+            check_type("parts[i]", p, Flows, "a sim.Flows")
+        if len({p.floor is None for p in parts}) > 1:
+            raise ValueError("parts must all have a floor or all have none")
         paths, inverse = np.unique(
             np.concatenate([p.paths for p in parts]), axis=0, return_inverse=True
         )
@@ -143,6 +175,9 @@ class Congestion:
     """
 
     exponent: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "exponent", check_real("Congestion.exponent", self.exponent, 0))
 
     def capacity(
         self,
@@ -183,8 +218,13 @@ def max_min_rates(usage: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     Returns:
       (K,) per-flow rate of each class, bytes/s.
     """
-    usage = np.asarray(usage, dtype=np.float64)
-    capacity = np.asarray(capacity, dtype=np.float64)
+    usage = check_array("usage", usage, ndim=2, lo=0)
+    capacity = check_array("capacity", capacity, ndim=1)
+    if usage.shape[1] != capacity.shape[0] or (capacity <= 0).any():
+        raise ValueError(
+            f"capacity must be (L,) > 0 with L = usage.shape[1] = {usage.shape[1]}, got "
+            f"{short(capacity)}"
+        )
     rem = capacity.copy()
     rate = np.zeros(usage.shape[0])
     live = usage.sum(axis=1) > 0
@@ -227,6 +267,7 @@ def simulate(net: Network, flows: Flows, congestion: Congestion | None = None) -
     Returns:
       (F,) completion time of each group, seconds.
     """
+    _check_run(net, flows, congestion)
     if flows.paths.shape[1] != net.capacity.shape[0]:
         raise ValueError(
             f"flows cross {flows.paths.shape[1]} link classes, network has {net.capacity.shape[0]}"
@@ -283,6 +324,7 @@ def simulate_reference(
 
     Cost grows with groups x events; meant for small unaggregated clusters in tests.
     """
+    _check_run(net, flows, congestion)
     per_flow = flows.paths[flows.path] / net.multiplicity
     usage = per_flow * flows.count[:, None]
     remaining = flows.size.astype(np.float64).copy()
@@ -306,6 +348,17 @@ def simulate_reference(
         done[live] = remaining[live] <= _TOL * flows.size[live]
         finish[done] = t
     return finish
+
+
+def _check_run(net, flows, congestion) -> None:
+    check_type("net", net, Network, "a sim.Network")
+    check_type("flows", flows, Flows, "a sim.Flows")
+    if congestion is not None:
+        check_type("congestion", congestion, Congestion, "a sim.Congestion or None")
+    if flows.paths.shape[1] != net.capacity.shape[0]:
+        raise ValueError(
+            f"flows cross {flows.paths.shape[1]} link classes, network has {net.capacity.shape[0]}"
+        )
 
 
 def phase_end(flows: Flows, finish: np.ndarray, tag: int | None = None) -> float:

@@ -4,7 +4,8 @@ that prunes best S."""
 from __future__ import annotations
 
 from jax_hybridep.sim.cluster import Datacenters, MoELayer
-from jax_hybridep.sim.moe_step import StepTime, step_time
+from jax_hybridep.sim.moe_step import StepTime, check_inputs, step_time
+from jax_hybridep.values import check_int, check_real
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.model import cost, planner
 
@@ -13,6 +14,8 @@ def lower_bound(c: Datacenters, w: MoELayer, domain: int) -> float:
     """A bound below `step_time(c, w, domain).total_s`: each phase needs at least its DC
     uplink bytes at full rate, and at least the posting time plus latency of its last message
     (a hierarchical exchange: of each of its two stages)."""
+    check_inputs(c, w)
+    c.check_domain(domain)
     m, g, up = c.num_dcs // domain, c.gpus_per_dc, c.dc_gbps * 1e9 / 8
     cross, local = c.token_messages(domain)
     uplink = g * (w.data_bytes * (m - 1) / m + cross * c.header_bytes) / up
@@ -37,19 +40,22 @@ def lower_bound(c: Datacenters, w: MoELayer, domain: int) -> float:
 
 def divisors(n: int) -> list[int]:
     """Divisors of n, ascending: the realisable domain sizes."""
+    check_int("n", n, 1)
     return [s for s in range(1, n + 1) if n % s == 0]
 
 
 def fixed_domain(num_dcs: int, size: int) -> int:
-    """Policy "fixed domain": the largest divisor of num_dcs not above `size`."""
-    return max(s for s in divisors(num_dcs) if s <= max(size, 1))
+    """Policy "fixed domain": the largest divisor of num_dcs not above `size` (>= 1)."""
+    check_int("num_dcs", num_dcs, 1)
+    check_int("size", size, 1)
+    return max(s for s in divisors(num_dcs) if s <= size)
 
 
 def fixed_fraction(num_dcs: int, p: float) -> int:
     """Policy "fixed p": the divisor of num_dcs nearest num_dcs * (1 - p), so that a fraction p
     of the cross-DC token traffic remains (1 - S/N = p); ties go to the smaller domain."""
-    if not 0 <= p <= 1:
-        raise ValueError(f"p must be in [0, 1], got {p}")
+    check_real("p", p, 0.0, 1.0)
+    check_int("num_dcs", num_dcs, 1)
     target = num_dcs * (1 - p)
     return min(divisors(num_dcs), key=lambda s: (abs(s - target), s))
 
@@ -65,6 +71,9 @@ def best_domain(c: Datacenters, w: MoELayer, step=step_time) -> StepTime:
       w: the layer.
       step: `step_time` or a caching stand-in with its signature.
     """
+    check_inputs(c, w)
+    if not callable(step):
+        raise TypeError(f"step must be step_time or a callable like it, got {step!r}")
     best = None
     for s in sorted(divisors(c.num_dcs), key=lambda s: lower_bound(c, w, s)):
         if best is not None and lower_bound(c, w, s) >= best.total_s:
@@ -95,6 +104,7 @@ def plan(c: Datacenters, w: MoELayer) -> planner.Plan:
     package's runtime, so its exchange is hierarchical whichever `c.exchange` is simulated, and
     its gradients are exact (`compress_gradients` is not modelled).
     """
+    check_inputs(c, w)
     gpu, dc = c.gpu_gbps * 1e9 / 8, c.dc_gbps * 1e9 / 8
     model = cost.Cluster(
         (c.num_dcs, c.gpus_per_dc),

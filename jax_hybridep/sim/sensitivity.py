@@ -18,6 +18,7 @@ from jax_hybridep.sim.cluster import Datacenters, MoELayer
 from jax_hybridep.sim.moe_step import step_time
 from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction
 from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS, write_csv
+from jax_hybridep.values import output_path_arg
 
 # Each assumed constant (a `Datacenters` field) and the values tried, the default among them.
 CONSTANTS = {
@@ -73,7 +74,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dcs", type=int, default=1000, help="DC count")
     p.add_argument("--bandwidths", type=float, nargs="+", default=list(BANDWIDTHS_GBPS))
     p.add_argument("--expert-mb", type=float, default=MoELayer().expert_bytes / 1e6)
-    p.add_argument("--csv", default="sensitivity.csv", help="CSV path ('' to skip)")
+    p.add_argument("--csv", type=output_path_arg, default="sensitivity.csv",
+                   help="CSV path ('' to skip)")  # fmt: skip
     args = p.parse_args(argv)
     if args.dcs < 1 or min(args.bandwidths) <= 0 or not args.expert_mb >= 0:
         raise ValueError(

@@ -17,8 +17,15 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from jax_hybridep.sim.cluster import Datacenters, MoELayer
-from jax_hybridep.sim.moe_step import StepTime, step_time
+from jax_hybridep.sim.moe_step import StepTime, check_inputs, step_time
 from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction, planned_domain
+from jax_hybridep.values import (
+    check_bool,
+    check_ints,
+    check_output_path,
+    check_real,
+    make_parent_dirs,
+)
 
 BANDWIDTHS_GBPS = (0.1, 1.0, 10.0, 100.0)
 DC_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 1024)
@@ -58,6 +65,19 @@ def run_sweep(
     Returns:
       Rows (dicts with the keys `FIELDS`).
     """
+    check_inputs(base, workload, ("base", "workload"))
+    bandwidths = _listed("bandwidths", bandwidths)
+    for i, b in enumerate(bandwidths):
+        check_real(f"bandwidths[{i}]", b, positive=True)
+    dc_counts = check_ints("dc_counts", _listed("dc_counts", dc_counts), 1)
+    domains = check_ints("domains", _listed("domains", domains), 1, min_len=0)
+    fractions = _listed("fractions", fractions)
+    for i, p in enumerate(fractions):
+        check_real(f"fractions[{i}]", p, 0.0, 1.0)
+    check_bool("best", best)
+    check_bool("planned", planned)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable or None, got {progress!r}")
     rows = []
     for bw in bandwidths:
         for n in dc_counts:
@@ -94,8 +114,18 @@ def run_sweep(
     return rows
 
 
+def _listed(name: str, values) -> list:
+    """values (an iterable, not a str) as a list."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be an iterable of numbers, got {values!r}")
+    return list(values)
+
+
 def write_csv(rows: list[dict], path: str, fields: tuple[str, ...] = FIELDS) -> None:
-    """Rows as CSV with a header in `fields` order, floats to 6 significant digits."""
+    """Rows as CSV with a header in `fields` order, floats to 6 significant digits (missing
+    directories above `path` are created)."""
+    check_output_path("path", path)
+    make_parent_dirs(path)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
@@ -106,14 +136,23 @@ def write_csv(rows: list[dict], path: str, fields: tuple[str, ...] = FIELDS) -> 
 
 
 def read_csv(path: str) -> list[dict]:
-    """Rows written by `write_csv`, numbers parsed back."""
+    """Rows written by `write_csv`, numbers parsed back (ValueError naming the file, line and
+    column for anything else)."""
     out = []
     with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            for k in ("dc_gbps", "ep_s", "hybrid_s", "speedup", "ep_wan_mb", "hybrid_wan_mb"):
-                row[k] = float(row[k])
-            for k in ("num_dcs", "gpus", "domain", "ep_peers", "hybrid_peers"):
-                row[k] = int(row[k])
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            for kind, keys in (
+                (float, ("dc_gbps", "ep_s", "hybrid_s", "speedup", "ep_wan_mb", "hybrid_wan_mb")),
+                (int, ("num_dcs", "gpus", "domain", "ep_peers", "hybrid_peers")),
+            ):
+                for k in keys:
+                    try:
+                        row[k] = kind(row[k])
+                    except (KeyError, TypeError, ValueError):
+                        raise ValueError(
+                            f"{path}:{line}: not a sweep CSV written by write_csv: column {k!r} "
+                            f"is {row.get(k)!r}"
+                        ) from None
             out.append(row)
     return out
 
@@ -129,6 +168,9 @@ def _series(rows: list[dict]) -> list[tuple[str, str]]:
 
 def plot(rows: list[dict], path: str, title: str = "") -> None:
     """Speedup (EP time / hybrid time) vs. DC count, a line per bandwidth, a panel per policy."""
+    if not rows:
+        raise ValueError("plot needs at least one row (run_sweep's rows)")
+    check_output_path("path", path)
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers
@@ -173,5 +215,6 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    make_parent_dirs(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)

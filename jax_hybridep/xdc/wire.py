@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_hybridep.values import check_int, check_ints, is_real
+
 INDEX_BYTES = 4  # compressed experts carry int32 indices
 
 
@@ -37,7 +39,14 @@ def topk_count(elements: int, compression: float, value_bytes: int) -> int:
 
 
 def _sizes(matrices: Sequence) -> list[int]:
-    return [m if isinstance(m, int | np.integer) else math.prod(m) for m in matrices]
+    """Element count of each matrix, given as a count or a shape (ints >= 0, never truncated)."""
+    if isinstance(matrices, str) or not isinstance(matrices, Sequence | np.ndarray):
+        raise TypeError(f"expert_matrices must be a sequence of counts or shapes, got {matrices!r}")
+    return [
+        check_int("expert_matrices[i]", m, 0) if is_real(m)
+        else math.prod(check_ints("expert_matrices[i]", m, 0))
+        for m in matrices
+    ]  # fmt: skip
 
 
 def expert_wire_bytes(matrices: Sequence, compression: float | None, value_bytes: int) -> int:
@@ -59,9 +68,9 @@ def expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes
     `expert_bytes` (P1, one matrix) and `expert_matrices` (element counts or shapes)."""
     if (expert_bytes is None) == (expert_matrices is None):
         raise ValueError("give exactly one of expert_bytes and expert_matrices")
-    if value_bytes < 1:
-        raise ValueError(f"value_bytes must be >= 1, got {value_bytes}")
+    check_int("value_bytes", value_bytes, 1)
     if expert_matrices is None:
+        check_int("expert_bytes", expert_bytes, 0)
         if expert_bytes < 0 or expert_bytes % value_bytes:
             raise ValueError(f"expert_bytes={expert_bytes} is not a multiple of {value_bytes=}")
         # One matrix: compressed bytes are then approximate (the runtime rounds k per matrix).
@@ -78,6 +87,8 @@ def expert_bytes_on_wire(expert_bytes, expert_matrices, compression, value_bytes
 
 def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
     """k: entries of one matrix sent at compression `compression` (all of them when None)."""
+    check_int("num_entries", num_entries, 0)
+    compressed(compression)  # ValueError unless None or a finite number > 0
     if compression is None:
         return num_entries
     return topk_count(num_entries, compression, np.dtype(dtype).itemsize)
@@ -85,6 +96,7 @@ def kept_entries(num_entries: int, dtype, compression: float | None) -> int:
 
 def sent_bytes(matrix_shape, dtype, compression: float | None) -> int:
     """Bytes one expert matrix of `matrix_shape` costs on the wire."""
+    check_ints("matrix_shape", matrix_shape, 0, min_len=0)
     n, value_bytes = math.prod(matrix_shape), np.dtype(dtype).itemsize
     if compression is None:
         return n * value_bytes

@@ -1,5 +1,6 @@
-// CUDA layout kernels: the device twins of CountRows, PlanGroups, AssignRows and DroppedPerSource
-// (layout.cc), giving the same counts, plan and rows bit for bit (docs/design.md §2.1).
+// CUDA layout kernels: the device twins of PlanGroups and AssignRows (layout.cc), giving the same
+// plan and rows bit for bit (docs/design.md §2.1). The counts they start from come all-gathered by
+// XLA.
 //
 // Everything here is integer arithmetic. Atomics only add integers or take their maximum, which
 // does not depend on the order, so every output is deterministic; the one order-sensitive step
@@ -11,21 +12,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/layout_kernels.h"
 
 namespace jax_hybridep {
 namespace {
 
 constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-
-// CountRows: 256 threads a block, each thread taking about kItemsPerThread ids.
-constexpr int kCountThreads = 256;
-constexpr int64_t kItemsPerThread = 16;
-constexpr int64_t kMaxCountBlocks = 1024;
-// Experts up to this many get a per-block shared histogram (32 KiB, under the default 48 KiB), so
-// global atomics are one per (block, expert) instead of one per id.
-constexpr int64_t kMaxSharedExperts = 8192;
 
 // AssignRows: one warp owns one chunk of kChunk consecutive (t, k) ids and walks it in tiles of 32.
 constexpr int64_t kTilesPerChunk = 64;
@@ -48,36 +41,6 @@ __device__ unsigned long long WarpSum(unsigned long long v) {
 }
 
 __device__ bool IsExpert(int32_t e, int64_t num_experts) { return e >= 0 && e < num_experts; }
-
-__global__ void CountRowsKernel(const int32_t* topk_idx, int64_t n, int64_t num_experts,
-                                bool shared_histogram, int32_t* counts,
-                                unsigned long long* invalid) {
-  extern __shared__ int32_t histogram[];
-  if (shared_histogram) {
-    for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) histogram[e] = 0;
-    __syncthreads();
-  }
-  int32_t* target = shared_histogram ? histogram : counts;
-  unsigned long long local_invalid = 0;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const int32_t e = topk_idx[i];
-    if (IsExpert(e, num_experts)) {
-      atomicAdd(&target[e], 1);
-    } else if (e != -1) {
-      ++local_invalid;
-    }
-  }
-  local_invalid = WarpSum(local_invalid);
-  if (threadIdx.x % kWarp == 0 && local_invalid != 0) atomicAdd(invalid, local_invalid);
-  if (shared_histogram) {
-    __syncthreads();
-    for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      if (histogram[e] != 0) atomicAdd(&counts[e], histogram[e]);
-    }
-  }
-}
 
 // One block. Threads split the experts, then the ranks: each rank's slots are filled one after
 // another, as on the host, because a group's offset depends on all the groups before it.
@@ -201,41 +164,7 @@ __global__ void AssignChunksKernel(const int32_t* topk_idx, int64_t n, int64_t n
   if (lane == 0 && local_dropped != 0) atomicAdd(dropped, local_dropped);
 }
 
-// One thread per expert walks the source ranks in order; each adds its (rank, expert) drops to
-// that rank's total.
-__global__ void DroppedPerSourceKernel(const int32_t* all_counts, int64_t num_ranks,
-                                       int64_t num_experts, const int32_t* keep_limit,
-                                       unsigned long long* dropped) {
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= num_experts) return;
-  int64_t before = 0;
-  for (int64_t r = 0; r < num_ranks; ++r) {
-    const int64_t count = all_counts[r * num_experts + e];
-    int64_t kept = keep_limit[e] - before;
-    kept = kept < 0 ? 0 : (kept > count ? count : kept);
-    if (count != kept) atomicAdd(&dropped[r], static_cast<unsigned long long>(count - kept));
-    before += count;
-  }
-}
-
 }  // namespace
-
-cudaError_t LaunchCountRows(const int32_t* topk_idx, int64_t tokens, int64_t k, int64_t num_experts,
-                            int32_t* counts, int64_t* invalid, cudaStream_t stream) {
-  cudaError_t status = cudaMemsetAsync(counts, 0, num_experts * sizeof(int32_t), stream);
-  if (status != cudaSuccess) return status;
-  status = cudaMemsetAsync(invalid, 0, sizeof(int64_t), stream);
-  if (status != cudaSuccess) return status;
-  const int64_t n = tokens * k;
-  if (n == 0) return cudaSuccess;
-  const int64_t blocks = std::min(kMaxCountBlocks, CeilDiv(n, kCountThreads * kItemsPerThread));
-  const bool shared_histogram = num_experts <= kMaxSharedExperts;
-  const size_t shared_bytes = shared_histogram ? num_experts * sizeof(int32_t) : 0;
-  CountRowsKernel<<<Grid(blocks), kCountThreads, shared_bytes, stream>>>(
-      topk_idx, n, num_experts, shared_histogram, counts,
-      reinterpret_cast<unsigned long long*>(invalid));
-  return cudaGetLastError();
-}
 
 cudaError_t LaunchPlanGroups(const int32_t* all_counts, const Placement& placement,
                              const CapacityPlan& plan, int32_t* keep_limit, int32_t* group_offset,
@@ -274,17 +203,6 @@ cudaError_t LaunchAssignRows(const int32_t* topk_idx, int64_t tokens, int64_t k,
       all_counts, rank, num_experts, num_chunks, chunk_counts);
   AssignChunksKernel<<<Grid(chunk_blocks), kAssignWarpsPerBlock * kWarp, 0, stream>>>(
       topk_idx, n, num_experts, num_chunks, keep_limit, group_offset, chunk_counts, row_pos,
-      reinterpret_cast<unsigned long long*>(dropped));
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchDroppedPerSource(const int32_t* all_counts, int64_t num_ranks,
-                                   int64_t num_experts, const int32_t* keep_limit, int64_t* dropped,
-                                   cudaStream_t stream) {
-  cudaError_t status = cudaMemsetAsync(dropped, 0, num_ranks * sizeof(int64_t), stream);
-  if (status != cudaSuccess || num_experts == 0) return status;
-  DroppedPerSourceKernel<<<Grid(CeilDiv(num_experts, kSmallThreads)), kSmallThreads, 0, stream>>>(
-      all_counts, num_ranks, num_experts, keep_limit,
       reinterpret_cast<unsigned long long*>(dropped));
   return cudaGetLastError();
 }

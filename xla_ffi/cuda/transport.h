@@ -15,9 +15,10 @@
 // g + 1). Waits give up after `timeout_ns` (device global timer), record the first failure in the
 // mapped host error record and return; the host reports it on the next call (never a hang).
 //
-// The same __device__ phases run in the per-rank kernels of the FFI handlers (one launch per rank
-// and phase) and in the virtual-rank harness (all ranks of a group in one cooperative launch on one
-// GPU, blocks split by rank, every rank resident), so the protocol is tested on a single GPU.
+// The same __device__ phases (transport_phases.cuh) run in the per-rank kernels of the FFI handlers
+// (transport_kernels.cu: one launch per rank and phase) and in the test module's virtual-rank
+// harness (testing/transport_harness.h: all ranks of a group in one cooperative launch on one GPU),
+// so the protocol is tested on a single GPU. The window's regions are in window_layout.h.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TRANSPORT_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_TRANSPORT_H_
 
@@ -26,49 +27,21 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "xla_ffi/cuda/window_layout.h"
 #include "xla_ffi/limits.h"  // kMaxSendBlocks, kMaxTopK
 #include "xla_ffi/numeric.h"
 
 namespace jax_hybridep {
 
-// Most ranks in one window group.
-constexpr int64_t kMaxWindowRanks = 128;
-
-// Geometry a window is sized for.
-struct WindowGeometry {
-  int64_t ranks;      // R
-  int64_t tokens;     // T per source rank
-  int64_t k;          // K routing slots per token
-  int64_t row_bytes;  // the widest row this window carries (H * element size)
-};
-
-// Bytes of one rank's window, and its regions at their offsets (all 256-byte aligned).
-size_t WindowBytes(const WindowGeometry& geometry);
-
-// One rank's window as any rank of the group addresses it (peer pointers on other devices).
-struct Window {
-  char* payload[2];       // [R, T, row_stride]: token rows (dispatch) or partial sums (combine)
-  int32_t* row_pos[2];    // [R, T, K]: the receiver's row per (source, t, k), -1 when none
-  float* values[2];       // [R, T, K]: routing weights (dispatch) or returned row values
-  uint64_t* arrived;      // [R, kMaxSendBlocks]: generation each source block last completed
-  uint32_t* error_claim;  // [1]: set by the first of this rank's waits to fail
-};
-
-// Carves a window's regions out of `base` (WindowBytes(geometry) bytes, 256-byte aligned).
-Window CarveWindow(char* base, const WindowGeometry& geometry);
-
-// Stride of a row slot in the payload (row_bytes rounded up to 16 bytes).
-JAX_HYBRIDEP_HOST_DEVICE inline int64_t RowStride(int64_t row_bytes) {
-  return (row_bytes + 15) / 16 * 16;
-}
-
 // Where a failed wait is recorded: in mapped host memory, written once (first failure wins).
 struct TransportError {
-  uint32_t code;   // 0: none; 1: a wait timed out
+  uint32_t code;   // 0: none; 1: a wait timed out; 2: a flag of another exchange (v2)
   uint32_t rank;   // the rank that waited
   uint32_t peer;   // the source rank it waited for
   uint32_t block;  // the sender block whose flag never came
   uint64_t generation;
+  uint64_t seen;      // v2: the flag the failed wait read last
+  uint64_t expected;  // v2: the tag it waited for (v2_transport.h)
 };
 
 // What every phase of one exchange needs. Every receive phase runs as `send_blocks` blocks too:
@@ -147,37 +120,6 @@ cudaError_t LaunchSendRowValues(const ExchangeContext& ctx, const float* values,
                                 const int32_t* recv_row_pos, cudaStream_t stream);
 cudaError_t LaunchReceiveRowValues(const ExchangeContext& ctx, const int32_t* dest, float* out,
                                    cudaStream_t stream);
-
-// ---- Virtual-rank harness: R ranks of one group on one GPU, one cooperative launch per exchange.
-// Per-rank arrays are [R, ...] concatenations; contexts: device array [R] (rank r's context).
-
-enum class HarnessExchange : int32_t {
-  kDispatch = 0,    // x, dest, row_pos, weights -> out_tokens, out_weights, recv_row_pos
-  kRedispatch = 1,  // x, dest, recv_row_pos, scale -> out_tokens, out_scaled (prefilled)
-  kCombine = 2,     // y, weights, recv_row_pos, dest -> out
-  kRowValues = 3,   // values, recv_row_pos, dest -> out_values
-};
-
-struct HarnessArgs {
-  HarnessExchange exchange;
-  Dtype dtype;
-  int64_t rows;            // C per rank
-  const char* in_rows;     // x [R, T, row_bytes] or y [R, C, row_bytes]
-  const int32_t* dest;     // [R, T, K]
-  const int32_t* row_pos;  // [R, T, K] (dispatch)
-  const float* in_values;  // weights [R, T, K] (dispatch), scale/weights [R, C] or values
-  int32_t* recv_row_pos;   // [R, R * T, K]: written by dispatch, read by the others
-  char* out_rows;          // [R, C, row_bytes] or [R, T, row_bytes] (combine)
-  char* out_scaled;        // [R, C, row_bytes] (redispatch) or null
-  float* out_values;       // [R, C] weights (dispatch) or [R, T, K] (row values)
-};
-
-// Blocks per rank the harness can keep resident for a given send_blocks (0 when R ranks of that
-// many blocks do not fit on the device at once); the receive phases use the same blocks.
-cudaError_t HarnessResidentBlocks(int64_t ranks, int* blocks_per_rank);
-
-cudaError_t LaunchHarness(const ExchangeContext* contexts_device, int64_t ranks,
-                          int32_t blocks_per_rank, const HarnessArgs& args, cudaStream_t stream);
 
 }  // namespace jax_hybridep
 

@@ -15,6 +15,8 @@
 #include <tuple>
 #include <vector>
 
+#include "xla_ffi/cuda/v2_transport.h"
+
 namespace jax_hybridep {
 namespace {
 
@@ -36,7 +38,7 @@ struct Group {
   std::condition_variable all_joined;
 };
 
-using KeyTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
+using KeyTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int32_t>;
 
 struct Registry {
   std::mutex mu;
@@ -51,7 +53,7 @@ Registry& GetRegistry() {
 
 KeyTuple Tuple(const WindowKey& key) {
   const WindowGeometry& g = key.geometry;
-  return {key.group, g.ranks, g.tokens, g.k, g.row_bytes};
+  return {key.group, g.ranks, g.tokens, g.k, g.row_bytes, key.transport};
 }
 
 // Setup copies run on a private non-blocking stream: a synchronous call on the legacy default
@@ -82,10 +84,11 @@ struct Allocation {
   }
 };
 
-Status Allocate(const WindowGeometry& geometry, int device, Allocation* a) {
+Status Allocate(const WindowKey& key, int device, Allocation* a) {
+  const WindowGeometry& geometry = key.geometry;
   cudaError_t s = cudaSetDevice(device);
   if (s != cudaSuccess) return CudaFailure(s, "cudaSetDevice");
-  const size_t bytes = WindowBytes(geometry);
+  const size_t bytes = key.transport == 2 ? V2WindowBytes(geometry) : WindowBytes(geometry);
   void* ptr = nullptr;
   s = cudaMalloc(&ptr, bytes);
   if (s != cudaSuccess) {
@@ -116,6 +119,7 @@ Status Allocate(const WindowGeometry& geometry, int device, Allocation* a) {
 // The device array [R] of every rank's window as `rank`'s device addresses it (peer access on).
 Status MapPeers(const WindowGeometry& geometry, const std::vector<char*>& bases,
                 const std::vector<int>& devices, int32_t rank, const Window** out) {
+  // (transport 2 reads only the bases; the table of transport 1's regions costs nothing.)
   const int device = devices[rank];
   cudaError_t s = cudaSetDevice(device);
   if (s != cudaSuccess) return CudaFailure(s, "cudaSetDevice");
@@ -182,7 +186,7 @@ std::string KvPrefix(const WindowKey& key) {
   const WindowGeometry& g = key.geometry;
   std::ostringstream out;
   out << "jax_hybridep/window/g" << key.group << "/R" << g.ranks << "/T" << g.tokens << "/K" << g.k
-      << "/b" << g.row_bytes;
+      << "/b" << g.row_bytes << "/v" << key.transport;
   return out.str();
 }
 
@@ -330,7 +334,7 @@ Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
   }
   if (allocate) {
     Allocation a;
-    if (Status s = Allocate(geometry, device, &a); !s.ok()) return s;
+    if (Status s = Allocate(key, device, &a); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(registry.mu);
     RankWindow& view = group->views[rank];
     view.error_host = a.host;
@@ -352,6 +356,7 @@ Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
   if (Status s = MapPeers(geometry, bases, devices, rank, &windows); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(registry.mu);
   group->views[rank].windows = windows;
+  group->views[rank].bases = bases;
   *out = &group->views[rank];
   return Status::Ok();
 }
@@ -363,6 +368,14 @@ Status WindowError(const RankWindow& window) {
   const volatile TransportError* e = window.error_host;
   if (e == nullptr || e->code == 0) return Status::Ok();
   std::ostringstream msg;
+  if (e->code == kV2Mismatch) {
+    msg << "jax_hybridep: GPU exchange mismatch: EP rank " << e->rank << " waiting in its exchange "
+        << e->generation << " (flag tag " << e->expected << ") found the flag of EP rank "
+        << e->peer << "'s send block " << e->block << " tagged " << e->seen << " (exchange "
+        << (e->seen >> 32) << ", call site " << (e->seen & 0xffffffffu) << "): the ranks ran "
+        << "different exchanges on one window; restart the process";
+    return Status{Status::Code::kFailedPrecondition, msg.str()};
+  }
   msg << "jax_hybridep: GPU exchange timed out: EP rank " << e->rank << " waited for EP rank "
       << e->peer << " (its send block " << e->block << ") in exchange " << e->generation
       << " of this window; the peers no longer agree on the exchange sequence, restart the "
@@ -399,6 +412,7 @@ void ReleaseWindows() {
       }
       group->bases[r] = nullptr;
       view.windows = nullptr;
+      view.bases.clear();
       view.opened.clear();
       view.error_host = view.error_device = nullptr;
       view.released = true;

@@ -25,6 +25,7 @@ struct WindowKey {
   int64_t group;  // EP-group id (several groups may share a process)
   WindowGeometry geometry;
   bool multi_process = false;  // some ranks live in other processes (CUDA IPC)
+  int32_t transport = 1;       // 1: transport.h's layout; 2: v2_transport.h's (own windows)
 };
 
 // Publishes `mine` for `rank` under `prefix` and returns the strings of all `count` ranks, in rank
@@ -39,6 +40,7 @@ void SetKvExchange(KvExchange exchange);
 // One rank's view of its window group.
 struct RankWindow {
   const Window* windows = nullptr;         // device array [R]: every rank's window from this device
+  std::vector<char*> bases;                // [R]: every rank's window base from this device
   TransportError* error_host = nullptr;    // mapped host record (read by the host)
   TransportError* error_device = nullptr;  // the same record as the kernels address it
   uint64_t generation = 0;                 // exchanges enqueued on this window by this rank

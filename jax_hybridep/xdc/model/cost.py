@@ -23,33 +23,52 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from jax_hybridep.values import check_bool, check_int, check_real, check_type
 from jax_hybridep.xdc.model.volumes import Volumes
 
 # -- 1. The paper's stream model -------------------------------------------------------------
 
 
+def _paper(s=None, p=None, **named) -> None:
+    """Checks the stream model's arguments: g an int >= 1, s a domain size in [1, g], p in
+    [0, 1], bandwidth > 0, the byte counts and seconds finite and >= 0."""
+    g = check_int("g", named.pop("g"), 1) if "g" in named else None
+    if s is not None:
+        check_real("s", s, 1.0, math.inf if g is None else g)
+    if p is not None:
+        check_real("p", p, 0.0, 1.0)
+    for name, value in named.items():
+        check_real(name, value, 0.0, positive=name == "bandwidth")
+
+
 def a2a_volume(s: float, *, g: int, d: float) -> float:
     """Token bytes a rank sends in one all-to-all with domain size s: `D (G - s) / G`."""
+    _paper(s, g=g, d=d)
     return d * (g - s) / g
 
 
 def ag_volume(s: float, *, p_e: float) -> float:
     """Expert bytes a rank all-gathers with domain size s: `(s - 1) P_E`."""
+    _paper(s, p_e=p_e)
     return (s - 1) * p_e
 
 
 def stream_latency(s: float, *, g: int, d: float, p_e: float, bandwidth: float, lat_pe: float):
     """The paper's per-block latency `max(Lat_PE, V_AG / B) + 2 V_A2A / B` (seconds)."""
+    _paper(s, g=g, d=d, p_e=p_e, bandwidth=bandwidth, lat_pe=lat_pe)
     return max(lat_pe, ag_volume(s, p_e=p_e) / bandwidth) + 2 * a2a_volume(s, g=g, d=d) / bandwidth
 
 
 def domain_p(s: int, g: int) -> float:
-    """p of domain size s: the fraction of the other ranks still reached by tokens."""
+    """p of domain size s: the fraction of the other ranks still reached by tokens (g >= 2)."""
+    check_int("g", g, 2)
+    check_int("s", s, 1, g)
     return (g - s) / (g - 1)
 
 
 def stream_latency_p(p: float, *, g: int, d: float, p_e: float, bandwidth: float, lat_pe: float):
     """Continuous form: `V_A2A = p D (G-1)/G`, `V_AG = (1-p)(G-1) P_E` (p in [0, 1])."""
+    _paper(p=p, g=g, d=d, p_e=p_e, bandwidth=bandwidth, lat_pe=lat_pe)
     a2a = p * d * (g - 1) / g
     ag = (1 - p) * (g - 1) * p_e
     return max(lat_pe, ag / bandwidth) + 2 * a2a / bandwidth
@@ -61,6 +80,8 @@ def optimal_p(*, g: int, d: float, p_e: float, bandwidth: float, lat_pe: float) 
     `2D >= G P_E`: tokens cost at least as much as experts, p* = 0. Otherwise shrink p only until
     the gather stops hiding under Lat_PE: `p* = 1 - B Lat_PE / (P_E (G - 1))`, clamped to [0, 1].
     """
+    _paper(g=g, d=d, p_e=p_e, bandwidth=bandwidth, lat_pe=lat_pe)
+    check_int("g", g, 2)  # p* divides by G - 1
     if 2 * d >= g * p_e:
         return 0.0
     return min(1.0, max(0.0, 1 - bandwidth * lat_pe / (p_e * (g - 1))))
@@ -68,11 +89,13 @@ def optimal_p(*, g: int, d: float, p_e: float, bandwidth: float, lat_pe: float) 
 
 def divisors(n: int) -> list[int]:
     """The realisable domain sizes of a level of n ranks."""
+    check_int("n", n, 1)
     return [s for s in range(1, n + 1) if n % s == 0]
 
 
 def best_domain(*, g: int, d: float, p_e: float, bandwidth: float, lat_pe: float):
     """Evaluates `stream_latency` at every divisor of g: (best S, {S: latency})."""
+    _paper(g=g, d=d, p_e=p_e, bandwidth=bandwidth, lat_pe=lat_pe)
     lat = {
         s: stream_latency(s, g=g, d=d, p_e=p_e, bandwidth=bandwidth, lat_pe=lat_pe)
         for s in divisors(g)
@@ -82,6 +105,8 @@ def best_domain(*, g: int, d: float, p_e: float, bandwidth: float, lat_pe: float
 
 def pair_counts(g: int, s: int) -> tuple[int, int]:
     """Ordered rank pairs that communicate (Table VII): all-to-all `G(G/S - 1)`, gather `G(S-1)`."""
+    check_int("g", g, 1)
+    check_int("s", s, 1)
     if g % s:
         raise ValueError(f"domain size {s} does not divide {g} ranks")
     return g * (g // s - 1), g * (s - 1)
@@ -151,6 +176,8 @@ class Cluster:
         if bad:
             raise ValueError(f"Cluster.links must be cost.Link values, got {bad!r}")
         if self.names is not None:
+            if isinstance(self.names, str) or not all(isinstance(n, str) for n in self.names):
+                raise TypeError(f"Cluster.names must be level names (str), got {self.names!r}")
             if len(self.names) != len(self.links) or len(set(self.names)) != len(self.names):
                 raise ValueError(
                     f"Cluster.names {self.names} must name each of the levels {sizes} once"
@@ -161,6 +188,14 @@ class Cluster:
 
 def transfer_time(link: Link, rank_bytes: float, site_bytes: float, messages: int) -> float:
     """Seconds to move `rank_bytes` per rank while the site moves `site_bytes` over its uplink."""
+    check_type("link", link, Link, "a cost.Link")
+    check_real("rank_bytes", rank_bytes, 0.0)
+    check_real("site_bytes", site_bytes, 0.0)
+    check_int("messages", messages, 0)
+    return _transfer_time(link, rank_bytes, site_bytes, messages)
+
+
+def _transfer_time(link: Link, rank_bytes, site_bytes, messages) -> float:
     if rank_bytes <= 0 and messages <= 0:
         return 0.0
     t = rank_bytes / link.bandwidth
@@ -221,7 +256,7 @@ class StepCost:
 
 def _site(link, v, nbytes, messages) -> float:
     """`transfer_time` of `nbytes` per rank, the site's ranks moving as much each."""
-    return transfer_time(link, nbytes, v.site_ranks * nbytes, messages) if nbytes else 0.0
+    return _transfer_time(link, nbytes, v.site_ranks * nbytes, messages) if nbytes else 0.0
 
 
 def step_cost(
@@ -258,6 +293,9 @@ def step_cost(
       lat_pe: pre-expert compute seconds per layer under which a forward gather may hide.
       prefetch: every layer's experts gathered at step start (`nn.migration.prefetch_experts`).
     """
+    check_type("cluster", cluster, Cluster, "a cost.Cluster")
+    check_bool("training", training)
+    check_bool("prefetch", prefetch)
     if isinstance(volumes, Volumes):
         if layers is not None and (not isinstance(layers, numbers.Integral) or layers < 1):
             raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
@@ -288,7 +326,7 @@ def step_cost(
     for i, v in enumerate(per_layer):
         for lvl, lv in enumerate(v.levels):
             sync_t[i][lvl] = raw(v, lvl, lv.shared_sync_bytes, 2 * (lv.domain - 1))
-            token_t[i][lvl] = transfer_time(
+            token_t[i][lvl] = _transfer_time(
                 links[lvl], lv.token_bytes_max, lv.token_site_bytes_max, lv.token_peers
             )
             refresh = raw(v, lvl, lv.shared_refresh_bytes, 2 * (lv.size - 1))

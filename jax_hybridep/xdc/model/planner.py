@@ -26,7 +26,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_hybridep.values import check_bool, check_int
+from jax_hybridep.values import (
+    check_array,
+    check_bool,
+    check_int,
+    check_ints,
+    check_type,
+    is_real,
+)
 from jax_hybridep.xdc import wire
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.model import cost, volumes
@@ -101,6 +108,7 @@ class Workload:
             if not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
                 raise ValueError(f"Workload.{name} must be seconds >= 0, got {value!r}")
         check_bool("Workload.prefetch", self.prefetch)
+        check_bool("Workload.training", self.training)
         if not isinstance(self.migration, Migration):
             raise TypeError(
                 f"Workload.migration must be a jax_hybridep.xdc.Migration, got {self.migration!r}"
@@ -110,6 +118,15 @@ class Workload:
                 f"Workload.migration names domains {self.migration.domains}: the planner chooses "
                 "them (start a Replanner from given ones with layer_domains=...)"
             )
+        if self.expert_probs is not None:
+            probs = check_array("Workload.expert_probs", self.expert_probs, ndim=1, lo=0)
+            if probs.size != self.num_experts or not probs.sum() > 0:
+                raise ValueError(
+                    f"Workload.expert_probs must be [{self.num_experts}] probabilities >= 0, not "
+                    f"all 0, got {len(probs)} values summing to {probs.sum():g}"
+                )
+            object.__setattr__(self, "expert_probs", tuple(float(p) for p in probs))
+        self.expert_bytes_full()  # exactly one of expert_bytes, expert_matrices; sizes >= 0
 
     def volumes(self, level_sizes: Sequence[int], domains: Sequence[int], routing="uniform"):
         """This runtime's volumes of one layer: expected ("uniform"; `expert_probs` if set), for
@@ -123,7 +140,12 @@ class Workload:
                     f"topk_idx array, got {routing!r}"
                 )
         elif np.ndim(routing) == 1:
-            probs = tuple(float(p) for p in np.asarray(routing, np.float64))
+            probs = tuple(float(p) for p in check_array("routing", routing, ndim=1, lo=0))
+            if len(probs) != self.num_experts:
+                raise ValueError(
+                    f"routing has {len(probs)} expert probabilities, the workload "
+                    f"{self.num_experts} experts"
+                )
         else:
             return volumes.routed_volumes(level_sizes, domains, np.asarray(routing), **common)
         return volumes.expected_volumes(
@@ -188,13 +210,19 @@ class Workload:
 
 
 def layer_list(layer_domains, layers: int) -> list[tuple[int, ...]]:
-    """One domain tuple per layer from a tuple for all layers or a sequence of them."""
+    """One domain tuple per layer from a tuple for all layers or a sequence of them (ints only:
+    a fractional size is refused, never truncated)."""
+    check_int("layers", layers, 1)
+    if isinstance(layer_domains, str) or not isinstance(layer_domains, Sequence):
+        raise TypeError(
+            f"layer_domains must be a domain tuple or one per layer, got {layer_domains!r}"
+        )
     layer_domains = tuple(layer_domains)
-    if layer_domains and all(isinstance(s, numbers.Integral) for s in layer_domains):
-        return [tuple(int(s) for s in layer_domains)] * layers
+    if layer_domains and all(is_real(s) for s in layer_domains):
+        return [check_ints("domains", layer_domains, 1)] * layers
     if len(layer_domains) != layers:
         raise ValueError(f"got {len(layer_domains)} per-layer domain tuples for {layers} layers")
-    return [tuple(int(s) for s in d) for d in layer_domains]
+    return [check_ints(f"layer_domains[{i}]", d, 1) for i, d in enumerate(layer_domains)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +334,9 @@ def _rank(c: Candidate):
 
 
 def _routings(routing, layers: int) -> list:
-    """One routing entry per layer."""
+    """One routing entry per layer (a list of numbers is one [E] probability vector)."""
+    if isinstance(routing, list | tuple) and routing and all(is_real(p) for p in routing):
+        routing = np.asarray(routing, np.float64)
     if isinstance(routing, str) or (not isinstance(routing, list | tuple)):
         return [routing] * layers
     if len(routing) != layers:
@@ -322,6 +352,10 @@ def evaluate(
     memory_limit_bytes: int | None = None,
 ) -> Candidate:
     """The `Candidate` of one configuration: a domain tuple for all layers or one per layer."""
+    check_type("cluster", cluster, cost.Cluster, "a cost.Cluster")
+    check_type("workload", workload, Workload, "a planner.Workload")
+    if memory_limit_bytes is not None:
+        check_int("memory_limit_bytes", memory_limit_bytes, 0)
     sizes = tuple(cluster.level_sizes)
     per_layer = layer_list(layer_domains, workload.layers)
     routings = _routings(routing, workload.layers)
@@ -381,7 +415,7 @@ def plan(
     sizes = tuple(cluster.level_sizes)
     plain = (1,) * len(sizes)
     todo = volumes.realisable_domains(sizes) if candidates is None else list(candidates)
-    todo = [tuple(int(s) for s in d) for d in todo]
+    todo = [check_ints("plan: candidates[i]", d, 1) for d in todo]  # 1.5 is refused, not cut
     bad = [
         d
         for d in todo

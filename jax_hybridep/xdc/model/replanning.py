@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jax_hybridep.values import check_int, check_real
+from jax_hybridep.values import check_array, check_int, check_real, check_str, check_type
 from jax_hybridep.xdc.model import cost, planner
 
 GBPS = 1e9 / 8  # bytes/s in one Gbit/s
@@ -30,6 +30,9 @@ def parse_links(spec: str, levels: Mapping[str, int]) -> cost.Cluster:
     """A `cost.Cluster` over `levels` ({name: size}, slow -> fast) from a spec
     "LEVEL=GBPS[:MS][:shared],...": every level named once (ValueError names an item that is
     not understood)."""
+    check_str("links", spec)
+    if not isinstance(levels, Mapping):
+        raise TypeError(f"levels must be a {{name: size}} mapping, slow -> fast, got {levels!r}")
     links = {}
     for item in spec.split(","):
         name, _, rest = item.strip().partition("=")
@@ -63,9 +66,35 @@ class LinkSchedule:
 
     changes: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] = ()
 
+    def __post_init__(self):
+        changes, last = [], -1
+        for change in self.changes:
+            step, pairs = change
+            step = check_int("LinkSchedule step", step, last + 1, what=f"an int >= {last + 1}")
+            names = [name for name, _ in pairs]
+            if (
+                not pairs
+                or len(set(names)) != len(names)
+                or not all(isinstance(n, str) for n in names)
+            ):
+                raise ValueError(
+                    f"link schedule step {step}: name each level once, got {list(names)}"
+                )  # a level named twice would keep the last value without a word
+            pairs = tuple(
+                (n, check_real(f"link schedule {n} Gbps", g, positive=True)) for n, g in pairs
+            )
+            changes.append((step, pairs))
+            last = step
+        object.__setattr__(self, "changes", tuple(changes))
+
     @classmethod
     def parse(cls, spec: str | None, levels: Sequence[str]) -> LinkSchedule:
-        """From "STEP:LEVEL=GBPS[,LEVEL=GBPS][;STEP:...]" (None or "": no change)."""
+        """From "STEP:LEVEL=GBPS[,LEVEL=GBPS][;STEP:...]" (None or "": no change); steps strictly
+        increasing, each level named once per step."""
+        if isinstance(levels, str) or not all(isinstance(n, str) for n in levels):
+            raise TypeError(f"levels must be a sequence of level names, got {levels!r}")
+        if spec is not None:
+            check_str("link_schedule", spec)
         if not spec:
             return cls()
         changes = []
@@ -86,12 +115,16 @@ class LinkSchedule:
                 ) from None
             changes.append((step, tuple(pairs)))
         steps = [s for s, _ in changes]
-        if steps != sorted(steps):
+        if steps != sorted(set(steps)):
             raise ValueError(f"link_schedule={spec!r}: steps must increase, got {steps}")
-        return cls(tuple(changes))
+        try:
+            return cls(tuple(changes))
+        except ValueError as err:
+            raise ValueError(f"link_schedule={spec!r}: {err}") from None
 
     def gbps_at(self, step: int) -> dict[str, float]:
         """{level: Gbps} of every change in force at `step` (latest wins)."""
+        check_int("step", step, 0)
         now: dict[str, float] = {}
         for at, pairs in self.changes:
             if at <= step:
@@ -100,6 +133,7 @@ class LinkSchedule:
 
     def cluster_at(self, base: cost.Cluster, step: int) -> cost.Cluster:
         """`base` with the bandwidths in force at `step`."""
+        check_type("base", base, cost.Cluster, "a cost.Cluster")
         now = self.gbps_at(step)
         names = base.names or ()
         links = []
@@ -144,7 +178,7 @@ def replan(
     """Plans again for `cluster` and `routing` (as `planner.plan`) from the `current` domains (a
     tuple for all layers or one per layer): switches only when the new plan is predicted faster
     than the current domains by more than `min_gain` (a fraction), or they no longer fit."""
-    min_gain = check_real("replan: min_gain", min_gain, 0.0)
+    min_gain = check_real("replan: min_gain", min_gain, 0.0, 1.0, below_hi=True)
     fresh = planner.plan(
         cluster, workload, routing, memory_limit_bytes=memory_limit_bytes, per_layer=per_layer
     )
@@ -157,10 +191,9 @@ def replan(
 
 def routing_from_counts(tokens_per_expert) -> list[np.ndarray]:
     """Per layer, expert probabilities [E] from measured rows per expert [layers, E] (a layer
-    that routed nothing counts as uniform)."""
-    counts = np.asarray(tokens_per_expert, np.float64)
-    if counts.ndim != 2 or counts.min(initial=0) < 0:
-        raise ValueError(f"tokens_per_expert must be [layers, E] counts >= 0, got {counts.shape}")
+    that routed nothing counts as uniform; NaN or a negative count is refused, not read as
+    uniform)."""
+    counts = check_array("tokens_per_expert", tokens_per_expert, ndim=2, lo=0)
     out = []
     for row in counts:
         total = row.sum()
@@ -199,6 +232,11 @@ class Replanner:
         layer_domains=None,
     ):
         self.every = check_int("Replanner: every", every, 1)
+        check_type("cluster", cluster, cost.Cluster, "a cost.Cluster")
+        check_type("workload", workload, planner.Workload, "a planner.Workload")
+        if schedule is not None:
+            check_type("schedule", schedule, LinkSchedule, "a LinkSchedule (LinkSchedule.parse)")
+        min_gain = check_real("Replanner: min_gain", min_gain, 0.0, 1.0, below_hi=True)
         self.cluster, self.workload = cluster, workload
         self.schedule = schedule or LinkSchedule()
         self.memory_limit_bytes, self.per_layer, self.min_gain = (
@@ -218,12 +256,19 @@ class Replanner:
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after `step` steps."""
+        check_int("step", step, 0)
         return step > 0 and step % self.every == 0
 
     def update(self, step: int, tokens_per_expert) -> tuple[tuple[int, ...], ...] | None:
         """Re-plans from the rows per expert measured ([layers, E]); returns the per-layer
         domains to switch to, or None when the current ones stay (nothing to recompile)."""
+        check_int("step", step, 0)
         probs = routing_from_counts(tokens_per_expert)
+        if probs[0].size != self.workload.num_experts:
+            raise ValueError(
+                f"tokens_per_expert has {probs[0].size} experts per layer, the workload "
+                f"{self.workload.num_experts}"
+            )
         if len(probs) != self.workload.layers:
             raise ValueError(
                 f"tokens_per_expert has {len(probs)} layers, the workload {self.workload.layers}"
@@ -264,6 +309,6 @@ class Replanner:
 
 
 def skew(probs) -> float:
-    """Busiest expert's share over the mean share (1 = uniform)."""
-    p = np.asarray(probs, np.float64)
+    """Busiest expert's share over the mean share (1 = uniform); probs [E] finite, >= 0."""
+    p = check_array("probs", probs, ndim=1, lo=0)
     return float(p.max() * p.size / max(p.sum(), math.ulp(1.0)))

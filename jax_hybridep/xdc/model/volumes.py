@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_hybridep import traffic
+from jax_hybridep.values import check_array, check_bool, check_int, check_ints
 from jax_hybridep.xdc import geometry
 from jax_hybridep.xdc.geometry import token_level_sizes
 from jax_hybridep.xdc.migration import Migration
@@ -129,6 +130,7 @@ class Volumes:
     @staticmethod
     def token_exchanges(training: bool) -> int:
         """Token exchanges per layer: dispatch and combine, plus their two VJPs when training."""
+        check_bool("training", training)
         return 4 if training else 2
 
     def layer_bytes(self, training: bool = True) -> tuple[float, ...]:
@@ -147,6 +149,7 @@ class Volumes:
     def step_bytes(self, training: bool = True, layers: int = 1) -> tuple[float, ...]:
         """Bytes per rank at each level of a step of `layers` MoE layers (`layer_bytes` each);
         once per step the dense gradients."""
+        check_int("layers", layers, 1)
         return tuple(
             layers * b + (v.dense_sync_bytes if training else 0)
             for b, v in zip(self.layer_bytes(training), self.levels, strict=True)
@@ -155,6 +158,7 @@ class Volumes:
 
 def realisable_domains(level_sizes: Sequence[int]) -> list[tuple[int, ...]]:
     """Every domain tuple: one divisor of each level size, plain EP (all 1) first."""
+    level_sizes = check_ints("level_sizes", level_sizes, 1)
     divisors = [[d for d in range(1, g + 1) if g % d == 0] for g in level_sizes]
     return list(itertools.product(*divisors))
 
@@ -162,15 +166,16 @@ def realisable_domains(level_sizes: Sequence[int]) -> list[tuple[int, ...]]:
 def _check(level_sizes, domains, num_experts, top_k=None, **sizes):
     """Validated (level sizes, domains); `sizes` are counts that must be >= 0 (dense_bytes,
     tokens) or >= 1 (hidden, act_bytes)."""
-    level_sizes, domains = tuple(int(g) for g in level_sizes), tuple(int(s) for s in domains)
-    if not level_sizes or min(level_sizes) < 1:
-        raise ValueError(f"level sizes must be >= 1, at least one level; got {level_sizes}")
+    # Fractional sizes are refused, never truncated (a domain of 1.5 is not plain EP).
+    level_sizes = check_ints("level_sizes", level_sizes, 1)
+    domains = check_ints("domains", domains, 1)
     if len(level_sizes) != len(domains):
         raise ValueError(f"domains {domains} do not match level sizes {level_sizes}")
+    check_int("num_experts", num_experts, 1)
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
     for name, value in sizes.items():
-        low = 1 if name in ("hidden", "act_bytes") else 0
-        if value < low:
-            raise ValueError(f"{name}={value} must be >= {low}")
+        check_int(name, value, 1 if name in ("hidden", "act_bytes") else 0)
     bad = [(g, s) for g, s in zip(level_sizes, domains, strict=True) if s < 1 or g % s]
     if bad:
         raise ValueError(f"domain sizes must divide their level sizes; got {bad} (G_l, S_l)")
@@ -312,8 +317,8 @@ def expected_volumes(
     if expert_probs is None:
         probs = np.full(num_experts, 1 / num_experts)
     else:
-        probs = np.asarray(expert_probs, np.float64)
-        if probs.shape != (num_experts,) or probs.min() < 0 or probs.sum() <= 0:
+        probs = check_array("expert_probs", expert_probs, ndim=1, lo=0)  # NaN: ValueError
+        if probs.shape != (num_experts,) or probs.sum() <= 0:
             raise ValueError(f"expert_probs must be [{num_experts}] non-negative, not all 0")
         probs = probs / probs.sum()
     token_sizes = token_level_sizes(level_sizes, domains)
@@ -355,7 +360,7 @@ def routed_volumes(
         level_sizes, domains, num_experts, hidden=hidden, act_bytes=act_bytes,
         dense_bytes=dense_bytes,
     )  # fmt: skip
-    topk_idx = np.asarray(topk_idx)
+    topk_idx = check_array("topk_idx", topk_idx, integer=True)
     ranks = math.prod(level_sizes)
     if topk_idx.ndim != 3 or topk_idx.shape[0] != ranks:
         raise ValueError(f"topk_idx must be [G={ranks}, T, K], got {topk_idx.shape}")
@@ -397,6 +402,8 @@ def flat_volumes(
     routing; otherwise one per (token, k) as capacity-style buffers (Tutel) do, `T K / G` per peer.
     `dense_bytes` as in `expected_volumes`.
     """
+    check_bool("dedup", dedup)
+    check_int("expert_bytes", expert_bytes, 0)
     level_sizes, _ = _check(
         level_sizes, (1,) * len(level_sizes), num_experts, top_k, tokens=tokens, hidden=hidden,
         act_bytes=act_bytes, dense_bytes=dense_bytes,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from jax_hybridep.values import make_parent_dirs, output_path_arg
 from jax_hybridep.xdc.paper import reproduction
 
 
@@ -18,17 +18,15 @@ def main(argv=None) -> dict:
         description="The HybridEP paper's tables reproduced by the cost model, and the pass / "
         "fail tiers of the reproduction.",
     )
-    parser.add_argument("--json", default=None, help="write every Table V point and the tiers")
+    parser.add_argument("--json", type=output_path_arg, default="",
+                        help="write every Table V point and the tiers")  # fmt: skip
     parser.add_argument("--strict", action="store_true", help="exit 1 if a tier fails")
     args = parser.parse_args(argv)
-    if args.json is not None:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not args.json or not os.path.isdir(folder):
-            raise ValueError(f"--json={args.json!r}: no directory {folder!r} to write it in")
     report = reproduction.report()
     print(reproduction.markdown())
     print("\n" + reproduction.summary(report["tiers"]))
-    if args.json is not None:
+    if args.json:
+        make_parent_dirs(args.json)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}")

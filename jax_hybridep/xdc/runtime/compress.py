@@ -33,9 +33,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_hybridep.values import check_int
+
 
 def top_k(rows, k: int):
     """(values, int32 indices) of the k entries of largest magnitude of each row [..., n]."""
+    check_int("k", k, 1, jnp.shape(rows)[-1], what=f"an int in [1, n={jnp.shape(rows)[-1]}]")
     _, index = jax.lax.top_k(jnp.abs(rows), k)
     return jnp.take_along_axis(rows, index, axis=-1), index.astype(jnp.int32)
 

@@ -31,6 +31,7 @@ import jax
 
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
+from jax_hybridep.values import check_int, check_type
 from jax_hybridep.xdc import geometry, wire
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.runtime import migrate
@@ -66,6 +67,16 @@ class ExpertDomains:
             raise TypeError(
                 f"migration must be a jax_hybridep.xdc.Migration (domain sizes and how experts "
                 f"travel), got {migration!r}"
+            )
+        check_type("mesh", mesh, jax.sharding.Mesh, "a jax.sharding.Mesh")
+        check_type("topology", topology, Topology, "a jax_hybridep.Topology")
+        if (tuple(mesh.axis_names), tuple(mesh.devices.shape)) != (
+            topology.mesh_axes,
+            topology.mesh_shape,
+        ):
+            raise ValueError(
+                f"the topology was built for mesh {topology.mesh_dict}, not this mesh "
+                f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}"
             )
         names = [level[0] for level in topology.levels]
         given = dict(migration.domains)
@@ -144,6 +155,7 @@ class ExpertDomains:
 
     def local_experts(self, num_experts: int) -> int:
         """E_local: experts each rank owns."""
+        check_int("num_experts", num_experts, 1)
         ep = self.topology.ep_size
         if num_experts % ep:
             raise ValueError(
@@ -165,6 +177,7 @@ class ExpertDomains:
 
     def dispatch_config(self, config: DispatchConfig) -> DispatchConfig:
         """`config` with the replica placement and S * E_local slots per rank."""
+        check_type("config", config, DispatchConfig, "a jax_hybridep.DispatchConfig")
         e = config.num_experts
         return dataclasses.replace(
             config,
@@ -196,6 +209,10 @@ class ExpertDomains:
           feedback: per inner axis per matrix, the error-feedback residuals (gradient
             compression; shapes `feedback_shapes`).
         """
+        if isinstance(weights, str) or not isinstance(weights, Sequence):  # not one array
+            raise TypeError(
+                f"weights must be a sequence of arrays (one per matrix), got {weights!r}"
+            )
         weights = tuple(weights)
         if not self.inner_axes:
             return weights
@@ -209,6 +226,8 @@ class ExpertDomains:
     def gather_bytes(self, weights: Sequence[jax.Array]) -> dict[str, int]:
         """Bytes one rank receives per inner axis in the forward all-gather of `weights`
         (shapes per shard, [E_local, ...]), as sent: compressed when compression is on."""
+        if not isinstance(weights, Sequence) or not weights:
+            raise TypeError(f"weights must be a non-empty sequence of arrays, got {weights!r}")
         per_expert = sum(wire.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights)
         e_local, held, out = weights[0].shape[0], 1, {}
         for axis, size in zip(self.inner_axes, self.inner_sizes, strict=True):

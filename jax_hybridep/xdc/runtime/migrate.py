@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_hybridep import compat
+from jax_hybridep.values import check_int, check_ints, check_type
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.runtime.compress import scatter_rows, top_k
 from jax_hybridep.xdc.wire import kept_entries
@@ -108,6 +109,7 @@ def _own_block(axes) -> tuple[jax.Array, int]:
 
 def domain_mean(w, axes):
     """The domain's mean expert [...] from this rank's [E, ...] (the same on every member)."""
+    axes = _axes("axes", axes, allow_empty=True)
     ref = jnp.mean(w.astype(jnp.float32), axis=0).astype(w.dtype)
     for axis in axes:  # one all-reduce per level, so each is counted on its own link
         ref = jax.lax.pmean(ref, axis)
@@ -118,6 +120,7 @@ def refresh(weights: Sequence[jax.Array], reference, step, every: int, ep_axes):
     """The persistent shared experts to use after this step: every `every` steps (when
     `(step + 1) % every == 0`) the mean of all experts, by an all-reduce over `ep_axes` (every
     rank holds as many experts); else `reference` unchanged. Gradients do not flow into it."""
+    check_int("every", every, 1)
     weights = [jax.lax.stop_gradient(w) for w in weights]
 
     def fresh():
@@ -151,6 +154,10 @@ def gather(
       feedback: with gradient compression, per axis (in `axes` order) per matrix, the
         error-feedback residual of shape `feedback_shapes(...)`.
     """
+    check_type("migration", migration, Migration, "an xdc.Migration")
+    axes = _axes("axes", axes)
+    if isinstance(weights, str) or not isinstance(weights, Sequence):
+        raise TypeError(f"weights must be a sequence of arrays (one per matrix), got {weights!r}")
     weights = tuple(weights)
     if migration.exact:
         with jax.named_scope(GATHER_SCOPE):
@@ -172,10 +179,22 @@ def gather(
     return _migrate(weights, reference, feedback, axes, migration)
 
 
+def _axes(name: str, axes, allow_empty: bool = False) -> tuple[str, ...]:
+    """axes as a tuple of mesh axis names (a bare name is one axis)."""
+    axes = (axes,) if isinstance(axes, str) else axes
+    if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"{name} must be mesh axis names, got {axes!r}")
+    if not axes and not allow_empty:
+        raise ValueError(f"{name} must name at least one inner axis")
+    return tuple(axes)
+
+
 def feedback_shapes(shapes: Sequence[tuple[int, ...]], sizes: Sequence[int]):
     """Per inner axis (sizes `S_i`, slow -> fast), per matrix of per-shard shape [E, ...], the
     per-shard shape of its error-feedback residual: the gradient entering that axis's
     reduce-scatter, `[prod_{m <= i} S_m * E, ...]`."""
+    sizes = check_ints("sizes", sizes, 1, min_len=0)
+    shapes = [check_ints("shapes[i]", s, 0) for s in shapes]
     out, held = [], 1
     for size in sizes:
         held *= size

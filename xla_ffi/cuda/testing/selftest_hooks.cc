@@ -1,12 +1,12 @@
-// Self-test hooks of the CUDA kernels (kernels.h) on the native module, for tests marked `gpu`.
+// Self-test hooks of the CUDA kernels on the test module, for tests marked `gpu`.
 //
-// Each cuda_selftest_* takes host numpy arrays, runs one step on the GPU (or, with
-// reference=True, the host kernel of the same name on the same inputs) and returns host arrays, so
-// a test can compare the two bit for bit. Inputs are validated first: a bad row index would make
-// the host kernel write out of bounds and the CUDA kernel fault, and rows or tokens written twice
-// would make the result depend on the order of writes. Plain C++: compiled by the host compiler
-// against the CUDA runtime API, linked with the nvcc-built launchers.
-#include "xla_ffi/cuda/bindings.h"
+// cuda_selftest_layout runs the layout kernels on host inputs (or, with reference=True, the host
+// kernels of the same name); cuda_selftest_transport runs rounds of every exchange with R ranks'
+// windows on one GPU (transport_reference.h is its host twin). Inputs are validated first: a bad
+// row index would make the CUDA kernels fault, and rows written twice would make the result depend
+// on the order of writes. Plain C++: compiled by the host compiler against the CUDA runtime API,
+// calling the runtime's launchers and the test module's harness.
+#include "xla_ffi/cuda/testing/selftest_hooks.h"
 
 #include <cuda_runtime_api.h>
 
@@ -27,42 +27,20 @@
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
-#include "xla_ffi/cuda/hook_support.h"
-#include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/layout_kernels.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
+#include "xla_ffi/cuda/testing/transport_harness.h"
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/cuda/windows.h"
 #include "xla_ffi/exchange.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/numeric.h"
+#include "xla_ffi/testing/transport_reference.h"
 
 namespace nb = nanobind;
 
 namespace jax_hybridep {
 namespace {
-// A receive buffer's metadata: token_ids [R, T] and row_pos [R, T, K]. Checks the ranges and that
-// no (source, token) and no row appears twice among the filled slots.
-void CheckRecvMetadata(const HostArray<int32_t>& token_ids, const HostArray<int32_t>& row_pos,
-                       int64_t rows, bool rows_unique) {
-  Require(token_ids.ndim() == 2, "token_ids: expected [R, T]");
-  const int64_t R = token_ids.shape(0), T = token_ids.shape(1);
-  Require(row_pos.ndim() == 3, "row_pos: expected [R, T, K]");
-  RequireShape(row_pos, "row_pos", {R, T, static_cast<int64_t>(row_pos.shape(2))});
-  const int64_t K = row_pos.shape(2);
-  RequireRange(token_ids.data(), token_ids.size(), T, "token_ids");
-  RequireRange(row_pos.data(), row_pos.size(), rows, "row_pos");
-  std::set<std::pair<int64_t, int32_t>> tokens;
-  std::set<int32_t> used_rows;
-  for (int64_t slot = 0; slot < R * T; ++slot) {
-    if (token_ids.data()[slot] < 0) continue;
-    Require(tokens.insert({slot / T, token_ids.data()[slot]}).second,
-            "token_ids: a source sends one token twice");
-    for (int64_t j = 0; rows_unique && j < K; ++j) {
-      const int32_t row = row_pos.data()[slot * K + j];
-      Require(row < 0 || used_rows.insert(row).second, "row_pos: a row is filled twice");
-    }
-  }
-}
-
 nb::dict SelftestLayout(HostArray<int32_t> topk_idx, int64_t num_experts,
                         HostArray<int64_t> placement_rank, HostArray<int64_t> placement_slot,
                         int64_t num_slots, int64_t capacity, int64_t rows, int64_t pad_multiple,
@@ -97,26 +75,25 @@ nb::dict SelftestLayout(HostArray<int32_t> topk_idx, int64_t num_experts,
     }
     DroppedPerSource(counts.data(), R, E, keep.data(), dropped_per_source.data());
   } else {
+    // The handler's part of the layout on the GPU: PlanGroups and AssignRows over the counts XLA
+    // all-gathers in production (counted here on the host, as jnp counts them there).
+    for (int64_t r = 0; r < R; ++r) {
+      CountRows(topk_idx.data() + r * T * K, T, K, E, counts.data() + r * E);
+    }
     GpuSession gpu;
     cudaStream_t s = gpu.stream();
     const int32_t* idx = gpu.Upload(topk_idx.data(), R * T * K);
     const Placement placement{gpu.Upload(placement_rank.data(), E),
                               gpu.Upload(placement_slot.data(), E), E, R, num_slots};
-    int32_t* d_counts = gpu.Zeros<int32_t>(R * E);
+    const int32_t* d_counts = gpu.Upload(counts.data(), R * E);
     int32_t* d_keep = gpu.Zeros<int32_t>(E);
     int32_t* d_offset = gpu.Zeros<int32_t>(E);
     int32_t* d_sizes = gpu.Zeros<int32_t>(R * num_slots);
     int32_t* d_tpe = gpu.Zeros<int32_t>(E);
     int32_t* d_row_pos = gpu.Zeros<int32_t>(R * T * K);
-    int64_t* d_invalid = gpu.Zeros<int64_t>(R);
     int64_t* d_dropped = gpu.Zeros<int64_t>(R);
-    int64_t* d_dropped_per_source = gpu.Zeros<int64_t>(R);
     const size_t workspace_bytes = AssignRowsWorkspaceBytes(T, K, E);
     void* workspace = gpu.Zeros<char>(workspace_bytes);
-    for (int64_t r = 0; r < R; ++r) {
-      CheckCuda(LaunchCountRows(idx + r * T * K, T, K, E, d_counts + r * E, d_invalid + r, s),
-                "LaunchCountRows");
-    }
     CheckCuda(LaunchPlanGroups(d_counts, placement, plan, d_keep, d_offset, d_sizes, d_tpe, s),
               "LaunchPlanGroups");
     for (int64_t r = 0; r < R; ++r) {
@@ -125,173 +102,27 @@ nb::dict SelftestLayout(HostArray<int32_t> topk_idx, int64_t num_experts,
                            d_row_pos + r * T * K, d_dropped + r, workspace, workspace_bytes, s),
           "LaunchAssignRows");
     }
-    CheckCuda(LaunchDroppedPerSource(d_counts, R, E, d_keep, d_dropped_per_source, s),
-              "LaunchDroppedPerSource");
-    counts = gpu.Download(d_counts, R * E);
     keep = gpu.Download(d_keep, E);
     offset = gpu.Download(d_offset, E);
     sizes = gpu.Download(d_sizes, R * num_slots);
     tpe = gpu.Download(d_tpe, E);
     row_pos = gpu.Download(d_row_pos, R * T * K);
-    invalid = gpu.Download(d_invalid, R);
     dropped = gpu.Download(d_dropped, R);
-    dropped_per_source = gpu.Download(d_dropped_per_source, R);
   }
   const size_t r = R, e = E, t = T, k = K, slots = num_slots;
   nb::dict out;
-  out["counts"] = ToNumpy(std::move(counts), {r, e});
-  out["invalid"] = ToNumpy(std::move(invalid), {r});
+  if (reference) {  // the steps the GPU does not run (the counts are its input)
+    out["counts"] = ToNumpy(std::move(counts), {r, e});
+    out["invalid"] = ToNumpy(std::move(invalid), {r});
+    out["dropped_per_source"] = ToNumpy(std::move(dropped_per_source), {r});
+  }
   out["keep_limit"] = ToNumpy(std::move(keep), {e});
   out["group_offset"] = ToNumpy(std::move(offset), {e});
   out["group_sizes"] = ToNumpy(std::move(sizes), {r, slots});
   out["tokens_per_expert"] = ToNumpy(std::move(tpe), {e});
   out["row_pos"] = ToNumpy(std::move(row_pos), {r, t, k});
   out["dropped"] = ToNumpy(std::move(dropped), {r});
-  out["dropped_per_source"] = ToNumpy(std::move(dropped_per_source), {r});
   return out;
-}
-
-nb::tuple SelftestExpandRows(HostArray<uint8_t> tokens, HostArray<int32_t> token_ids,
-                             HostArray<int32_t> row_pos, HostArray<float> weights, int64_t rows,
-                             bool reference) {
-  CheckRecvMetadata(token_ids, row_pos, rows, /*rows_unique=*/true);
-  const int64_t R = token_ids.shape(0), T = token_ids.shape(1), K = row_pos.shape(2);
-  Require(tokens.ndim() == 3, "tokens: expected [R, T, row_bytes]");
-  const int64_t row_bytes = tokens.shape(2);
-  RequireShape(tokens, "tokens", {R, T, row_bytes});
-  RequireShape(weights, "weights", {R, T, K});
-  const ExchangeShape shape{R, T, K, rows, row_bytes};
-  std::vector<char> out_tokens(rows * row_bytes);
-  std::vector<float> out_weights(rows);
-  if (reference) {
-    std::vector<char> recv_tokens(tokens.data(), tokens.data() + tokens.size());
-    std::vector<int32_t> ids(token_ids.data(), token_ids.data() + token_ids.size());
-    std::vector<int32_t> pos(row_pos.data(), row_pos.data() + row_pos.size());
-    std::vector<float> w(weights.data(), weights.data() + weights.size());
-    const DispatchRecvBuffer recv{recv_tokens.data(), ids.data(), pos.data(), w.data()};
-    ExpandRows(shape, recv, out_tokens.data(), out_weights.data());
-  } else {
-    GpuSession gpu;
-    const DispatchRecvBuffer recv{
-        gpu.Upload(reinterpret_cast<const char*>(tokens.data()), tokens.size()),
-        gpu.Upload(token_ids.data(), token_ids.size()), gpu.Upload(row_pos.data(), row_pos.size()),
-        gpu.Upload(weights.data(), weights.size())};
-    char* d_tokens = gpu.Zeros<char>(rows * row_bytes);
-    float* d_weights = gpu.Zeros<float>(rows);
-    CheckCuda(LaunchExpandRows(shape, recv, d_tokens, d_weights, gpu.stream()), "LaunchExpandRows");
-    out_tokens = gpu.Download(d_tokens, rows * row_bytes);
-    out_weights = gpu.Download(d_weights, rows);
-  }
-  std::vector<uint8_t> bytes(out_tokens.begin(), out_tokens.end());
-  return nb::make_tuple(
-      ToNumpy(std::move(bytes), {static_cast<size_t>(rows), static_cast<size_t>(row_bytes)}),
-      ToNumpy(std::move(out_weights), {static_cast<size_t>(rows)}));
-}
-
-// Returns every source's partial buffer, [R (source), R (destination), T, row_bytes], zero where
-// `rank` wrote nothing.
-nb::object SelftestWritePartials(const std::string& dtype_name, int64_t rank, HostArray<uint8_t> y,
-                                 std::optional<HostArray<float>> weights,
-                                 HostArray<int32_t> token_ids, HostArray<int32_t> recv_row_pos,
-                                 bool reference) {
-  const Dtype dtype = ParseDtype(dtype_name);
-  Require(y.ndim() == 2, "y: expected [C, row_bytes]");
-  const int64_t C = y.shape(0), row_bytes = y.shape(1);
-  Require(row_bytes % DtypeBytes(dtype) == 0, "y: row_bytes is not whole elements");
-  CheckRecvMetadata(token_ids, recv_row_pos, C, /*rows_unique=*/false);
-  if (weights) RequireShape(*weights, "weights", {C});
-  const int64_t R = token_ids.shape(0), T = token_ids.shape(1), K = recv_row_pos.shape(2);
-  Require(rank >= 0 && rank < R, "rank must be in [0, R)");
-  const ExchangeShape shape{R, T, K, C, row_bytes};
-  const size_t buffer_bytes = R * T * row_bytes;
-  std::vector<uint8_t> out(R * buffer_bytes);
-  if (reference) {
-    std::vector<char*> peers(R);
-    for (int64_t src = 0; src < R; ++src) {
-      peers[src] = reinterpret_cast<char*>(out.data() + src * buffer_bytes);
-    }
-    WritePartials(shape, rank, dtype, reinterpret_cast<const char*>(y.data()),
-                  weights ? weights->data() : nullptr, token_ids.data(), recv_row_pos.data(),
-                  peers.data());
-  } else {
-    GpuSession gpu;
-    std::vector<char*> peers(R);
-    // One allocation per source, as peers' buffers would be.
-    for (int64_t src = 0; src < R; ++src) peers[src] = gpu.Zeros<char>(buffer_bytes);
-    CheckCuda(LaunchWritePartials(shape, rank, dtype,
-                                  gpu.Upload(reinterpret_cast<const char*>(y.data()), y.size()),
-                                  weights ? gpu.Upload(weights->data(), C) : nullptr,
-                                  gpu.Upload(token_ids.data(), token_ids.size()),
-                                  gpu.Upload(recv_row_pos.data(), recv_row_pos.size()),
-                                  gpu.Upload(peers.data(), R), gpu.stream()),
-              "LaunchWritePartials");
-    for (int64_t src = 0; src < R; ++src) {
-      const std::vector<char> part = gpu.Download(peers[src], buffer_bytes);
-      std::copy(part.begin(), part.end(), out.begin() + src * buffer_bytes);
-    }
-  }
-  const size_t r = R;
-  return ToNumpy(std::move(out), {r, r, static_cast<size_t>(T), static_cast<size_t>(row_bytes)});
-}
-
-nb::object SelftestReducePartials(const std::string& dtype_name, HostArray<uint8_t> partials,
-                                  HostArray<int32_t> dest, bool reference) {
-  const Dtype dtype = ParseDtype(dtype_name);
-  Require(partials.ndim() == 3, "partials: expected [R, T, row_bytes]");
-  Require(dest.ndim() == 2, "dest: expected [T, K]");
-  const int64_t R = partials.shape(0), T = partials.shape(1), row_bytes = partials.shape(2);
-  const int64_t K = dest.shape(1);
-  RequireShape(dest, "dest", {T, K});
-  Require(row_bytes % DtypeBytes(dtype) == 0, "partials: row_bytes is not whole elements");
-  RequireRange(dest.data(), dest.size(), R, "dest");
-  const ExchangeShape shape{R, T, K, /*rows=*/0, row_bytes};
-  std::vector<char> out(T * row_bytes);
-  if (reference) {
-    ReducePartials(shape, dtype, reinterpret_cast<const char*>(partials.data()), dest.data(),
-                   out.data());
-  } else {
-    GpuSession gpu;
-    char* d_out = gpu.Zeros<char>(T * row_bytes);
-    CheckCuda(LaunchReducePartials(
-                  shape, dtype,
-                  gpu.Upload(reinterpret_cast<const char*>(partials.data()), partials.size()),
-                  gpu.Upload(dest.data(), dest.size()), d_out, gpu.stream()),
-              "LaunchReducePartials");
-    out = gpu.Download(d_out, T * row_bytes);
-  }
-  std::vector<uint8_t> bytes(out.begin(), out.end());
-  return ToNumpy(std::move(bytes), {static_cast<size_t>(T), static_cast<size_t>(row_bytes)});
-}
-
-// Returns every source's [T, K] buffer, stacked to [R, T, K], zero where nothing was written.
-nb::object SelftestWriteRowValues(HostArray<float> values, HostArray<int32_t> token_ids,
-                                  HostArray<int32_t> recv_row_pos, bool reference) {
-  Require(values.ndim() == 1, "values: expected [C]");
-  const int64_t C = values.shape(0);
-  CheckRecvMetadata(token_ids, recv_row_pos, C, /*rows_unique=*/false);
-  const int64_t R = token_ids.shape(0), T = token_ids.shape(1), K = recv_row_pos.shape(2);
-  const ExchangeShape shape{R, T, K, C, /*row_bytes=*/0};
-  std::vector<float> out(R * T * K);
-  if (reference) {
-    std::vector<float*> peers(R);
-    for (int64_t src = 0; src < R; ++src) peers[src] = out.data() + src * T * K;
-    WriteRowValues(shape, values.data(), token_ids.data(), recv_row_pos.data(), peers.data());
-  } else {
-    GpuSession gpu;
-    std::vector<float*> peers(R);
-    for (int64_t src = 0; src < R; ++src) peers[src] = gpu.Zeros<float>(T * K);
-    CheckCuda(LaunchWriteRowValues(shape, gpu.Upload(values.data(), C),
-                                   gpu.Upload(token_ids.data(), token_ids.size()),
-                                   gpu.Upload(recv_row_pos.data(), recv_row_pos.size()),
-                                   gpu.Upload(peers.data(), R), gpu.stream()),
-              "LaunchWriteRowValues");
-    for (int64_t src = 0; src < R; ++src) {
-      const std::vector<float> part = gpu.Download(peers[src], T * K);
-      std::copy(part.begin(), part.end(), out.begin() + src * T * K);
-    }
-  }
-  const size_t r = R, t = T, k = K;
-  return ToNumpy(std::move(out), {r, t, k});
 }
 
 // The transport (transport.h) with R ranks' windows on this one GPU, `N` rounds of dispatch,
@@ -314,26 +145,10 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
                            HostArray<float> scale, HostArray<float> values, int64_t send_blocks,
                            bool per_rank_streams, int64_t timeout_ms, int64_t ipc_rank,
                            int64_t ipc_group) {
-  const Dtype dtype = ParseDtype(dtype_name);
-  Require(x.ndim() == 4 && dest.ndim() == 4, "x: expected [N, R, T, row_bytes], dest [N, R, T, K]");
-  const int64_t N = x.shape(0), R = x.shape(1), T = x.shape(2), row_bytes = x.shape(3);
-  const int64_t K = dest.shape(3), C = rows;
-  Require(N >= 1 && R >= 1 && R <= kMaxWindowRanks, "need N >= 1 rounds and 1 <= R <= 128");
-  Require(K >= 1 && K <= 64, "K must be in [1, 64]");
-  Require(row_bytes % DtypeBytes(dtype) == 0, "x: row_bytes is not whole elements");
-  RequireShape(dest, "dest", {N, R, T, K});
-  RequireShape(row_pos, "row_pos", {N, R, T, K});
-  RequireShape(weights, "weights", {N, R, T, K});
-  RequireShape(y, "y", {N, R, C, row_bytes});
-  if (y_weights) RequireShape(*y_weights, "y_weights", {N, R, C});
-  RequireShape(g, "g", {N, R, T, row_bytes});
-  RequireShape(scale, "scale", {N, R, C});
-  RequireShape(values, "values", {N, R, C});
-  RequireRange(dest.data(), dest.size(), R, "dest");
-  RequireRange(row_pos.data(), row_pos.size(), C, "row_pos");
-  for (size_t i = 0; i < dest.size(); ++i) {
-    Require((dest.data()[i] < 0) == (row_pos.data()[i] < 0), "dest and row_pos disagree on -1");
-  }
+  const TransportRounds in = CheckTransportRounds(dtype_name, rows, x, dest, row_pos, weights, y,
+                                                  y_weights, g, scale, values);
+  const Dtype dtype = in.dtype;
+  const int64_t N = in.N, R = in.R, T = in.T, K = in.K, C = in.C, row_bytes = in.row_bytes;
   int resident = 0;
   CheckCuda(HarnessResidentBlocks(R, &resident), "HarnessResidentBlocks");
   Require(send_blocks >= 1 && send_blocks <= resident,
@@ -550,30 +365,16 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
 
 }  // namespace
 
-void RegisterCudaBindings(nb::module_& m) {
+void RegisterCudaSelftests(nb::module_& m) {
   m.def("cuda_device_count", &CudaDeviceCount,
         "Visible CUDA devices; 0 when there is no driver or GPU.");
   m.def("cuda_selftest_layout", &SelftestLayout, nb::arg("topk_idx"), nb::arg("num_experts"),
         nb::arg("placement_rank"), nb::arg("placement_slot"), nb::arg("num_slots"),
         nb::arg("capacity"), nb::arg("rows"), nb::arg("pad_multiple"), nb::arg("reference") = false,
-        "Layout of all ranks (topk_idx [R, T, K]): CountRows, PlanGroups, AssignRows and "
-        "DroppedPerSource on the GPU, or with reference=True on the host. Returns a dict.");
-  m.def("cuda_selftest_expand_rows", &SelftestExpandRows, nb::arg("tokens"), nb::arg("token_ids"),
-        nb::arg("row_pos"), nb::arg("weights"), nb::arg("rows"), nb::arg("reference") = false,
-        "ExpandRows of a receive buffer (tokens uint8 [R, T, row_bytes]). Returns (tokens uint8 "
-        "[C, row_bytes], weights [C]).");
-  m.def("cuda_selftest_write_partials", &SelftestWritePartials, nb::arg("dtype"), nb::arg("rank"),
-        nb::arg("y"), nb::arg("weights").none(), nb::arg("token_ids"), nb::arg("recv_row_pos"),
-        nb::arg("reference") = false,
-        "WritePartials of destination `rank` (y uint8 [C, row_bytes]). Returns all sources' "
-        "partial buffers, uint8 [R, R, T, row_bytes].");
-  m.def("cuda_selftest_reduce_partials", &SelftestReducePartials, nb::arg("dtype"),
-        nb::arg("partials"), nb::arg("dest"), nb::arg("reference") = false,
-        "ReducePartials (partials uint8 [R, T, row_bytes], dest [T, K]). Returns uint8 "
-        "[T, row_bytes].");
-  m.def("cuda_selftest_write_row_values", &SelftestWriteRowValues, nb::arg("values"),
-        nb::arg("token_ids"), nb::arg("recv_row_pos"), nb::arg("reference") = false,
-        "WriteRowValues (values [C]). Returns all sources' buffers, [R, T, K].");
+        "Layout of all ranks (topk_idx [R, T, K]): PlanGroups and AssignRows on the GPU over the "
+        "host's counts, or with reference=True every step (CountRows, PlanGroups, AssignRows, "
+        "DroppedPerSource) on the host, whose dict also holds counts, invalid and "
+        "dropped_per_source.");
   m.def(
       "cuda_selftest_transport", &SelftestTransport, nb::arg("dtype"), nb::arg("rows"),
       nb::arg("x"), nb::arg("dest"), nb::arg("row_pos"), nb::arg("weights"), nb::arg("y"),

@@ -2,7 +2,7 @@
 // every byte goes through HBM), timed with CUDA events per phase and per SM count (16-bit and FP8
 // dispatch, combine), beside the layout kernels and a device-to-device copy of the same machine
 // (python -m jax_hybridep.bench.gpu_transport prints and records the table).
-#include "xla_ffi/cuda/bench_bindings.h"
+#include "xla_ffi/cuda/testing/bench_hooks.h"
 
 #include <cuda_runtime_api.h>
 
@@ -15,8 +15,8 @@
 
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "xla_ffi/cuda/hook_support.h"
-#include "xla_ffi/cuda/kernels.h"
+#include "xla_ffi/cuda/layout_kernels.h"
+#include "xla_ffi/cuda/testing/hook_support.h"
 #include "xla_ffi/cuda/transport.h"
 #include "xla_ffi/fp8.h"
 #include "xla_ffi/layout.h"
@@ -187,20 +187,20 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
     }
   }
 
-  // Layout: count, plan and assign from the (here trivially gathered) counts.
+  // Layout: the handler's plan and assignment over the (here trivially gathered) counts, which XLA
+  // counts and all-gathers in production.
   const Placement placement{gpu.Upload(placement_rank.data(), E),
                             gpu.Upload(placement_slot.data(), E), E, 1, E};
-  int32_t* d_counts = gpu.Zeros<int32_t>(E);
+  const int32_t* d_counts = gpu.Upload(counts.data(), E);
   int32_t *d_keep = gpu.Zeros<int32_t>(E), *d_offset = gpu.Zeros<int32_t>(E);
   int32_t *d_sizes = gpu.Zeros<int32_t>(E), *d_tpe = gpu.Zeros<int32_t>(E);
   int32_t* d_assigned = gpu.Zeros<int32_t>(T * K);
-  int64_t *d_invalid = gpu.Zeros<int64_t>(1), *d_dropped = gpu.Zeros<int64_t>(1);
+  int64_t* d_dropped = gpu.Zeros<int64_t>(1);
   const size_t workspace_bytes = AssignRowsWorkspaceBytes(T, K, E);
   char* workspace = gpu.Zeros<char>(workspace_bytes);
   std::vector<double> layout_us;
   for (int64_t i = 0; i < warmup + iters; ++i) {
     const double ms = timer.Milliseconds([&] {
-      CheckCuda(LaunchCountRows(d_idx, T, K, E, d_counts, d_invalid, s), "count");
       CheckCuda(LaunchPlanGroups(d_counts, placement, plan, d_keep, d_offset, d_sizes, d_tpe, s),
                 "plan");
       CheckCuda(LaunchAssignRows(d_idx, T, K, 0, d_counts, placement, d_keep, d_offset, d_assigned,
@@ -243,7 +243,7 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
 
 }  // namespace
 
-void RegisterCudaBenchBindings(nb::module_& m) {
+void RegisterCudaBench(nb::module_& m) {
   m.def("cuda_bench_transport", &BenchTransport, nb::arg("dtype"), nb::arg("tokens"),
         nb::arg("hidden"), nb::arg("k"), nb::arg("num_experts"), nb::arg("sms"),
         nb::arg("iters") = 20, nb::arg("warmup") = 3, nb::arg("copy_bytes") = int64_t{1} << 30,

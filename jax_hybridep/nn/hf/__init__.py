@@ -1,0 +1,77 @@
+"""HuggingFace MoE families for `nn.MoEBlock`: config mapping, checkpoint loading, aux loss.
+
+* `block_kwargs(config)`: a parsed `config.json` -> the `MoEBlock` keyword arguments of that
+  family's MoE layer (`d_model`, `router`, `experts`); `layer_prefixes(config)`: where its MoE
+  layers' tensors live.
+* `load_block(block, tensors, prefix)` / `load_checkpoint(path, blocks)`: the family's tensors
+  (per-expert or fused layouts, as stored in its safetensors files) into the block's parameters,
+  sharded as the block's are (`nn.hf.loader`, `nn.hf.checkpoint`).
+* `load_balancing_loss(auxes, top_k)`: HF's auxiliary loss, pooled over layers.
+
+docs/families.md lists the families and what each maps to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+
+from jax_hybridep.nn.hf.checkpoint import Checkpoint, load_checkpoint
+from jax_hybridep.nn.hf.configs import FAMILIES, model_type, settings
+from jax_hybridep.nn.hf.loader import load_block, tensor_shapes
+from jax_hybridep.nn.hf.prefixes import layer_prefixes
+
+__all__ = [
+    "FAMILIES",
+    "Checkpoint",
+    "block_kwargs",
+    "layer_prefixes",
+    "load_balancing_loss",
+    "load_block",
+    "load_checkpoint",
+    "model_type",
+    "tensor_shapes",
+]
+
+
+def block_kwargs(config: Mapping, **experts) -> dict:
+    """`MoEBlock` keyword arguments for the MoE layer of a HuggingFace config.
+
+    Args:
+      config: the parsed config.json (`model_type` picks the family).
+      **experts: extra `ExpertConfig` fields (e.g. dtype=jnp.bfloat16).
+
+    Returns:
+      {"d_model": H, "router": RouterConfig, "experts": ExpertConfig}: add mesh, topology,
+      dispatch and rngs, e.g. `MoEBlock(**block_kwargs(cfg), mesh=..., topology=..., rngs=...)`.
+
+    Raises:
+      ValueError: an unknown model_type, a missing field, or a setting the block cannot follow.
+    """
+    from jax_hybridep.nn.experts import ExpertConfig  # noqa: PLC0415  (nn imports this package)
+    from jax_hybridep.nn.router import RouterConfig  # noqa: PLC0415
+
+    s = settings(config)
+    return {
+        "d_model": s["d_model"],
+        "router": RouterConfig(**s["router"]),
+        "experts": ExpertConfig(**s["experts"], **experts),
+    }
+
+
+def load_balancing_loss(auxes: Sequence, top_k: int):
+    """HuggingFace's `load_balancing_loss_func` over the given layers' `MoEAux`.
+
+    HF pools every layer's tokens: with f_e the fraction of (token, layer, k) choices that went
+    to expert e and P_e the mean routing probability of e over every (token, layer),
+    `E * top_k * sum_e f_e * P_e`; for one layer it is `top_k` times `MoEAux.aux_loss` computed
+    over the whole batch (the block's own aux_loss averages per-shard losses instead). Multiply
+    by HF's `router_aux_loss_coef`. For families without a group capacity (every choice counted).
+    """
+    if not auxes:
+        raise ValueError("load_balancing_loss needs at least one layer's MoEAux")
+    counts = sum(aux.tokens_per_expert.astype(jnp.float32) for aux in auxes)
+    probs = sum(aux.router_probs for aux in auxes) / len(auxes)
+    fraction = counts / jnp.sum(counts)
+    return counts.shape[0] * top_k * jnp.sum(fraction * probs)

@@ -1,0 +1,327 @@
+"""HuggingFace MoE tensor layouts: which tensors hold a layer's router, experts, biases and shared
+expert, and how each becomes one of the block's parameters.
+
+Names are relative to the layer's MoE module (e.g. "model.layers.3.mlp"). HF linear weights are
+stored [out, in]; the block's are [in, out], experts stacked [E, in, out]. A `PerExpert` source is
+one tensor per expert (Mixtral, Qwen, DeepSeek, ...); a `Fused` one holds every expert along its
+first axis (DBRX, Granite-MoE, Llama-4, GPT-OSS, transformers' in-memory "stacked" layout), so
+any set of experts is read as slices of it: a loader that reads lazily (safetensors) reads only
+those experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+
+def _t(a):
+    """[n, out, in] -> [n, in, out]."""
+    return np.swapaxes(a, -1, -2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerExpert:
+    """One tensor per expert: `template` with {i}; `transpose`: HF [out, in] -> [in, out]."""
+
+    template: str
+    transpose: bool = True
+
+    def expected(self, num_experts: int, per_expert: tuple, dims: Mapping) -> dict[str, tuple]:
+        """Every tensor it reads -> its expected shape."""
+        shape = per_expert[::-1] if self.transpose else per_expert
+        return {self.template.format(i=i): shape for i in range(num_experts)}
+
+    def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
+        arrays = [np.asarray(get(self.template.format(i=int(e)))[...]) for e in experts]
+        stacked = np.stack(arrays)
+        return _t(stacked) if self.transpose else stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """One tensor, `rows(dims)` rows per expert on its first axis; `stored(E, dims)` its shape;
+    `take(a, dims)` turns the rows of n experts (concatenated) into the block's [n, ...]."""
+
+    name: str
+    stored: Callable[[int, Mapping], tuple]
+    take: Callable[[np.ndarray, Mapping], np.ndarray]
+    rows: Callable[[Mapping], int] = lambda dims: 1
+
+    def expected(self, num_experts: int, per_expert: tuple, dims: Mapping) -> dict[str, tuple]:
+        """Every tensor it reads -> its expected shape."""
+        return {self.name: self.stored(num_experts, dims)}
+
+    def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
+        tensor, r = get(self.name), self.rows(dims)
+        parts = [np.asarray(tensor[int(e) * r : (int(e) + 1) * r]) for e in experts]
+        return self.take(np.concatenate(parts), dims)
+
+
+# MXFP4 (OCP microscaling FP4): each byte holds two E2M1 values, the low nibble first; every 32
+# values along the input axis share one E8M0 scale, 2^(scale - 127).
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def mxfp4_dequantize(blocks, scales) -> np.ndarray:
+    """blocks [n, out, G, 16] uint8, scales [n, out, G] uint8 -> [n, in = 32 G, out] float32
+    (transposed to the [in, out] of the dense layout)."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    values = np.stack([_E2M1[blocks & 0x0F], _E2M1[blocks >> 4]], axis=-1)  # [n, out, G, 16, 2]
+    values = values.reshape(*scales.shape, 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return _t(values.reshape(*scales.shape[:-1], -1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4:
+    """A fused [E, out, in] weight stored as MXFP4 `{name}_blocks` [E, out, in/32, 16] and
+    `{name}_scales` [E, out, in/32] (GPT-OSS's released files); `take` as in `Fused`, on the
+    dequantized [n, in, out]. `out(dims)`, `inp(dims)`: the stored weight's dims."""
+
+    name: str
+    out: Callable[[Mapping], int]
+    inp: Callable[[Mapping], int]
+    take: Callable[[np.ndarray, Mapping], np.ndarray]
+
+    @property
+    def blocks(self) -> str:
+        return f"{self.name}_blocks"
+
+    def expected(self, num_experts: int, per_expert: tuple, dims: Mapping) -> dict[str, tuple]:
+        """Every tensor it reads -> its expected shape."""
+        out, groups = self.out(dims), self.inp(dims) // 32
+        return {self.blocks: (num_experts, out, groups, 16),
+                f"{self.name}_scales": (num_experts, out, groups)}  # fmt: skip
+
+    def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
+        blocks, scales = get(self.blocks), get(f"{self.name}_scales")
+        picked = [(blocks[int(e) : int(e) + 1], scales[int(e) : int(e) + 1]) for e in experts]
+        dense = mxfp4_dequantize(*(np.concatenate(part) for part in zip(*picked, strict=True)))
+        return self.take(dense, dims)
+
+
+def _cat_gate(a, d):  # [n, 2F, H], gate rows first -> [n, H, F]
+    return _t(a[:, : d["F"]])
+
+
+def _cat_up(a, d):
+    return _t(a[:, d["F"] :])
+
+
+def _stacked(gate_up: str, down: str) -> dict:
+    """transformers' in-memory layout (and Granite-MoE's files): gate_up [E, 2F, H] (gate rows
+    first), down [E, H, F]."""
+    return {
+        "w_gate": Fused(gate_up, lambda e, d: (e, 2 * d["F"], d["H"]), _cat_gate),
+        "w_up": Fused(gate_up, lambda e, d: (e, 2 * d["F"], d["H"]), _cat_up),
+        "w_down": Fused(down, lambda e, d: (e, d["H"], d["F"]), lambda a, d: _t(a)),
+    }
+
+
+def _per_expert(gate: str, up: str, down: str) -> dict:
+    return {"w_gate": PerExpert(gate), "w_up": PerExpert(up), "w_down": PerExpert(down)}
+
+
+def _dbrx(name):
+    return Fused(
+        f"experts.mlp.{name}",
+        lambda e, d: (e * d["F"], d["H"]),
+        # w1, v1 rows are [F, H] per expert ([out, in]); w2's are [F, H] as the block keeps them.
+        (lambda a, d: a.reshape(-1, d["F"], d["H"]))
+        if name == "w2"
+        else (lambda a, d: _t(a.reshape(-1, d["F"], d["H"]))),
+        rows=lambda d: d["F"],
+    )
+
+
+def source_name(source) -> str:
+    """The first tensor a source reads (expert 0's for per-expert sources)."""
+    if isinstance(source, PerExpert):
+        return source.template.format(i=0)
+    return source.blocks if isinstance(source, Mxfp4) else source.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One family's tensor names under a layer's MoE module.
+
+    Attributes:
+      name: what to call it in messages.
+      router: the gate weight [E, H].
+      experts: the block's expert parameter name -> its source.
+      logit_bias: the router's learned bias [E], if the family has one.
+      selection_bias: the auxiliary-loss-free selection bias [E] (DeepSeek-V3's
+        e_score_correction_bias), if the family has one (then it is required).
+      shared: the shared expert's module name (gate_proj/up_proj/down_proj in it), if the family
+        may have one.
+      shared_gate: the shared expert's sigmoid gate weight [1, H], if the family has one.
+    """
+
+    name: str
+    router: str
+    experts: Mapping
+    logit_bias: str | None = None
+    selection_bias: str | None = None
+    shared: str | None = None
+    shared_gate: str | None = None
+
+    @property
+    def signature(self) -> tuple[str, ...]:
+        """Tensors whose presence says the layout is this one (expert 0's, for per-expert)."""
+        first = [source_name(src) for src in self.experts.values()]
+        return (self.router, *dict.fromkeys(first))
+
+
+_QWEN = dict(shared="shared_expert", shared_gate="shared_expert_gate.weight")
+_V3 = "gate.e_score_correction_bias"
+
+MIXTRAL = Layout(
+    "per-expert w1/w3/w2",
+    "gate.weight",
+    _per_expert("experts.{i}.w1.weight", "experts.{i}.w3.weight", "experts.{i}.w2.weight"),
+)
+PER_EXPERT = Layout(
+    "per-expert gate/up/down_proj",
+    "gate.weight",
+    _per_expert(
+        "experts.{i}.gate_proj.weight", "experts.{i}.up_proj.weight", "experts.{i}.down_proj.weight"
+    ),
+    **_QWEN,
+)
+DEEPSEEK = dataclasses.replace(
+    PER_EXPERT, name="per-expert, shared_experts", shared="shared_experts", shared_gate=None
+)
+DEEPSEEK_V3 = dataclasses.replace(
+    DEEPSEEK, name="per-expert, shared_experts, score bias", selection_bias=_V3
+)
+JAMBA = dataclasses.replace(
+    PER_EXPERT,
+    name="per-expert, router.weight",
+    router="router.weight",
+    shared=None,
+    shared_gate=None,
+)
+STACKED = Layout(
+    "stacked gate_up_proj [E, 2F, H]",
+    "gate.weight",
+    _stacked("experts.gate_up_proj", "experts.down_proj"),
+    **_QWEN,
+)
+DEEPSEEK_STACKED = dataclasses.replace(
+    STACKED, name="stacked, shared_experts", shared="shared_experts", shared_gate=None
+)
+DEEPSEEK_V3_STACKED = dataclasses.replace(
+    DEEPSEEK_STACKED,
+    name="stacked, shared_experts, score bias",
+    selection_bias=_V3,
+)
+JAMBA_STACKED = dataclasses.replace(
+    STACKED, name="stacked, router.weight", router="router.weight", shared=None, shared_gate=None
+)
+DBRX = Layout(
+    "fused w1/v1/w2 [E*F, H]",
+    "router.layer.weight",
+    {"w_gate": _dbrx("w1"), "w_up": _dbrx("v1"), "w_down": _dbrx("w2")},
+)
+GRANITE = Layout(
+    "input_linear [E, 2F, H]",
+    "router.layer.weight",
+    _stacked("input_linear.weight", "output_linear.weight"),
+)
+LLAMA4 = Layout(
+    "fused gate_up_proj [E, H, 2F]",
+    "router.weight",
+    {
+        "w_gate": Fused(
+            "experts.gate_up_proj",
+            lambda e, d: (e, d["H"], 2 * d["F"]),
+            lambda a, d: a[..., : d["F"]],
+        ),
+        "w_up": Fused(
+            "experts.gate_up_proj",
+            lambda e, d: (e, d["H"], 2 * d["F"]),
+            lambda a, d: a[..., d["F"] :],
+        ),
+        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
+    },
+    shared="shared_expert",
+)
+GPT_OSS = Layout(
+    "interleaved gate_up_proj, biases",
+    "router.weight",
+    {
+        "w_gate": Fused(
+            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 0::2]
+        ),
+        "w_up": Fused(
+            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 1::2]
+        ),
+        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
+        "b_gate": Fused(
+            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 0::2]
+        ),
+        "b_up": Fused(
+            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 1::2]
+        ),
+        "b_down": Fused("experts.down_proj_bias", lambda e, d: (e, d["H"]), lambda a, d: a),
+    },
+    logit_bias="router.bias",
+)
+# The released GPT-OSS files: the expert weights in MXFP4 (in must be a multiple of 32).
+GPT_OSS_MXFP4 = dataclasses.replace(
+    GPT_OSS,
+    name="mxfp4 gate_up/down_proj_blocks, biases",
+    experts={
+        **GPT_OSS.experts,
+        "w_gate": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
+                        lambda a, d: a[..., 0::2]),
+        "w_up": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
+                      lambda a, d: a[..., 1::2]),
+        "w_down": Mxfp4("experts.down_proj", lambda d: d["H"], lambda d: d["F"], lambda a, d: a),
+    },
+)  # fmt: skip
+SWITCH = Layout(
+    "per-expert wi/wo",
+    "router.classifier.weight",
+    {
+        "w_up": PerExpert("experts.expert_{i}.wi.weight"),
+        "w_down": PerExpert("experts.expert_{i}.wo.weight"),
+    },
+    logit_bias="router.classifier.bias",
+)
+NLLB = Layout(
+    "per-expert fc1/fc2, biases",
+    "router.classifier.weight",
+    {
+        "w_up": PerExpert("experts.expert_{i}.fc1.weight"),
+        "w_down": PerExpert("experts.expert_{i}.fc2.weight"),
+        "b_up": PerExpert("experts.expert_{i}.fc1.bias", transpose=False),
+        "b_down": PerExpert("experts.expert_{i}.fc2.bias", transpose=False),
+    },
+    logit_bias="router.classifier.bias",
+)
+
+# Each family's layouts: its hub files' first, then transformers' in-memory stacked one.
+FAMILY_LAYOUTS: dict[str, tuple[Layout, ...]] = {
+    "mixtral": (MIXTRAL, STACKED),
+    "qwen2_moe": (PER_EXPERT, STACKED),
+    "qwen3_moe": (PER_EXPERT, STACKED),
+    "deepseek_v2": (DEEPSEEK, DEEPSEEK_STACKED),
+    "deepseek_v3": (DEEPSEEK_V3, DEEPSEEK_V3_STACKED),
+    "glm4_moe": (DEEPSEEK_V3, DEEPSEEK_V3_STACKED),
+    "olmoe": (PER_EXPERT, STACKED),
+    "jamba": (JAMBA, JAMBA_STACKED),
+    "dbrx": (DBRX,),
+    "granitemoe": (GRANITE,),
+    "llama4": (LLAMA4,),
+    "llama4_text": (LLAMA4,),
+    "gpt_oss": (GPT_OSS, GPT_OSS_MXFP4),
+    "switch_transformers": (SWITCH,),
+    "nllb_moe": (NLLB,),
+}
+ALL_LAYOUTS: tuple[Layout, ...] = tuple(
+    {id(layout): layout for layouts in FAMILY_LAYOUTS.values() for layout in layouts}.values()
+)

@@ -1,0 +1,79 @@
+"""Where a HuggingFace MoE model's MoE layers are: the tensor-name prefix of each, per family
+(its modeling code's rule for which layers are sparse, and its module names)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from jax_hybridep.nn.hf.configs import _Config, model_type
+
+
+def _layers(c: _Config, template: str, keep: Callable[[int], bool], count_key: str) -> list[str]:
+    return [template.format(i=i) for i in range(c.get(count_key)) if keep(i)]
+
+
+def layer_prefixes(config: Mapping) -> list[str]:
+    """The tensor-name prefixes of the family's MoE layers, in model order (as in its
+    safetensors files: e.g. "model.layers.3.mlp")."""
+    name = model_type(config)
+    c = _Config(config, name)
+    layers = "model.layers.{i}."
+    if name in ("mixtral", "granitemoe"):
+        return _layers(c, layers + "block_sparse_moe", lambda i: True, "num_hidden_layers")
+    if name in ("qwen2_moe", "qwen3_moe"):
+        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers", []))
+        return _layers(
+            c, layers + "mlp", lambda i: i not in dense and (i + 1) % step == 0, "num_hidden_layers"
+        )
+    if name in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+        first, freq = c.get("first_k_dense_replace", 0), c.get("moe_layer_freq", 1)
+        return _layers(
+            c, layers + "mlp", lambda i: i >= first and i % freq == 0, "num_hidden_layers"
+        )
+    if name in ("olmoe", "gpt_oss"):
+        return _layers(c, layers + "mlp", lambda i: True, "num_hidden_layers")
+    if name == "jamba":
+        period, offset = c.get("expert_layer_period", 1), c.get("expert_layer_offset", 0)
+        return _layers(
+            c, layers + "feed_forward", lambda i: i % period == offset, "num_hidden_layers"
+        )
+    if name == "dbrx":
+        return _layers(c, "transformer.blocks.{i}.ffn", lambda i: True, "n_layers")
+    if name in ("llama4", "llama4_text"):
+        text = _Config(c.get("text_config"), name) if name == "llama4" else c
+        step = text.get("interleave_moe_layer_step", 1)
+        moe = text.get("moe_layers", None)
+        if moe is None:  # HF's default: every step-th layer, the last of each step
+            moe = range(step - 1, text.get("num_hidden_layers"), step)
+        moe = set(moe)
+        base = "language_model.model.layers.{i}." if name == "llama4" else layers
+        return _layers(text, base + "feed_forward", lambda i: i in moe, "num_hidden_layers")
+    if name == "switch_transformers":
+
+        def sparse(step):
+            return lambda i: step > 0 and (step == 1 or i % step == 1)
+
+        return _layers(
+            c, "encoder.block.{i}.layer.1.mlp", sparse(c.get("encoder_sparse_step")), "num_layers"
+        ) + _layers(
+            c,
+            "decoder.block.{i}.layer.2.mlp",
+            sparse(c.get("decoder_sparse_step")),
+            "num_decoder_layers",
+        )
+    # nllb_moe
+
+    def sparse_nllb(step):
+        return lambda i: step > 0 and (i + 1) % step == 0
+
+    return _layers(
+        c,
+        "model.encoder.layers.{i}.ffn",
+        sparse_nllb(c.get("encoder_sparse_step")),
+        "encoder_layers",
+    ) + _layers(
+        c,
+        "model.decoder.layers.{i}.ffn",
+        sparse_nllb(c.get("decoder_sparse_step")),
+        "decoder_layers",
+    )

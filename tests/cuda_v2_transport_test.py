@@ -1,0 +1,153 @@
+"""Transport v2's kernels on one GPU, bit for bit (docs/design.md §2.1; v2_transport.h).
+
+`cuda_selftest_v2_transport` runs R virtual ranks on one GPU, each with its own window, through
+the kernels of the FFI handlers: the layout kernels, the send, the wide permute, the unpermute,
+the send back and the reduce, with nothing but the flags between ranks. Rounds reuse the windows
+(both halves, the exchange counters). Every output is compared with the §2.1 model the v1 tests
+trust (tests/cuda_transport_test.py) and the layout with the host reference; FP8 dispatch with
+the jnp quantisation over every bfloat16 pattern; a rank tagging its flags with another call
+site must make its peers report a mismatch, a silent rank a timeout. Tests marked `gpu` skip
+without a GPU and fail instead when JAX_HYBRIDEP_REQUIRE_GPU=1; the last test runs anywhere the
+module was built with CUDA.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from cuda_kernels_test import _bits
+from cuda_transport_test import Round
+
+from jax_hybridep import _native, fp8
+
+native = _native.testing_module()
+
+
+def _as_bytes(a):
+    return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:-1] + (-1,))
+
+
+def _run(rounds: list[Round], weighted: bool, send_blocks: int, **kw) -> dict:
+    stack = lambda f: np.stack([f(r) for r in rounds])  # noqa: E731
+    first = rounds[0]
+    return native.cuda_selftest_v2_transport(
+        first.dtype, first.C, x=stack(lambda r: _as_bytes(r.x)), dest=stack(lambda r: r.dest),
+        row_pos=stack(lambda r: r.row_pos), weights=stack(lambda r: r.weights),
+        y=stack(lambda r: _as_bytes(r.y)),
+        y_weights=stack(lambda r: r.y_weights) if weighted else None,
+        g=stack(lambda r: _as_bytes(r.g)), scale=stack(lambda r: r.scale),
+        send_blocks=send_blocks, **kw,
+    )  # fmt: skip
+
+
+def _gathered(case: Round) -> np.ndarray:
+    return np.stack([case.dest, case.row_pos, case.weights.view(np.int32)], axis=-1)
+
+
+def _check(got: dict, n: int, case: Round, weighted: bool, what: str):
+    want = case.expected(weighted)
+    for key in ("tokens", "weights", "combined", "redispatched", "scaled"):
+        value = got[key][n]
+        np.testing.assert_array_equal(_bits(value), _bits(want[key]).reshape(_bits(value).shape),
+                                      err_msg=f"{what}: {key}")  # fmt: skip
+    for r in range(case.R):
+        ref = native.cuda_v2_layout(_gathered(case), r, case.C, reference=True)
+        for key in ("send_slot", "recv_item", "recv_rows", "row_slot", "info"):
+            np.testing.assert_array_equal(got[key][n, r], ref[key], err_msg=f"{what}: {key} {r}")
+
+
+ROUTINGS = ("random", "all_minus_one", "one_expert", "duplicates", "invalid", "empty_rank")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_v2_transport_matches_the_model(gpu, ranks, routing, dtype):
+    # 2052 f32 = 8208-byte rows (bulk loads); 300 bf16 = 600 bytes (not whole 16-byte words: the
+    # G2S lanes load them, stores stay bulk). T = 70: two chunks, the second partial.
+    hidden = 2052 if dtype == "float32" else 300
+    case = Round(routing, dtype, hidden, R=ranks, T=70)
+    for weighted in (False, True):
+        got = _run([case], weighted, send_blocks=3)
+        _check(got, 0, case, weighted, f"weighted={weighted}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("send_blocks", [1, 2, 5])
+@pytest.mark.parametrize("hidden", [5, 256])
+def test_v2_transport_reuses_windows(gpu, send_blocks, hidden):
+    """Five rounds, each with new routing and values, on one set of windows: both halves and the
+    exchange counters advance, no round sees another's data."""
+    routings = ("random", "duplicates", "one_expert", "random", "empty_rank")
+    rounds = [Round(r, "float16", hidden, R=4, seed=n) for n, r in enumerate(routings)]
+    got = _run(rounds, True, send_blocks)
+    for n, case in enumerate(rounds):
+        _check(got, n, case, True, f"round {n} ({routings[n]})")
+
+
+@pytest.mark.gpu
+def test_v2_fp8_dispatch_of_every_bf16_pattern(gpu):
+    """The send quantises each token into its wire row (fp8.h), the permute dequantises it: the
+    jnp quantisation's bits (docs/design.md §2.1.8) for every bfloat16 pattern, H = 128 in
+    pattern order and H = 200 shuffled (short last blocks)."""
+    patterns = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    for hidden, values in ((128, patterns), (200, np.random.default_rng(7).permutation(patterns))):
+        ranks, T = 4, -(-patterns.size // (4 * hidden))
+        case = Round("random", "bfloat16", hidden, R=ranks, T=T, K=2)
+        case.x = np.resize(values, (ranks, T, hidden))
+        got = _run([case], True, send_blocks=4, fp8_hidden=hidden)
+        flat = case.x.reshape(-1, hidden)
+        case.x = np.asarray(fp8.dequantize(*fp8.quantize(flat), case.np_dtype)).reshape(
+            case.x.shape
+        )
+        want = _bits(case.expected(True)["tokens"])
+        got_bits = _bits(got["tokens"][0]).reshape(want.shape)
+        nan = np.isnan(got["tokens"][0].view(ml_dtypes.bfloat16).astype(np.float32)).reshape(
+            want.shape
+        )
+        np.testing.assert_array_equal(got_bits[~nan], want[~nan])
+        assert np.array_equal(nan, np.isnan(case.expected(True)["tokens"].astype(np.float32)))
+
+
+@pytest.mark.gpu
+def test_v2_flags_of_another_call_site_are_a_mismatch(gpu):
+    case = Round("random", "float32", 16, R=4)
+    with pytest.raises(ValueError, match="mismatch"):
+        _run([case], False, send_blocks=2, mismatch_rank=2, timeout_ms=2000)
+
+
+@pytest.mark.gpu
+def test_v2_silent_rank_times_out(gpu):
+    case = Round("random", "float32", 16, R=2)
+    with pytest.raises(ValueError, match="timed out"):
+        _run([case], False, send_blocks=2, silent_rank=1, timeout_ms=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_v2_layout_kernels_match_host_reference(gpu, routing):
+    case = Round(routing, "float32", 4, R=8, T=200, seed=3)
+    for r in range(case.R):
+        got = native.cuda_v2_layout(_gathered(case), r, case.C, reference=False)
+        want = native.cuda_v2_layout(_gathered(case), r, case.C, reference=True)
+        for key, value in want.items():
+            np.testing.assert_array_equal(_bits(got[key]), _bits(value), err_msg=f"{key} {r}")
+
+
+def test_v2_harness_rejects_bad_inputs(cuda_build):
+    case = Round("random", "float32", 4, R=2)
+    args = dict(x=_as_bytes(case.x)[None], dest=case.dest[None], row_pos=case.row_pos[None],
+                weights=case.weights[None], y=_as_bytes(case.y)[None], y_weights=None,
+                g=_as_bytes(case.g)[None], scale=case.scale[None])  # fmt: skip
+    with pytest.raises(ValueError, match=r"y: expected shape \(1, 2,"):
+        native.cuda_selftest_v2_transport("float32", case.C, **{**args, "y": args["y"][:, :, :3]},
+                                          send_blocks=1)  # fmt: skip
+    bad = args["dest"].copy()
+    bad[0, 0, 0, 0] = 5
+    with pytest.raises(ValueError, match="dest has 5, outside"):
+        native.cuda_selftest_v2_transport("float32", case.C, **{**args, "dest": bad},
+                                          send_blocks=1)  # fmt: skip
+    with pytest.raises(ValueError, match="send_blocks"):
+        native.cuda_selftest_v2_transport("float32", case.C, **args, send_blocks=0)

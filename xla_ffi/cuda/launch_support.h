@@ -1,0 +1,33 @@
+// Host-side helpers of the CUDA launchers: a kernel template instantiated per row dtype.
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_LAUNCH_SUPPORT_H_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_LAUNCH_SUPPORT_H_
+
+#include <cuda_runtime_api.h>
+
+#include <type_traits>
+
+#include "xla_ffi/numeric.h"
+
+namespace jax_hybridep {
+
+// Calls launch(std::integral_constant<Dtype, dtype>()) so the launch picks the kernel instance of
+// `dtype`; returns the launch status.
+template <typename Launch>
+cudaError_t ByDtype(Dtype dtype, Launch&& launch) {
+  switch (dtype) {
+    case Dtype::kF32:
+      launch(std::integral_constant<Dtype, Dtype::kF32>());
+      break;
+    case Dtype::kBF16:
+      launch(std::integral_constant<Dtype, Dtype::kBF16>());
+      break;
+    case Dtype::kF16:
+      launch(std::integral_constant<Dtype, Dtype::kF16>());
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_hybridep
+
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_LAUNCH_SUPPORT_H_

@@ -1,0 +1,229 @@
+// Device helpers of transport v2's kernels (v2_transport.h): the window's regions, flag tags and
+// waits, mbarriers and the bulk-copy engine. Included by the .cu files only.
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_V2_DEVICE_CUH_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_V2_DEVICE_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "xla_ffi/cuda/v2_transport.h"
+
+namespace jax_hybridep {
+namespace v2 {
+
+constexpr unsigned kAllLanes = 0xffffffffu;
+// A spinning wait checks whether another wait already failed this often (a mapped-host read).
+constexpr int kPollsPerErrorCheck = 1024;
+
+__device__ __forceinline__ int Lane() { return static_cast<int>(threadIdx.x % 32); }
+
+// ---------------------------------------------------------------------------- window regions
+
+__device__ __forceinline__ char* Payload(char* base, const V2Exchange& ex, uint64_t generation) {
+  return base + ex.window.payload[generation & 1];
+}
+__device__ __forceinline__ uint64_t* Arrived(char* base, const V2Exchange& ex) {
+  return reinterpret_cast<uint64_t*>(base + ex.window.arrived);
+}
+__device__ __forceinline__ uint64_t* Epoch(char* base, const V2Exchange& ex) {
+  return reinterpret_cast<uint64_t*>(base + ex.window.epoch);
+}
+
+// This exchange's number: one more than the exchanges this rank finished on the window (read by
+// every kernel of the exchange; the final kernel's last block advances it).
+__device__ __forceinline__ uint64_t Generation(char* own, const V2Exchange& ex) {
+  return *reinterpret_cast<volatile uint64_t*>(Epoch(own, ex)) + 1;
+}
+
+// A flag's tag: the exchange number above the call site's low 32 bits.
+__device__ __forceinline__ uint64_t Tag(uint64_t generation, uint32_t site) {
+  return (generation << 32) | site;
+}
+
+// ---------------------------------------------------------------------------- flags
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* flag) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(flag), "l"(v) : "memory");
+}
+
+// Records this rank's first failed wait in the mapped host record (system-scope stores, the only
+// narrow ones the wide kernels may hold: tests/cuda_v2_sass_test.py).
+__device__ inline void RecordFailure(TransportError* error, uint32_t* claim, uint32_t code,
+                                     int32_t rank, int64_t peer, int64_t block, uint64_t generation,
+                                     uint64_t seen, uint64_t expected) {
+  if (atomicCAS(claim, 0u, 1u) != 0u) return;
+  volatile TransportError* e = error;
+  e->rank = static_cast<uint32_t>(rank);
+  e->peer = static_cast<uint32_t>(peer);
+  e->block = static_cast<uint32_t>(block);
+  e->generation = generation;
+  e->seen = seen;
+  e->expected = expected;
+  __threadfence_system();
+  e->code = code;
+  __threadfence_system();
+}
+
+// One thread waits for the flag of source `src`'s send block `block` in this rank's window:
+// true once it carries this exchange's tag, or the next exchange's number (that peer is already
+// ahead, writing the other half). False on a mismatch or after the timeout, each recorded, or
+// when another wait of this rank already failed.
+__device__ inline bool WaitFlag(char* own, const V2Exchange& ex, uint64_t generation, int64_t src,
+                                int64_t block) {
+  const uint64_t* flag = Arrived(own, ex) + src * kMaxSendBlocks + block;
+  uint32_t* claim = reinterpret_cast<uint32_t*>(own + ex.window.error_claim);
+  const uint64_t want = Tag(generation, ex.site);
+  uint64_t start = 0;
+  for (int polls = 0;; ++polls) {
+    const uint64_t seen = LoadAcquire(flag);
+    if (seen == want || (seen >> 32) == generation + 1) return true;
+    if ((seen >> 32) >= generation) {  // this exchange from another site, or further ahead
+      RecordFailure(ex.error, claim, kV2Mismatch, ex.rank, src, block, generation, seen, want);
+      return false;
+    }
+    if (polls == 0) start = GlobalTimerNs();
+    if (polls % kPollsPerErrorCheck == kPollsPerErrorCheck - 1) {
+      if (*static_cast<volatile uint32_t*>(claim) != 0u) return false;
+      if (static_cast<int64_t>(GlobalTimerNs() - start) > ex.timeout_ns) {
+        RecordFailure(ex.error, claim, kV2Timeout, ex.rank, src, block, generation, seen, want);
+        return false;
+      }
+    }
+    __nanosleep(64);
+  }
+}
+
+// Block-wide: every (source, send block) flag of this exchange, polled by the block's threads
+// side by side; true when all came.
+__device__ inline bool BlockWaitAll(char* own, const V2Exchange& ex, uint64_t generation) {
+  const int flags = ex.ranks * ex.send_blocks;  // <= 128 * 256
+  bool ok = true;
+  for (int i = threadIdx.x; i < flags && ok; i += blockDim.x) {
+    ok = WaitFlag(own, ex, generation, i / ex.send_blocks, i % ex.send_blocks);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// The end of an exchange's final kernel: the last block to finish advances this rank's epoch, so
+// the next exchange's kernels (later on the stream) read the next number (atomics: no plain
+// stores besides the rows).
+__device__ inline void CountBlockDone(uint32_t* done, uint64_t* epoch, uint32_t blocks) {
+  __threadfence();
+  if (atomicAdd(done, 1u) == blocks - 1) {
+    atomicExch(done, 0u);
+    atomicAdd(reinterpret_cast<unsigned long long*>(epoch), 1ull);
+    __threadfence();
+  }
+}
+
+__device__ inline void FinishExchange(char* own, const V2Exchange& ex) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    CountBlockDone(reinterpret_cast<uint32_t*>(own + ex.window.done), Epoch(own, ex), gridDim.x);
+  }
+}
+
+// Raises this block's flag in every peer's window once its stores are complete and visible.
+__device__ inline void SignalPeers(const V2Peers& peers, const V2Exchange& ex, uint64_t tag) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (int p = 0; p < ex.ranks; ++p) {
+    StoreRelease(Arrived(peers.base[p], ex) + ex.rank * kMaxSendBlocks + blockIdx.x, tag);
+  }
+}
+
+// ---------------------------------------------------------------------------- bulk copies
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void BarrierInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" : : "r"(SharedAddress(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" : : "r"(SharedAddress(bar)) : "memory");
+}
+
+__device__ __forceinline__ void BarrierExpectBytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :
+               : "r"(SharedAddress(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Waits for the completion of the barrier's phase of parity `parity`.
+__device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(SharedAddress(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+// global -> shared, completing `bytes` on the barrier (16-byte aligned, a multiple of 16).
+__device__ __forceinline__ void BulkLoad(void* smem, const void* global, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      :
+      : "r"(SharedAddress(smem)), "l"(global), "r"(bytes), "r"(SharedAddress(bar))
+      : "memory");
+}
+
+// shared -> global (16-byte aligned, a multiple of 16), in the thread's current bulk group.
+__device__ __forceinline__ void BulkStore(void* global, const void* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               :
+               : "l"(global), "r"(SharedAddress(smem)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void BulkCommit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Every bulk group of this thread but the newest `kPending` has finished reading shared memory.
+template <int kPending>
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" : : "n"(kPending) : "memory");
+}
+
+// Every bulk group of this thread is complete (its writes performed), and visible to the
+// generic proxy (the flag that follows).
+__device__ __forceinline__ void BulkWaitAll() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Shared memory written by ordinary stores, read next by the bulk-copy engine.
+__device__ __forceinline__ void FenceSharedForBulk() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+}  // namespace v2
+}  // namespace jax_hybridep
+
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_V2_DEVICE_CUH_

@@ -1,0 +1,83 @@
+// The test module, _hybridep_testing, built beside the production module _hybridep on the same
+// runtime library (so it sees the same process-wide state): hooks on the host kernels, the
+// transport's host reference, CPU handlers probing the CUDA handlers' attribute decoding and, in
+// CUDA builds, the kernels' self-tests, the virtual-rank harness, the transport benchmark and a CPU
+// probe of the CUDA handlers' per-site state; with transport v2, its references, harness and
+// benches (xla_ffi/cuda/testing/v2_hooks.h).
+// Tests and jax_hybridep.bench.gpu_transport use it (jax_hybridep._native.testing_module()).
+#include <vector>
+
+#include "nanobind/nanobind.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/testing/attr_probes.h"
+#include "xla_ffi/testing/host_hooks.h"
+#include "xla_ffi/testing/transport_reference.h"
+
+#ifdef JAX_HYBRIDEP_WITH_CUDA
+#include "xla_ffi/cuda/testing/bench_hooks.h"
+#include "xla_ffi/cuda/testing/selftest_hooks.h"
+#include "xla_ffi/cuda/testing/state_probe.h"
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
+#include "xla_ffi/cuda/testing/v2_hooks.h"
+#endif
+#endif
+
+namespace nb = nanobind;
+
+namespace jax_hybridep {
+namespace {
+
+// FFI target name -> handler capsule, or {stage: capsule} for a stateful one.
+nb::dict CpuRegistrations() {
+  nb::dict out;
+  for (const HandlerEntry& entry : AttrProbeHandlers()) {
+    out[entry.name] = nb::capsule(reinterpret_cast<void*>(entry.handler));
+  }
+#ifdef JAX_HYBRIDEP_WITH_CUDA
+  nb::dict stages;
+  stages["instantiate"] = nb::capsule(reinterpret_cast<void*>(ProbeInstantiate()));
+  stages["execute"] = nb::capsule(reinterpret_cast<void*>(ProbeExecute()));
+  out["jax_hybridep_testing_site_state"] = stages;
+#endif
+  return out;
+}
+
+// FFI type name -> {"type_id", "type_info"} capsules.
+nb::dict CpuStateTypeRegistrations() {
+  nb::dict out;
+#ifdef JAX_HYBRIDEP_WITH_CUDA
+  const StateType probe = ProbeStateType();
+  nb::dict registration;
+  registration["type_id"] = nb::capsule(reinterpret_cast<void*>(probe.id));
+  registration["type_info"] =
+      nb::capsule(reinterpret_cast<void*>(const_cast<xla::ffi::TypeInfo*>(probe.info)));
+  out[probe.name] = registration;
+#endif
+  return out;
+}
+
+}  // namespace
+}  // namespace jax_hybridep
+
+NB_MODULE(_hybridep_testing, m) {
+  m.doc() = "jax_hybridep's test hooks (self-tests, harness, benchmarks, introspection)";
+  m.def("cpu_registrations", &jax_hybridep::CpuRegistrations,
+        "The test module's FFI target name -> handler capsule (or {stage: capsule}), for "
+        "platform 'cpu'.");
+  m.def("cpu_state_type_registrations", &jax_hybridep::CpuStateTypeRegistrations,
+        "The test module's FFI type name -> {'type_id', 'type_info'} capsules, for platform "
+        "'cpu' (registered before the handlers).");
+  jax_hybridep::RegisterHostHooks(m);
+  jax_hybridep::RegisterTransportReference(m);
+#ifdef JAX_HYBRIDEP_WITH_CUDA
+  m.attr("with_cuda") = true;
+  jax_hybridep::RegisterCudaSelftests(m);
+  jax_hybridep::RegisterCudaBench(m);
+  jax_hybridep::RegisterStateProbe(m);
+#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
+  jax_hybridep::RegisterCudaV2Hooks(m);
+#endif
+#else
+  m.attr("with_cuda") = false;
+#endif
+}
