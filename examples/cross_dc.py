@@ -12,6 +12,11 @@ rank and step, the bytes that cross the DC level beside the model's prediction f
     python examples/cross_dc.py --sr_table [--domains=dc=2]   # SR variants side by side
     python examples/cross_dc.py --replan_every=15 --steps=90 --link_schedule=30:dc=0.65 --skew_at=45
 
+Like `train_moe.py` it runs as one process or as several on `jax.distributed` (the same process
+flags, e.g. `SCRIPT=examples/cross_dc.py bash scripts/launch_local.sh 2`; with two processes
+each one is a DC), process 0 alone printing and writing summary.json; every flag, the output
+directory included, is checked before jax starts, and an error ends the run with one line.
+
 `--sr_table` trains plain EP, full-expert domains, SR with the persistent shared expert, with the
 recomputed mean, without a shared expert, and SR with gradient compression, the same steps each.
 `--replan_every` trains once with `xdc.Replanner` re-planning from the measured routing and the
@@ -26,8 +31,8 @@ import json
 import math
 import os
 
-import jax
 import numpy as np
+import train_processes
 from absl import app, flags, logging
 from cross_dc_bytes import first_step, measure, predict, program_bytes
 from flax import nnx
@@ -35,8 +40,16 @@ from lm_model import describe_workload, make_mesh
 from replan_hook import ReplanHook
 from rich.console import Console
 from rich.table import Table
-from train_config import FlagError, define_migration_flags, migration_flags, migration_from_flags
+from train_checkpoint import ResumeError
+from train_config import (
+    FlagError,
+    check_output_dir,
+    define_migration_flags,
+    migration_flags,
+    migration_from_flags,
+)
 from train_moe import TrainConfig, model_config, train
+from train_processes import global_devices
 
 from jax_hybridep import xdc
 
@@ -106,8 +119,7 @@ class Settings:
             bad("replan_every", "must be set for --link_schedule and --skew_at")
         if self.backend not in ("auto", "xla", "ffi"):
             bad("backend", "must be one of auto, xla, ffi")
-        if not self.output_dir:
-            bad("output_dir", "must name a directory")
+        check_output_dir(self.output_dir, "--output_dir")  # creatable and writable
         if not isinstance(self.migration, xdc.Migration):
             bad("migration", "must be a jax_hybridep.xdc.Migration")
         self.domain_sizes()
@@ -232,11 +244,12 @@ def run(s: Settings, console: Console, first=None) -> dict:
         summary = run_sr_table(s, base, dense, routing, console)
     else:
         summary = run_plan(s, base, dense, routing, console)
-    path = os.path.join(s.output_dir, "summary.json")
-    os.makedirs(s.output_dir, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
-    console.print(f"wrote {path}")
+    if train_processes.current().is_main:
+        path = os.path.join(s.output_dir, "summary.json")
+        os.makedirs(s.output_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=1)
+        console.print(f"wrote {path}")
     return summary
 
 
@@ -325,7 +338,7 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
         links=links_spec(s), link_schedule=s.link_schedule,
         output_dir=os.path.join(s.output_dir, "replanning"),
     )  # fmt: skip
-    mesh, topology = make_mesh(cfg.mesh, jax.devices())
+    mesh, topology = make_mesh(cfg.mesh, global_devices())
     schedule = xdc.LinkSchedule.parse(s.link_schedule, [n for n, _ in MESH])
     replanner = xdc.Replanner(
         describe_cluster(s), workload_of(cfg, dense), every=s.replan_every, schedule=schedule,
@@ -379,20 +392,38 @@ def define_flags() -> None:
     flags.DEFINE_string("output_dir", d.output_dir, "where runs, metrics and summary go")
 
 
+SCRIPT = "cross_dc.py"
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     names = [f.name for f in dataclasses.fields(Settings) if f.name != "migration"]
+    processes = train_processes.Processes()
     try:  # before jax starts: a bad flag costs nothing
         settings = Settings(**{n: flags.FLAGS[n].value for n in names},
                             migration=migration_from_flags())  # fmt: skip
         settings.check()
-    except (FlagError, ValueError) as e:
-        raise app.UsageError(str(e)) from None
-    jax.config.update("jax_num_cpu_devices", RANKS)
-    run(settings, Console(soft_wrap=True, width=max(Console().width, 132)))
+    except ValueError as err:  # FlagError included
+        train_processes.exit_with(processes, SCRIPT, err)
+    try:
+        # Default: the example's 8 ranks (RANKS) split over the processes.
+        processes = train_processes.start(train_processes.config_from_flags())
+        shared = [*names, *migration_flags(xdc.Migration()), *train_processes.SHARED_FLAGS]
+        processes.agree_on_flags(train_processes.command_line_values(shared))
+        processes.watch(SCRIPT)
+        console = processes.console()
+        console.width = max(console.width, 132)
+        run(settings, console)
+    except (FlagError, ResumeError, FloatingPointError, OSError) as err:
+        train_processes.exit_with(processes, SCRIPT, err)
+    except BaseException as err:
+        processes.fail(f"{type(err).__name__}: {err}")
+        raise
+    processes.finish()
 
 
 if __name__ == "__main__":
     define_flags()
+    train_processes.define_flags()
     app.run(main)

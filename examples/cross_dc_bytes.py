@@ -19,9 +19,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lm_data import ByteData
+from lm_data import ByteData, ShardFeeder
 from lm_model import MoETransformer, dense_param_bytes, make_mesh
 from train_moe import TrainConfig, model_config
+from train_processes import global_devices
 
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
@@ -39,16 +40,18 @@ def first_step(cfg: TrainConfig) -> tuple[int, list[np.ndarray]]:
     domains equal plain EP's, so those runs route their first step alike; with SR the layers
     after the first route what lossy replicas made (at a DC-level domain no token crosses the
     DC level, so the tokens' prediction is 0 either way)."""
-    mesh, topology = make_mesh(cfg.mesh, jax.devices())
+    mesh, topology = make_mesh(cfg.mesh, global_devices())
     ranks = mesh.devices.size
     model = MoETransformer(model_config(cfg), mesh, topology, rngs=nnx.Rngs(cfg.seed))
     dense = dense_param_bytes(nnx.state(model, nnx.Param))
-    inputs, _ = ByteData.load().train_batch(cfg.seed, 0, cfg.batch, cfg.seq_len)
-    inputs = jax.device_put(inputs, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+    # Global arrays, so that this runs alike in one process or in each of several.
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    feeder = ShardFeeder(ByteData.load(), sharding, cfg.batch, cfg.seq_len)
+    inputs, _ = feeder.train_batch(cfg.seed, 0)
     graphdef, state = nnx.split(model)
+    state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
     call = hnn.MoEBlock.__call__
 
-    @jax.jit
     def routing(state, inputs):
         seen = []
 
@@ -65,6 +68,7 @@ def first_step(cfg: TrainConfig) -> tuple[int, list[np.ndarray]]:
             hnn.MoEBlock.__call__ = call
         return seen
 
+    routing = jax.jit(routing, out_shardings=NamedSharding(mesh, P()))  # each process: all of it
     per_layer = [np.asarray(idx) for idx in routing(state, inputs)]
     return dense, [idx.reshape(ranks, -1, idx.shape[-1]) for idx in per_layer]
 

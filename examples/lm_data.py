@@ -6,6 +6,11 @@ given Python version. Tokens are raw bytes (vocabulary 256). The last `eval_frac
 concatenation is held out for evaluation. Training batches are random windows drawn from a
 generator seeded by (seed, step), so a resumed run sees exactly the batches the first run would
 have seen next.
+
+`ShardFeeder` builds each global batch from this process's rows only: with several processes
+(`train_processes.py`) every process draws the same window starts (a few integers), reads the
+windows of the rows its own devices hold, and assembles the global array from them
+(`jax.make_array_from_callback`); the global batch is the one a single process would build.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import glob
 import os
 
+import jax
 import numpy as np
 
 VOCAB_SIZE = 256
@@ -49,17 +55,19 @@ class ByteData:
         split = int(len(data) * (1.0 - eval_fraction))
         return cls(train=data[:split], eval=data[split:])
 
-    def train_batch(self, seed: int, step: int, batch: int, seq_len: int):
-        """Random windows for one step: (inputs, targets), each [batch, seq_len] int32.
+    def train_batch(self, seed: int, step: int, batch: int, seq_len: int, rows=None):
+        """Random windows for one step: (inputs, targets), each [batch, seq_len] int32, or
+        [len(rows), seq_len] with `rows` (indices into the batch): only those rows are read.
 
         Depends only on (seed, step), so resuming reproduces the original sequence of batches.
         """
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(self.train) - seq_len - 1, size=batch)
-        return _windows(self.train, starts, seq_len)
+        return _windows(self.train, starts if rows is None else starts[rows], seq_len)
 
-    def eval_batches(self, num_batches: int, batch: int, seq_len: int):
-        """Fixed, evenly spaced windows over the held-out text: a list of (inputs, targets)."""
+    def eval_batches(self, num_batches: int, batch: int, seq_len: int, rows=None):
+        """Fixed, evenly spaced windows over the held-out text: a list of (inputs, targets),
+        each [batch, seq_len] int32 (or only `rows` of each batch, as `train_batch`)."""
         count = num_batches * batch
         last = len(self.eval) - seq_len - 1
         if last < count:
@@ -67,7 +75,49 @@ class ByteData:
                 f"eval text has {len(self.eval)} bytes, too few for {count} windows of {seq_len}"
             )
         starts = np.linspace(0, last, count).astype(np.int64).reshape(num_batches, batch)
-        return [_windows(self.eval, s, seq_len) for s in starts]
+        return [_windows(self.eval, s if rows is None else s[rows], seq_len) for s in starts]
+
+
+class ShardFeeder:
+    """Global [batch, seq_len] batches on `sharding`, this process reading only its own rows.
+
+    Attributes:
+      rows: the batch rows this process's devices hold (sorted; all of them when the batch is
+        replicated, or with one process).
+      windows_read: windows this process has read so far (train and eval).
+    """
+
+    def __init__(self, data: ByteData, sharding, batch: int, seq_len: int):
+        self.data, self.sharding, self.shape = data, sharding, (batch, seq_len)
+        index = sharding.addressable_devices_indices_map(self.shape)
+        rows = set()
+        for where in index.values():
+            rows.update(range(*where[0].indices(batch)))
+        self.rows = np.asarray(sorted(rows), np.int64)
+        self._position = np.full(batch, -1, np.int64)
+        self._position[self.rows] = np.arange(len(self.rows))
+        self.windows_read = 0
+
+    def train_batch(self, seed: int, step: int):
+        """(inputs, targets) of step `step`, global arrays."""
+        local = self.data.train_batch(seed, step, *self.shape, rows=self.rows)
+        self.windows_read += len(self.rows)
+        return tuple(self._global(a) for a in local)
+
+    def eval_batches(self, num_batches: int):
+        """The held-out batches as global (inputs, targets) pairs."""
+        local = self.data.eval_batches(num_batches, *self.shape, rows=self.rows)
+        self.windows_read += num_batches * len(self.rows)
+        return [tuple(self._global(a) for a in pair) for pair in local]
+
+    def _global(self, local: np.ndarray):
+        """[len(rows), seq_len] of this process -> the global [batch, seq_len] array."""
+
+        def shard(index):
+            rows = self._position[np.arange(self.shape[0])[index[0]]]
+            return local[rows][:, index[1]]
+
+        return jax.make_array_from_callback(self.shape, self.sharding, shard)
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, seq_len: int):

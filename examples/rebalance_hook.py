@@ -11,12 +11,21 @@ Checkpoints hold the state in plain EP's order (each logical expert once, where 
 redundant slots keeps it), beside the placements and load averages in the checkpoint's meta:
 `--resume` restores the state, then moves it to the saved placements, so a resumed run compiles
 the same program and continues identically.
+
+With several processes (`train_processes.py`) process 0 plans from its load averages (the counts
+are all-reduced in the step, so every process holds the same ones) and every process applies its
+decision; the processes then compare a digest of the placements they hold, recorded with each
+event (`placement_digests`, one per process), and stop if they differ.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 from flax import nnx
+from train_processes import Processes
 
 from jax_hybridep import balance
 
@@ -27,9 +36,10 @@ META_KEY = "balance"
 class Rebalancer:
     """The balancing state of one run: per replicated block, its placement and load average."""
 
-    def __init__(self, cfg, graphdef, params, rest, tx):
+    def __init__(self, cfg, graphdef, params, rest, tx, processes: Processes | None = None):
         self.every = cfg.rebalance_every
         self.tx = tx
+        self.processes = processes or Processes()
         model = nnx.merge(graphdef, params, rest)
         self.tags, blocks = balance.expert_tags(model, params)
         self.placements = [b.placement for b in blocks]
@@ -54,12 +64,39 @@ class Rebalancer:
         return self.active and self.every > 0 and completed_steps % self.every == 0
 
     def rebalance(self, step, graphdef, params, rest, opt_state):
-        """Re-places every block from its load average. Returns (changed, graphdef, params,
-        rest, opt_state) with the state moved; an event per block is kept in `events`."""
+        """Re-places every block from its load average (process 0's decision). Returns
+        (changed, graphdef, params, rest, opt_state) with the state moved; an event per block
+        is kept in `events`."""
+        decision = self.processes.decide(f"rebalance {step}", lambda: self._plan(step))
         perms, changed = [], False
+        for i, (placement, event) in enumerate(decision):
+            if event is not None:
+                self.events.append(event)
+            if placement is None:
+                perms.append(None)
+                continue
+            new = balance.Placement.from_json(placement)
+            perms.append(balance.permutation(self.placements[i], new))
+            self.placements[i], changed = new, True
+        digests = self.processes.exchange(f"placements {step}", self.digest())
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"step {step}: the processes hold different expert placements after the same "
+                f"re-balancing decision (digests {digests})"
+            )
+        for event in self.events[-len(decision) :]:
+            event["placement_digests"] = digests
+        if not changed:
+            return False, graphdef, params, rest, opt_state
+        return (True, *self._move(graphdef, params, rest, opt_state, perms))
+
+    def _plan(self, step) -> list:
+        """Per block: (the new placement as JSON, or None to keep it; the event, or None when
+        nothing was measured yet)."""
+        decision = []
         for i, current in enumerate(self.placements):
             if self.loads[i] is None:  # nothing measured yet (e.g. resumed without averages)
-                perms.append(None)
+                decision.append((None, None))
                 continue
             plan = balance.plan_placement(
                 self.loads[i],
@@ -71,24 +108,23 @@ class Rebalancer:
                 expert_bytes=self.expert_bytes,
                 row_bytes=self.row_bytes,
             )
-            self.events.append(
-                dict(
-                    step=step,
-                    layer=i,
-                    changed=plan.changed,
-                    predicted_before=plan.before,
-                    predicted_after=plan.after,
-                    remote_replicas=plan.placement.remote_replicas,
-                    sync_bytes_per_step=int(sum(plan.sync_bytes)),
-                    moved_experts=plan.moved_experts if plan.changed else 0,
-                )
+            event = dict(
+                step=step,
+                layer=i,
+                changed=plan.changed,
+                predicted_before=plan.before,
+                predicted_after=plan.after,
+                remote_replicas=plan.placement.remote_replicas,
+                sync_bytes_per_step=int(sum(plan.sync_bytes)),
+                moved_experts=plan.moved_experts if plan.changed else 0,
             )
-            perms.append(balance.permutation(current, plan.placement) if plan.changed else None)
-            changed |= plan.changed
-            self.placements[i] = plan.placement
-        if not changed:
-            return False, graphdef, params, rest, opt_state
-        return (True, *self._move(graphdef, params, rest, opt_state, perms))
+            decision.append((plan.placement.to_json() if plan.changed else None, event))
+        return decision
+
+    def digest(self) -> str:
+        """A short digest of the placements this process holds."""
+        text = json.dumps([p.to_json() for p in self.placements], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def _move(self, graphdef, params, rest, opt_state, perms):
         params = balance.move_experts(params, self.tags, perms)

@@ -7,6 +7,11 @@ over the steps since the last re-plan. Links: given to the run (`--links`, `--li
 since fake devices have no links to measure. The model's parameters keep their sharding under
 every domain setting, so switching moves no parameter; the other state is carried over by
 `lm_model.rebuild`.
+
+With several processes (`train_processes.py`; `train_moe.train` sets `processes`) process 0
+re-plans from the counts (all-reduced in the step: the same on every process) and every process
+adopts its decision; the processes then compare the domains they run, recorded with each re-plan
+(`domains_per_process`), and stop if they differ.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from lm_model import (
     rebuild,
     with_layer_domains,
 )
+from train_processes import Processes
 
 from jax_hybridep import xdc
 
@@ -43,6 +49,7 @@ class ReplanHook:
         self.model_config = with_layer_domains(model_config, self.names, replanner.layer_domains)
         self.counts = None
         self.compiles = 1
+        self.processes = Processes()  # train_moe.train sets the run's
 
     @classmethod
     def from_config(cls, cfg, model_config, mesh, topology) -> ReplanHook:
@@ -95,8 +102,20 @@ class ReplanHook:
         self.counts = counts if self.counts is None else self.counts + counts
         if not self.replanner.due(step):
             return None
-        new = self.replanner.update(step, self.counts)
-        self.counts = None
+        counts, self.counts = self.counts, None
+        new, entry = self.processes.decide(f"replan {step}", lambda: self._replan(step, counts))
+        if not self.processes.is_main:  # process 0's decision, as if this process had made it
+            self.replanner.history.append(entry)
+            if new is not None:
+                self.replanner.layer_domains = [tuple(d) for d in new]
+        domains = [list(d) for d in self.replanner.layer_domains]
+        everyone = self.processes.exchange(f"domains {step}", domains)
+        if any(d != domains for d in everyone):
+            raise RuntimeError(
+                f"step {step}: the processes run different domains after the same re-plan "
+                f"({everyone})"
+            )
+        self.replanner.history[-1]["domains_per_process"] = everyone
         if new is None:
             return None
         self.model_config = with_layer_domains(self.model_config, self.names, new)
@@ -104,6 +123,11 @@ class ReplanHook:
         rest = jax.device_put(rest, nnx.get_named_sharding(rest, self.mesh))
         self.compiles += 1
         return graphdef, rest
+
+    def _replan(self, step: int, counts):
+        """(the per-layer domains to switch to or None, the history entry): process 0's part."""
+        new = self.replanner.update(step, counts)
+        return (None if new is None else [list(d) for d in new]), self.replanner.history[-1]
 
     def describe(self, step: int) -> str:
         """One line on the last re-plan."""

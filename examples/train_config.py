@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 from numbers import Integral, Real
 
 from absl import flags
@@ -25,6 +26,15 @@ from jax_hybridep.xdc.migration import SHARED_VARIANTS
 
 BACKENDS = ("auto", "xla", "ffi")
 DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and the default)
+
+
+# The flags a resumed run may change (the rest shape the model, its routing, its data or its
+# optimizer and must equal the checkpoint's: `train_checkpoint.check_resume_flags`), and with
+# them the TrainConfig fields without a flag that may change too.
+RESUMABLE_FLAGS = (
+    "steps", "schedule_steps", "eval_every", "checkpoint_every", "backend", "output_dir",
+)  # fmt: skip
+RESUMABLE_FIELDS = (*RESUMABLE_FLAGS, "eval_batches", "progress", "resume")
 
 
 class FlagError(ValueError):
@@ -66,9 +76,13 @@ class TrainConfig:
       charge_sync: the balancer charges each remote replica's sync bytes (weights forward,
         gradient back) against the rows it saves; False places replicas by load alone.
       lr: peak learning rate of the warmup + cosine schedule.
+      schedule_steps: the step the schedule's cosine decay ends at (0: `steps`); a run meant to
+        be resumed later to N steps sets N, so that it follows the uninterrupted run's schedule.
       seed: initialisation and data seed.
       output_dir: where metrics, plot and checkpoint go.
       eval_every: evaluate every this many steps (and at the end).
+      checkpoint_every: also commit a checkpoint (and metrics.json) every this many steps (0:
+        only at the end), so that `resume` after a crash loses at most this many steps.
       resume: restore the checkpoint in output_dir and continue from its step.
       eval_batches: held-out batches per evaluation.
       progress: show a live progress bar (only drawn on a terminal).
@@ -97,9 +111,11 @@ class TrainConfig:
     rebalance_every: int = 0
     charge_sync: bool = True
     lr: float = 3e-3
+    schedule_steps: int = 0
     seed: int = 0
     output_dir: str = "/tmp/train_moe"
     eval_every: int = 50
+    checkpoint_every: int = 0
     resume: bool = False
     eval_batches: int = 4
     progress: bool = True
@@ -194,13 +210,16 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
 
     Covers every field: types and ranges, the model's shape rules, the mesh (axes, device count,
     experts per EP rank, tokens per device), the expert domains, the eval and train text's length
-    (`data`, loaded when not given) and the output directory. Builds no model.
+    (`data`, loaded when not given) and the output directory (first: creatable and writable).
+    Builds no model and creates nothing.
     """
+    _check_output_dir(cfg.output_dir)  # first: nothing else is worth checking without it
     for name, minimum in (("steps", 0), ("batch", 1), ("seq_len", 1), ("d_model", 1),
                           ("d_ff", 1), ("layers", 1), ("heads", 1), ("experts", 1), ("top_k", 1),
                           ("seed", 0), ("eval_every", 1), ("eval_batches", 1),
                           ("redundant_slots", 0), ("rebalance_every", 0),
-                          ("replan_every", 0)):  # fmt: skip
+                          ("replan_every", 0), ("schedule_steps", 0),
+                          ("checkpoint_every", 0)):  # fmt: skip
         _check_int(name, getattr(cfg, name), minimum)
     if cfg.top_k > cfg.experts:
         raise FlagError(
@@ -243,7 +262,6 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
             raise FlagError(f"--{name}={getattr(cfg, name)!r} must be true or false")
     _check_mesh(cfg, devices)
     _check_data(cfg, data or ByteData.load())
-    _check_output_dir(cfg.output_dir)
 
 
 def _check_mesh(cfg: TrainConfig, devices) -> None:
@@ -334,10 +352,29 @@ def _check_data(cfg: TrainConfig, data: ByteData) -> None:
 
 
 def _check_output_dir(path) -> None:
+    check_output_dir(path, "--output_dir")
+
+
+def check_output_dir(path, flag: str) -> None:
+    """FlagError naming `flag` unless `path` is a writable directory or can be created as one
+    (its nearest existing ancestor is a directory this process can write into: tried with a
+    temporary file, so that it holds for root and read-only filesystems too). Leaves nothing."""
     if not isinstance(path, str) or not path:
-        raise FlagError(f"--output_dir={path!r} must name a directory")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FlagError(f"--output_dir={path} exists and is not a directory")
+        raise FlagError(f"{flag}={path!r} must name a directory")
+    path = os.path.abspath(path)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        if existing == path:
+            raise FlagError(f"{flag}={path} exists and is not a directory")
+        raise FlagError(f"{flag}={path} cannot be created: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        what = "is not writable" if existing == path else f"cannot be created in {existing}"
+        raise FlagError(f"{flag}={path} {what} ({err.strerror or err})") from None
 
 
 def define_flags() -> None:
@@ -393,10 +430,24 @@ def define_flags() -> None:
         "the balancer charges each replica's sync bytes against the rows it saves",
     )
     flags.DEFINE_float("lr", d.lr, "peak learning rate")
+    flags.DEFINE_integer(
+        "schedule_steps", d.schedule_steps,
+        "the step the learning-rate decay ends at (0: --steps); set it to the final step count "
+        "when a run will be resumed to more steps",
+    )  # fmt: skip
     flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")
     flags.DEFINE_string("output_dir", d.output_dir, "metrics, plot and checkpoint go here")
     flags.DEFINE_integer("eval_every", d.eval_every, "evaluate every this many steps")
-    flags.DEFINE_bool("resume", False, "restore the checkpoint in --output_dir and continue")
+    flags.DEFINE_integer(
+        "checkpoint_every", d.checkpoint_every,
+        "also commit a checkpoint and metrics.json every this many steps (0: only at the end)",
+    )  # fmt: skip
+    flags.DEFINE_bool(
+        "resume", False,
+        "restore the checkpoint in --output_dir and continue; every flag must equal the "
+        f"checkpoint's except {', '.join('--' + n for n in RESUMABLE_FLAGS)} (and the process "
+        "flags)",
+    )  # fmt: skip
 
 
 def define_migration_flags(default: xdc.Migration, domains_help: str) -> None:

@@ -11,6 +11,7 @@ an EP level, slow -> fast.
     python examples/train_moe.py [--steps=500] [--mesh=data=2,ep=4] [--backend=xla] ...
     python examples/train_moe.py --resume --steps=1000  # continue from the saved checkpoint
     python examples/train_moe.py --redundant_slots=1 --rebalance_every=50  # balance expert load
+    bash scripts/launch_local.sh 2 --mesh=node=2,local=4  # 2 processes (docs/multihost.md)
 
 Writes to --output_dir: metrics.json (losses per step), train_moe.png (loss curves, expert and
 per-rank load; `train_report.py`), checkpoint/<step>/ (orbax: model and optimizer state, and the
@@ -18,27 +19,28 @@ flags; committed atomically, see `train_checkpoint.py`; with --rebalance_every a
 placements, `rebalance_hook.py`). The last line printed is `eval loss: <value>`. Every flag is
 checked before a model is built (`train_config.py`); a bad flag or an unusable --resume
 checkpoint ends the run with one line naming it.
+
+Several processes (hosts) run one job on `jax.distributed` (`train_processes.py`): each feeds only
+its rows of every batch (`lm_data.ShardFeeder`), all write the checkpoint's shards, process 0
+decides re-balancing and re-planning for all and alone writes metrics, plot and messages.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import replan_hook
 import train_checkpoint
+import train_processes
 from absl import app, logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lm_data import VOCAB_SIZE, ByteData
+from lm_data import VOCAB_SIZE, ByteData, ShardFeeder
 from lm_model import DATA_AXIS, ModelConfig, MoETransformer, make_mesh
 from rebalance_hook import Rebalancer, rank_loads
 from rich.console import Console
@@ -59,10 +61,18 @@ from train_config import (
     define_flags,
     flag_values,
 )
-from train_report import imbalance, program_traffic, ran_backend, rebalance_line, save_plot
+from train_processes import Processes, global_devices
+from train_report import (
+    imbalance,
+    metrics_of,
+    program_traffic,
+    ran_backend,
+    rebalance_line,
+    write_outputs,
+)
+from train_step import build_steps, make_optimizer
 
 from jax_hybridep import balance
-from jax_hybridep import nn as hnn
 
 # The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal;
 # the domain flags fix the shapes of the SR and error-feedback state).
@@ -70,67 +80,6 @@ MODEL_FLAGS = (
     "d_model", "d_ff", "layers", "experts", "domains", "domain_compression", "domain_shared",
     "grad_compression",
 )  # fmt: skip
-
-
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW (no decay on vectors: norms) under warmup + cosine."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.lr,
-        warmup_steps=max(1, min(100, cfg.steps // 10)),
-        decay_steps=max(cfg.steps, 2),
-        end_value=cfg.lr * 0.1,
-    )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask),
-    )
-
-
-def build_steps(graphdef, tx, state_shardings, replicated):
-    """The jitted train step and eval step over the (params, rest) split of the model.
-
-    `state_shardings` (of params, rest, opt_state) pin the updated state to the shardings it came
-    in with, so one compiled step serves every iteration and the checkpoint.
-    """
-
-    def loss_fn(params, rest, inputs, targets):
-        model = nnx.merge(graphdef, params, rest)
-        logits, auxes = model(inputs)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-        aux = sum(a.loss for a in auxes)
-        return ce + aux, (ce, aux, auxes)
-
-    def train_step(params, rest, opt_state, inputs, targets):
-        # As jax.value_and_grad; gradient compression's error feedback comes back in `rest`.
-        grad_fn = hnn.value_and_grad(loss_fn, has_aux=True)
-        (loss, (ce, aux, auxes)), grads, rest = grad_fn(params, rest, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # The aux-loss-free router bias follows a rule, not the gradient: update it after.
-        model = nnx.merge(graphdef, params, rest)
-        model.update_state(auxes)
-        _, params, rest = nnx.split(model, nnx.Param, ...)
-        metrics = dict(
-            loss=loss,
-            ce=ce,
-            aux=aux,
-            grad_norm=optax.tree.norm(grads),
-            dropped=sum(a.dropped for a in auxes),
-            tokens_per_expert=jnp.stack([a.tokens_per_expert for a in auxes]),
-            tokens_per_slot=jnp.stack([a.tokens_per_slot for a in auxes]),
-            level_rows=sum(a.level_rows for a in auxes),
-        )
-        return params, rest, opt_state, metrics
-
-    def eval_step(params, rest, inputs, targets):
-        return loss_fn(params, rest, inputs, targets)[1][0]
-
-    train_step = jax.jit(
-        train_step, donate_argnums=(0, 1, 2), out_shardings=(*state_shardings, replicated)
-    )
-    return train_step, jax.jit(eval_step, out_shardings=replicated)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -157,28 +106,43 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     )
 
 
-def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hook=None) -> dict:
+def mesh_spec(mesh) -> str:
+    """The mesh as --mesh spells it ("node=2,local=4")."""
+    return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hook=None,
+          processes: Processes | None = None) -> dict:  # fmt: skip
     """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict.
 
     Raises FlagError (a bad flag, before any model is built) or ResumeError (--resume cannot use
     the checkpoint), each naming what is wrong. `on_compile`, if given, is called with the
     compiled train step's HLO text (e.g. to read its collectives, `jax_hybridep.traffic`).
     `hook`: a `replan_hook.ReplanHook` (made from `cfg` when `replan_every` is set), asked after
-    every step whether to switch domains.
+    every step whether to switch domains. `processes`: this process's place in a job of
+    several (None: `train_processes.current()`); every process calls `train`, and only process 0
+    writes metrics and plot (every process writes its checkpoint shards).
     """
+    processes = processes or train_processes.current()
     console = console or Console(soft_wrap=True)
     data = ByteData.load()
-    check_config(cfg, jax.devices(), data)
-    mesh, topology = make_mesh(cfg.mesh, jax.devices())
+    devices = global_devices()
+    check_config(cfg, devices, data)
+    mesh, topology = make_mesh(cfg.mesh, devices)
     ckpt_dir = os.path.join(os.path.abspath(cfg.output_dir), "checkpoint")
     metrics_path = os.path.join(cfg.output_dir, "metrics.json")
+    meta = dict(flag_values(cfg), processes=processes.count, mesh_shape=mesh_spec(mesh))
     if cfg.resume:  # what can be checked on disk is, before the model is built
         start = train_checkpoint.latest(ckpt_dir)
-        old_metrics = _read_metrics(metrics_path)
+        saved = train_checkpoint.read_saved(ckpt_dir, start)
+        defaults = flag_values(TrainConfig())
+        train_checkpoint.check_resume_flags(ckpt_dir, start, saved.meta, meta, defaults)
+        old_metrics = train_checkpoint.read_metrics(metrics_path)
     model_cfg = model_config(cfg)
     if hook is None and cfg.replan_every:
         hook = replan_hook.ReplanHook.from_config(cfg, model_cfg, mesh, topology)
     if hook is not None:
+        hook.processes = processes
         model_cfg = hook.model_config
     model = MoETransformer(model_cfg, mesh, topology, rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -197,17 +161,16 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
     )
 
     history = dict(train=[], eval=[], rebalances=[])
-    meta = flag_values(cfg)
-    balancer = Rebalancer(cfg, graphdef, params, rest, tx)
+    balancer = Rebalancer(cfg, graphdef, params, rest, tx, processes)
     if not cfg.resume:
         start = 0
     else:
         target = dict(params=params, rest=rest, opt_state=opt_state)
-        restored, saved_meta = train_checkpoint.restore(ckpt_dir, start, target, meta, MODEL_FLAGS)
+        restored = train_checkpoint.restore(ckpt_dir, start, target, saved, meta, MODEL_FLAGS)
         params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
         # The checkpoint is in plain EP's expert order: back to the placements it was saved with.
         graphdef, params, rest, opt_state = balancer.restore(
-            saved_meta, graphdef, params, rest, opt_state
+            saved.meta, graphdef, params, rest, opt_state
         )
         if old_metrics is not None:
             history["train"] = [r for r in old_metrics["train"] if r["step"] < start]
@@ -218,9 +181,22 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
             old = old_metrics.get("rebalances") or []
             history["rebalances"] = [r for r in old if r["step"] < start]
         console.print(f"resumed from step {start} ({ckpt_dir})")
-    os.makedirs(cfg.output_dir, exist_ok=True)
+    if processes.is_main:
+        os.makedirs(cfg.output_dir, exist_ok=True)
 
-    history, params, rest, opt_state, backend = _loop(
+    def checkpoint(step, backend, params, rest, opt_state):
+        """Commits the state after `step` steps, the metrics up to it first (process 0): a
+        --resume from any committed step then finds its history (later records are dropped)."""
+        if processes.is_main:
+            metrics = metrics_of(cfg, history, backend, start, processes.count)
+            write_outputs(cfg.output_dir, metrics, plot=False)
+        params, opt_state = balancer.checkpoint_state(params, opt_state)
+        state = dict(params=params, rest=rest, opt_state=opt_state)
+        train_checkpoint.save(
+            ckpt_dir, step, state, dict(meta, balance=balancer.to_meta()), processes
+        )
+
+    history, params, rest, opt_state, backend, feeder = _loop(
         cfg=cfg,
         data=data,
         mesh=mesh,
@@ -232,48 +208,37 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
         on_compile=on_compile,
         balancer=balancer,
         hook=hook,
+        checkpoint=checkpoint,
     )
     if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
-        params, opt_state = balancer.checkpoint_state(params, opt_state)
-        state = dict(params=params, rest=rest, opt_state=opt_state)
-        train_checkpoint.save(ckpt_dir, cfg.steps, state, dict(meta, balance=balancer.to_meta()))
-
-    final_eval = history["eval"][-1]["loss"]
-    result = dict(
-        config=meta,
-        backend=backend,
-        start_step=start,
-        final_eval_loss=final_eval,
-        **history,
+        checkpoint(cfg.steps, backend, params, rest, opt_state)
+    # What each process read: its own rows of every batch (the same on one process: all).
+    fed = processes.exchange("feeding", [feeder.rows.tolist(), feeder.windows_read])
+    history["feeding"] = dict(
+        rows=[rows for rows, _ in fed], windows_read=[count for _, count in fed]
     )
-    with open(metrics_path, "w") as f:
-        json.dump(result, f, indent=1)
-    if history["train"] and history.get("tokens_per_expert"):
-        save_plot(
-            os.path.join(cfg.output_dir, "train_moe.png"),
-            history["train"],
-            history["eval"],
-            history["tokens_per_expert"],
-            history.get("rank_load"),
-        )
-    console.print(f"wrote {metrics_path}, train_moe.png and checkpoint/ to {cfg.output_dir}")
-    console.print(f"eval loss: {final_eval:.4f}", highlight=False)
+    result = metrics_of(cfg, history, backend, start, processes.count)
+    if processes.is_main:
+        written = write_outputs(cfg.output_dir, result, plot=True)
+        if cfg.steps > start:
+            written.append(f"checkpoint/{cfg.steps}/")
+        console.print(f"wrote {', '.join(written)} to {cfg.output_dir}")
+        console.print(f"eval loss: {result['final_eval_loss']:.4f}", highlight=False)
     return result
 
 
-def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, balancer, hook):
+def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, balancer, hook,
+          checkpoint):  # fmt: skip
     """The training loop proper from `start`, on state = (graphdef, params, rest, opt_state):
     compile once (again when `balancer` changes a placement or `hook` switches domains), step,
-    evaluate, report progress. Returns (history, params, rest, opt_state, backend)."""
+    evaluate, checkpoint every `cfg.checkpoint_every` steps (`checkpoint`), report progress.
+    Returns (history, params, rest, opt_state, backend, feeder)."""
     graphdef, params, rest, opt_state = state
     num_devices = mesh.devices.size
     # The batch is sharded over every mesh axis when it divides evenly, else replicated.
     batch_spec = P(tuple(mesh.axis_names)) if cfg.batch % num_devices == 0 else P()
-    sharding = NamedSharding(mesh, batch_spec)
-    put = lambda a: jax.device_put(a, sharding)  # noqa: E731
-    eval_set = [
-        tuple(map(put, b)) for b in data.eval_batches(cfg.eval_batches, cfg.batch, cfg.seq_len)
-    ]
+    feeder = ShardFeeder(data, NamedSharding(mesh, batch_spec), cfg.batch, cfg.seq_len)
+    eval_set = feeder.eval_batches(cfg.eval_batches)
     shardings = jax.tree.map(lambda a: a.sharding, (params, rest, opt_state))
 
     def compile_steps(graphdef):
@@ -299,7 +264,7 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
         console.print(rebalance_line(step, events), highlight=False)
         return changed
 
-    inputs, targets = map(put, data.train_batch(cfg.seed, start, cfg.batch, cfg.seq_len))
+    inputs, targets = feeder.train_batch(cfg.seed, start)
     t0 = time.perf_counter()
     if 0 < start < cfg.steps and balancer.due(start):
         rebalance(start)
@@ -311,8 +276,10 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
     history["program_traffic"] = program_traffic(compiled.as_text(), levels)
     if on_compile is not None:
         on_compile(compiled.as_text())
+    count = jax.process_count()
     console.print(
-        f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}, "
+        f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}"
+        f"{f' in {count} processes' if count > 1 else ''}, "
         f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}), "
         f"{cfg.batch}x{cfg.seq_len} bytes/step; compiled in {time.perf_counter() - t0:.1f}s"
     )
@@ -333,7 +300,7 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
         task = progress.add_task("train", total=cfg.steps, completed=start, stats="")
         for step in range(start, cfg.steps):
             if step > start:
-                inputs, targets = map(put, data.train_batch(cfg.seed, step, cfg.batch, cfg.seq_len))
+                inputs, targets = feeder.train_batch(cfg.seed, step)
             if step > start and balancer.due(step) and rebalance(step):
                 compiled, eval_step = compile_steps(graphdef)  # a new static placement
             t = time.perf_counter()
@@ -358,6 +325,8 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss is {record['loss']} at step {step}")
             history["train"].append(record)
+            history["tokens_per_expert"] = np.asarray(tokens_per_expert).tolist()
+            history["rank_load"] = np.asarray(rank_load).tolist()
             new = hook.after_step(step + 1, m, params, rest) if hook is not None else None
             if new is not None:
                 new_graphdef, rest = new
@@ -381,45 +350,39 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
                 progress.console.print(
                     f"step {step + 1:5d}: {stats} | eval loss {eval_loss:.3f}", highlight=False
                 )
-    if tokens_per_expert is not None:
-        history["tokens_per_expert"] = np.asarray(tokens_per_expert).tolist()
-        history["rank_load"] = np.asarray(rank_load).tolist()
+            every = cfg.checkpoint_every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.steps:
+                if hook is not None:
+                    history["replans"] = hook.history
+                checkpoint(step + 1, backend, params, rest, opt_state)
     if hook is not None:
         history["replans"] = hook.history
-    return history, params, rest, opt_state, backend
+    return history, params, rest, opt_state, backend, feeder
 
 
-def _read_metrics(path: str) -> dict | None:
-    """The metrics.json a resumed run extends (None when there is none); ResumeError when it
-    cannot be read."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            old = json.load(f)
-        for key in ("train", "eval"):
-            if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in old[key]):
-                raise ValueError(f"{key} entries without a step")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ResumeError(
-            f"--resume: {path} cannot be read ({type(err).__name__}: {err}); delete it to resume "
-            "without the earlier run's history"
-        ) from None
-    return old
+SCRIPT = "train_moe.py"
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
     logging.set_verbosity(logging.WARNING)
-    # Fake CPU devices when there is no GPU; must precede any backend use (it is ignored on GPUs).
-    jax.config.update("jax_num_cpu_devices", 8)
+    processes = Processes()
     try:
-        train(config_from_flags())
-    except (FlagError, ResumeError) as err:
-        sys.exit(f"train_moe.py: {err}")
+        processes = train_processes.start(train_processes.config_from_flags())
+        names = [*flag_values(TrainConfig()), *train_processes.SHARED_FLAGS]
+        processes.agree_on_flags(train_processes.command_line_values(names))
+        processes.watch(SCRIPT)
+        train(config_from_flags(), processes.console(), processes=processes)
+    except (FlagError, ResumeError, FloatingPointError, OSError) as err:
+        train_processes.exit_with(processes, SCRIPT, err)
+    except BaseException as err:
+        processes.fail(f"{type(err).__name__}: {err}")
+        raise
+    processes.finish()
 
 
 if __name__ == "__main__":
     define_flags()
+    train_processes.define_flags()
     app.run(main)

@@ -1,9 +1,14 @@
 """What examples/train_moe.py reports besides losses: the backend and collectives its compiled
-step runs, load imbalance, the balancer's re-placements, and the PNG of losses and load."""
+step runs, load imbalance, the balancer's re-placements, and its files: metrics.json and the PNG
+of losses and load."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
+from train_config import flag_values
 
 from jax_hybridep import traffic
 from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
@@ -50,6 +55,38 @@ def rebalance_line(step: int, events: list[dict]) -> str:
         for e in changed
     ]
     return f"step {step:5d}: rebalance (predicted rank imbalance): " + "; ".join(parts)
+
+
+def metrics_of(cfg, history: dict, backend: str, start: int, processes: int) -> dict:
+    """The metrics.json of a run (`cfg`, a TrainConfig) from its history so far."""
+    return dict(
+        config=flag_values(cfg),
+        backend=backend,
+        start_step=start,
+        final_eval_loss=history["eval"][-1]["loss"],
+        processes=processes,
+        **history,
+    )
+
+
+def write_outputs(output_dir: str, metrics: dict, plot: bool) -> list[str]:
+    """Writes metrics.json (whole or not at all: written aside, then renamed) and, with `plot`
+    and at least one trained step, train_moe.png; returns the names of the files written."""
+    path = os.path.join(output_dir, "metrics.json")
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(metrics, f, indent=1)
+    os.replace(f"{path}.tmp", path)
+    written = ["metrics.json"]
+    if plot and metrics["train"] and metrics.get("tokens_per_expert"):
+        save_plot(
+            os.path.join(output_dir, "train_moe.png"),
+            metrics["train"],
+            metrics["eval"],
+            metrics["tokens_per_expert"],
+            metrics.get("rank_load"),
+        )
+        written.append("train_moe.png")
+    return written
 
 
 def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert,

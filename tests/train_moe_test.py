@@ -1,12 +1,17 @@
 """The main job, examples/train_moe.py, end to end at tiny sizes (in-process, first 8 devices).
 
 Covers: a short run writes its plot, checkpoint, metrics and `eval loss:` line with finite losses;
-`resume` restores that checkpoint exactly and continues from its step, also after a process died
-while committing a newer one; training gives the same losses bit for bit with the `xla` and `ffi`
-dispatch backends (docs/design.md §2.1.4), drops included; `--replan_every` recompiles on new
-domains when the link schedule drops the bandwidth, and only then; every bad flag fails before a
-model is built with a message naming it; `--resume` from a missing, emptied, corrupt or incompatible
-checkpoint (or metrics file) names the directory and the problem.
+`resume` restores that checkpoint exactly and continues from its step (on another backend, with
+another eval cadence: flags that may change), also after a process died while committing a newer
+one; training gives the same losses bit for bit with the `xla` and `ffi` dispatch backends
+(docs/design.md §2.1.4), drops included; `--replan_every` recompiles on new domains when the link
+schedule drops the bandwidth, and only then; every bad flag (an output directory that cannot be
+created or written included) fails before a model is built with a message naming it; `--resume`
+refuses, before a model is built, a checkpoint written with another value of a flag that shapes
+the model, its routing, data or optimizer (naming the flag and both values), and from a missing,
+emptied, corrupt or incompatible checkpoint (or metrics file) names the directory and the
+problem; the command line ends such errors with one line and nothing after it; `--steps=0`
+names only the files it wrote. Multi-process runs: tests/train_mp_test.py.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from rich.console import Console
-from train_harness import EXAMPLES, TINY, train_config, train_moe
+from train_harness import EXAMPLES, TINY, train_checkpoint, train_config, train_moe
 from train_harness import train as _train
 
 from jax_hybridep import traffic, xdc
@@ -90,7 +96,8 @@ train_checkpoint.save({ckpt!r}, 5, dict(w=np.ones(3, np.float32)), dict(steps=5)
 
 def test_resume_continues_from_the_saved_step_after_a_crashed_save(first_run):
     cfg, first, _ = first_run
-    cfg = dataclasses.replace(cfg, steps=5, resume=True)
+    # Flags that may change on resume: the steps, the backend (bitwise alike), the eval cadence.
+    cfg = dataclasses.replace(cfg, steps=5, resume=True, backend="xla", eval_every=1)
     ckpt = os.path.join(cfg.output_dir, "checkpoint")
     code = CRASH_AT_COMMIT.format(examples=EXAMPLES, ckpt=ckpt)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -101,6 +108,7 @@ def test_resume_continues_from_the_saved_step_after_a_crashed_save(first_run):
 
     metrics, text = _train(cfg)  # the previous checkpoint stands: resumed from step 3
     assert "resumed from step 3" in text
+    assert metrics["backend"].startswith("xla")
     assert metrics["start_step"] == 3
     assert [r["step"] for r in metrics["train"]] == [0, 1, 2, 3, 4]
     assert metrics["train"][:3] == first["train"]  # the first run's history is kept
@@ -276,12 +284,21 @@ def test_migration_flags_parse_into_one_value_and_back():
     assert train_config.parse_migration() == xdc.Migration()
 
 
-def test_output_dir_that_is_a_file_is_a_flag_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "where,message",
+    [
+        ("file", r"--output_dir=.*/file exists and is not a directory"),
+        ("file/run", r"--output_dir=.*/file/run cannot be created: .*/file is not a directory"),
+        ("/proc/hybridep_out/run", r"--output_dir=/proc/hybridep_out/run cannot be created in "),
+    ],
+)
+def test_output_dir_that_cannot_be_written_is_a_flag_error(tmp_path, monkeypatch, where, message):
     monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    monkeypatch.setattr(train_moe.ByteData, "load", _no_model)  # checked before the data too
     (tmp_path / "file").write_text("")
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "file"))
-    with pytest.raises(train_moe.FlagError, match=r"--output_dir=.*file exists and is not a dir"):
-        train_moe.train(cfg)
+    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / where))
+    with pytest.raises(train_moe.FlagError, match=message):
+        train_config.check_config(cfg, [], None)
 
 
 def test_dropless_is_spelled_none():
@@ -342,14 +359,105 @@ def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
         train_moe.train(cfg)
 
 
-def test_resume_with_a_changed_model_names_the_flags(first_run, tmp_path):
-    cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, d_model=64)
+@pytest.mark.parametrize(
+    "changes,flag,theirs,ours",
+    [
+        (dict(heads=4), "heads", "2", "4"),
+        (dict(top_k=1), "top_k", "2", "1"),
+        (dict(d_model=64), "d_model", "32", "64"),
+        (dict(capacity_factor=1.0), "capacity_factor", "(unset)", "1.0"),
+        (dict(wire_dtype="float8_e4m3fn"), "wire_dtype", "(unset)", "float8_e4m3fn"),
+        (dict(redundant_slots=1), "redundant_slots", "0", "1"),
+        (dict(charge_sync=False), "charge_sync", "true", "false"),
+        (dict(seed=1), "seed", "0", "1"),
+        (dict(lr=1e-3), "lr", "0.003", "0.001"),
+        (dict(batch=16), "batch", "8", "16"),
+        (dict(migration=xdc.Migration((("ep", 2),))), "domains", "(unset)", "ep=2"),
+        (dict(prefetch=True), "prefetch", "false", "true"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_of_another_model(
+    first_run, tmp_path, monkeypatch, changes, flag, theirs, ours
+):
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # refused from the meta, first
+    cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, **changes)
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
     with pytest.raises(train_moe.ResumeError) as excinfo:
         train_moe.train(cfg)
     message = str(excinfo.value)
-    assert message.startswith(f"--resume: the checkpoint {step_dir} does not fit this run's model")
+    assert message.startswith(
+        f"--resume: the checkpoint {step_dir} was written with --{flag}={theirs}, this run has "
+        f"--{flag}={ours}: resume with --{flag}={theirs} (only --steps, --schedule_steps, "
+    ), message
+    assert "\n" not in message
+
+
+def test_resume_refuses_another_mesh(first_run, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, mesh="node=2,local=4")
+    step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
+    with pytest.raises(train_moe.ResumeError, match=(
+        f"^--resume: the checkpoint {step_dir} was written by 1 process on --mesh=ep=8; this run "
+        "has 1 process on --mesh=node=2,local=4: resume with 1 process and --mesh=ep=8, or run"
+    )):  # fmt: skip
+        train_moe.train(cfg)
+
+
+def test_restore_names_the_flags_of_a_state_that_does_not_fit(first_run):
+    """The state's own check, behind the flags' (a checkpoint whose meta lacks a flag)."""
+    cfg = first_run[0]
+    ckpt = os.path.join(cfg.output_dir + "_pristine", "checkpoint")
+    saved = train_checkpoint.read_saved(ckpt, 3)
+    meta = dict(saved.meta, d_model=64)
+    target = dict(params=dict(w=np.zeros(3, np.float32)))
+    with pytest.raises(train_moe.ResumeError) as excinfo:
+        train_checkpoint.restore(ckpt, 3, target, saved, meta, train_moe.MODEL_FLAGS)
+    message = str(excinfo.value)
+    assert message.startswith(f"--resume: the checkpoint {ckpt}/3 does not fit this run's model: ")
     assert "it was written with --d_model=32 (this run: 64)" in message
+
+
+def test_steps_zero_names_only_what_it_wrote(tmp_path):
+    cfg = dataclasses.replace(TINY, steps=0, output_dir=str(tmp_path / "out"))
+    metrics, text = _train(cfg)
+    lines = text.strip().splitlines()
+    assert lines[-2] == f"wrote metrics.json to {cfg.output_dir}"
+    assert lines[-1] == f"eval loss: {metrics['final_eval_loss']:.4f}"
+    assert os.listdir(cfg.output_dir) == ["metrics.json"]
+
+
+def test_command_line_corrupt_checkpoint_is_one_last_line(first_run, tmp_path):
+    """A truncated state manifest: the "corrupt" line, then nothing (no thread traceback of the
+    checkpoint reader at shutdown)."""
+    cfg = _copy_of_first_run(first_run, tmp_path)
+    step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
+    with open(os.path.join(step_dir, "state", "manifest.ocdbt"), "r+b") as f:
+        f.truncate(7)
+    flags = [
+        f"--{k}={getattr(cfg, k)}"
+        for k in ("batch", "seq_len", "d_model", "d_ff", "layers", "heads", "mesh", "eval_every")
+    ]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "train_moe.py"), *flags, "--steps=5",
+         "--resume", f"--output_dir={cfg.output_dir}"],
+        capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"train_moe.py: --resume: the checkpoint {step_dir} is corrupt: its metadata cannot be "
+        "read (ValueError); run without --resume to start afresh"
+    ), proc.stderr
+    assert "Traceback" not in proc.stderr and "Event loop" not in proc.stderr
+
+
+def test_resume_help_lists_the_flags_that_may_change():
+    from absl import flags  # noqa: PLC0415
+
+    if "resume" not in flags.FLAGS:
+        train_config.define_flags()
+    text = flags.FLAGS["resume"].help
+    for name in train_config.RESUMABLE_FLAGS:
+        assert f"--{name}" in text and name in flags.FLAGS, (name, text)
 
 
 def test_resume_with_a_corrupt_metrics_file(first_run, tmp_path, monkeypatch):

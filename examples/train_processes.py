@@ -1,0 +1,399 @@
+"""The processes of one training job on `jax.distributed`: start-up, agreement, liveness, output.
+
+`train_moe.py` and `cross_dc.py` run as one process (all local devices) or as several, one per
+host or per local group of devices, joined by JAX's own distributed runtime:
+
+* `start` joins the job named by `--coordinator_address`, `--num_processes` and `--process_id`,
+  or, when those are unset and the environment describes a cluster (SLURM, Open MPI, ... as
+  `jax.distributed.initialize()` detects them), the job the environment describes. On CPU each
+  process gets `--cpu_devices` fake devices (default 8 / processes), collectives over gloo. The
+  global device list is ordered by process, so a mesh's first axis of size `processes` (e.g.
+  "node" in `--mesh=node=2,local=4`) is the process.
+* `Processes.agree_on_flags` refuses, on every process and before any model is built, a job whose
+  processes were started with different flags (naming the flag and both values).
+* `Processes.decide` runs a decision (re-balancing, re-planning) on process 0 only and hands its
+  result to every process; `Processes.exchange` gathers one small JSON value from every process.
+  Both go through the runtime's key-value store: no device, no compile.
+* `Processes.watch` starts a liveness thread: every process publishes a heartbeat each second and
+  a process that sees no heartbeat of a peer for `--heartbeat_timeout_s` (or sees the peer's
+  published failure, or loses the coordinator) prints one line naming that process and exits
+  non-zero, so that no process hangs in a collective whose peer is gone.
+* Output: only process 0 prints (`Processes.console`); the others print only their errors, each
+  line naming its process (`Processes.error_prefix`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging as py_logging
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from numbers import Integral
+
+import jax
+from absl import flags, logging
+from rich.console import Console
+from train_config import FlagError
+
+from jax_hybridep import compat
+
+DEFAULT_CPU_DEVICES = 8  # fake CPU devices of the whole job (8 / processes each)
+KEY = "train_moe"  # prefix of this job's keys in the runtime's key-value store
+INIT_TIMEOUT_S = 120  # how long a process waits for the others to join
+SHUTDOWN_TIMEOUT_S = 30  # how long a finished process waits for the others at exit
+DECIDE_TIMEOUT_MS = 600_000  # a decision waits for process 0 (dead peers: the watchdog's job)
+LEAVE_WAIT_S = 10  # how long a failing process 0 waits for the others to leave first
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig:
+    """The process flags (as one value tests can build directly).
+
+    Attributes:
+      coordinator_address: "host:port" of process 0's coordination service; None: one process,
+        or the cluster the environment describes.
+      num_processes, process_id: the job's process count and this process's index.
+      cpu_devices: fake CPU devices of this process (None: 8 / num_processes); ignored on GPUs.
+      heartbeat_timeout_s: a peer silent for this long is declared gone and this process exits.
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    cpu_devices: int | None = None
+    heartbeat_timeout_s: int = 30
+
+    def check(self) -> None:
+        """FlagError naming the first process flag that cannot be used."""
+        given = [
+            n for n in ("coordinator_address", "num_processes", "process_id")
+            if getattr(self, n) is not None
+        ]  # fmt: skip
+        if given and len(given) < 3:
+            missing = sorted({"coordinator_address", "num_processes", "process_id"} - set(given))
+            raise FlagError(
+                f"--{given[0]}={getattr(self, given[0])} needs --{' and --'.join(missing)} too "
+                "(or none of them, to run one process or the cluster the environment describes)"
+            )
+        for name, low in (("num_processes", 1), ("process_id", 0), ("cpu_devices", 1),
+                          ("heartbeat_timeout_s", 2)):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, Integral) or isinstance(value, bool) or value < low
+            ):
+                raise FlagError(f"--{name}={value!r} must be an integer >= {low}")
+        if given and self.process_id >= self.num_processes:
+            raise FlagError(
+                f"--process_id={self.process_id} must be below --num_processes={self.num_processes}"
+            )
+        address = self.coordinator_address
+        if address is not None:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise FlagError(f"--coordinator_address={address} must look like 'host:port'")
+
+
+def define_flags() -> None:
+    """The process flags (only when run as a script)."""
+    d = ProcessConfig()
+    flags.DEFINE_string(
+        "coordinator_address", None,
+        "host:port of process 0 when running several processes (unset: one process, or the "
+        "cluster the environment describes: SLURM, Open MPI, ...)",
+    )  # fmt: skip
+    flags.DEFINE_integer("num_processes", None, "processes of the job (with --coordinator_address)")
+    flags.DEFINE_integer("process_id", None, "this process's index, 0 .. num_processes - 1")
+    flags.DEFINE_integer(
+        "cpu_devices", None, "fake CPU devices per process (default 8 / processes)"
+    )
+    flags.DEFINE_integer(
+        "heartbeat_timeout_s", d.heartbeat_timeout_s,
+        "a process exits when another has shown no sign of life for this long",
+    )  # fmt: skip
+
+
+def config_from_flags() -> ProcessConfig:
+    return ProcessConfig(
+        **{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(ProcessConfig)}
+    )
+
+
+# The process flags every process must share (all but --process_id).
+SHARED_FLAGS = ("num_processes", "cpu_devices", "coordinator_address", "heartbeat_timeout_s")
+
+
+def command_line_values(names) -> dict:
+    """The parsed command-line values of `names` (those defined), for
+    `Processes.agree_on_flags`."""
+    return {n: flags.FLAGS[n].value for n in names if n in flags.FLAGS}
+
+
+class Processes:
+    """This process's place in the job, and what the job's processes share.
+
+    Attributes:
+      index, count: this process's index and the number of processes (0 and 1 when alone).
+    """
+
+    def __init__(self, index: int = 0, count: int = 1, client=None, heartbeat_timeout_s=30):
+        self.index, self.count, self._client = index, count, client
+        self._timeout = heartbeat_timeout_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._decisions = 0  # decisions, exchanges and barriers so far: each key is new
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the run's output (process 0)."""
+        return self.index == 0
+
+    def error_prefix(self, script: str) -> str:
+        """What every error line of `script` starts with: the script and, with several
+        processes, this process."""
+        return script if self.count == 1 else f"{script} (process {self.index} of {self.count})"
+
+    def console(self) -> Console:
+        """Where the run prints: the terminal on process 0, nowhere on the others."""
+        if self.is_main:
+            return Console(soft_wrap=True)
+        return Console(file=open(os.devnull, "w"), soft_wrap=True)  # noqa: SIM115
+
+    # -- what the processes share ---------------------------------------------------------------
+
+    def exchange(self, name: str, value) -> list:
+        """Every process's JSON-able `value`, by process index (one call on every process, in
+        the same order; `name` says what is exchanged)."""
+        self._decisions += 1
+        if self.count == 1:
+            return [value]
+        mine = json.dumps(value, sort_keys=True).encode()
+        # A new key each time: a name may come again (cross_dc.py trains several runs in a job).
+        got = compat.kv_exchange(f"{KEY}/exchange/{self._decisions}/{name}", self.index, mine,
+                                 self.count, DECIDE_TIMEOUT_MS)  # fmt: skip
+        return [json.loads(v) for v in got]
+
+    def decide(self, name: str, fn: Callable[[], object]):
+        """`fn()` (JSON-able) run on process 0 only; every process gets process 0's result.
+        Called in the same order on every process; `name` says what is decided."""
+        self._decisions += 1
+        if self.count == 1:
+            return fn()
+        key = f"{KEY}/decision/{self._decisions}/{name}"
+        if self.is_main:
+            value = fn()
+            self._client.key_value_set(key, json.dumps(value))
+            return value
+        return json.loads(self._client.blocking_key_value_get(key, DECIDE_TIMEOUT_MS))
+
+    def barrier(self, name: str) -> None:
+        """Waits until every process got here (one call on every process, in the same order)."""
+        self._decisions += 1
+        if self.count > 1:
+            self._client.wait_at_barrier(f"{KEY}/barrier/{self._decisions}", DECIDE_TIMEOUT_MS)
+
+    def agree_on_flags(self, values: dict) -> None:
+        """FlagError on every process when the processes' `values` (flag -> value) differ,
+        naming the first flag that differs and the two values."""
+        everyone = self.exchange("flags", values)
+        for name in sorted(set().union(*everyone)):
+            mine = everyone[0].get(name)
+            for i, theirs in enumerate(everyone[1:], start=1):
+                if theirs.get(name) != mine:
+                    raise FlagError(
+                        f"--{name} differs between processes: process 0 has {mine}, process {i} "
+                        f"has {theirs.get(name)}; start every process with the same flags"
+                    )
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    def watch(self, script: str) -> None:
+        """Starts the liveness thread (with several processes): a heartbeat every second, and an
+        exit naming the peer when one goes silent, reports a failure or the coordinator is lost."""
+        if self.count == 1 or self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._watch, args=(self.error_prefix(script),), daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self, prefix: str) -> None:
+        last_seen = {i: (None, time.monotonic()) for i in range(self.count) if i != self.index}
+        beat = 0
+        while not self._stop.is_set():
+            beat += 1
+            try:
+                self._client.key_value_set(f"{KEY}/alive/{self.index}", str(beat), True)
+                entries = dict(self._client.key_value_dir_get(f"{KEY}/"))
+            except Exception as err:  # noqa: BLE001  (the runtime raises its own types)
+                if self._stop.is_set():
+                    return
+                self.die(f"{prefix}: lost the coordinator (process 0): {_first_line(err)}; "
+                         "stopping this process too")  # fmt: skip
+            now = time.monotonic()
+            for peer, (value, since) in list(last_seen.items()):
+                if f"{KEY}/done/{peer}" in entries:
+                    del last_seen[peer]  # finished: it beats no more
+                    continue
+                failure = entries.get(f"{KEY}/failed/{peer}")
+                if failure is not None:
+                    self.die(f"{prefix}: process {peer} failed ({failure}); stopping this process "
+                             "too")  # fmt: skip
+                alive = entries.get(f"{KEY}/alive/{peer}")
+                if alive != value:
+                    last_seen[peer] = (alive, now)
+                elif now - since > self._timeout:
+                    self.die(
+                        f"{prefix}: process {peer} is gone: no sign of life for {self._timeout} s "
+                        "(killed, crashed or unreachable); stopping this process too. --resume "
+                        "continues from the last committed checkpoint",
+                        dead=peer,
+                    )
+            self._stop.wait(1.0)
+
+    def finish(self) -> None:
+        """This process finished its part: peers stop watching it."""
+        self._stop.set()
+        if self.count > 1:
+            self._client.key_value_set(f"{KEY}/done/{self.index}", "1", True)
+
+    def fail(self, message: str) -> None:
+        """Tells the peers (best effort) that this process failed and why, so that they exit
+        at once instead of waiting for its heartbeat to stop."""
+        self._stop.set()
+        self._publish("failed", message.splitlines()[0][:300] if message else "no message")
+
+    def die(self, line: str, dead: int | None = None) -> None:
+        """Prints `line` as this process's last line and ends it at once.
+
+        Skips the interpreter's shutdown: its barrier would wait for a missing process, and
+        late callbacks of the checkpoint reader print noise after the line. Process 0 hosts the
+        job's coordination service, whose end makes the runtime abort every process still
+        connected (a long native stack dump): it waits (at most `LEAVE_WAIT_S`) until the
+        other processes (but `dead`) have left."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # From here on other threads' output goes nowhere: `line` stays the last one.
+        terminal = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.write(terminal, f"{line}\n".encode())
+        self._stop.set()
+        self._publish("failed", line)  # the peers stop too (only the first failure counts)
+        self._publish("left", "1")
+        if self.count > 1 and self.is_main:
+            deadline = time.monotonic() + LEAVE_WAIT_S
+            while time.monotonic() < deadline:
+                try:
+                    keys = dict(self._client.key_value_dir_get(f"{KEY}/"))
+                except Exception:  # noqa: BLE001
+                    break
+                others = [
+                    i for i in range(1, self.count) if i != dead and f"{KEY}/left/{i}" not in keys
+                ]
+                gone = [i for i in others if f"{KEY}/done/{i}" in keys]
+                if len(others) == len(gone):  # the rest finished (or is dead: then we time out)
+                    break
+                time.sleep(0.2)
+        os._exit(1)
+
+    def _publish(self, what: str, value: str) -> None:
+        if self.count == 1:
+            return
+        try:
+            self._client.key_value_set(f"{KEY}/{what}/{self.index}", value, False)
+        except Exception:  # noqa: BLE001, S110  (set already, or the coordinator is gone)
+            pass
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def exit_with(processes: Processes, script: str, err: BaseException) -> None:
+    """Ends the run on an expected error: one line naming the process, the peers told, exit 1."""
+    processes.die(f"{processes.error_prefix(script)}: {err}")
+
+
+_current: Processes | None = None  # this process's job, once `start` joined it
+
+
+def current() -> Processes:
+    """The job `start` joined (one process alone when it was not called): what `train` and the
+    examples use unless given another."""
+    return _current or Processes()
+
+
+def start(pc: ProcessConfig) -> Processes:
+    """Joins the job `pc` (or the environment) describes, or runs alone; the result is also
+    `current()`. Call before anything touches a jax backend. FlagError naming a process flag
+    that cannot be used."""
+    global _current
+    pc.check()
+    detected = None
+    if pc.num_processes is None:
+        detected = compat.detected_cluster()
+    count = pc.num_processes or (detected[1] if detected else 1)
+    devices = pc.cpu_devices
+    if devices is None:
+        if DEFAULT_CPU_DEVICES % count:
+            raise FlagError(
+                f"--cpu_devices is needed: the default {DEFAULT_CPU_DEVICES} / {count} processes "
+                "is not a whole number"
+            )
+        devices = DEFAULT_CPU_DEVICES // count
+    # Fake CPU devices when there is no GPU; must precede any backend use (ignored on GPUs).
+    jax.config.update("jax_num_cpu_devices", devices)
+    if pc.coordinator_address is None and detected is None:
+        _current = Processes()
+        return _current
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            pc.coordinator_address,
+            num_processes=pc.num_processes,
+            process_id=pc.process_id,
+            initialization_timeout=INIT_TIMEOUT_S,
+            # The runtime's own check is the fallback: the watchdog (`Processes.watch`) names the
+            # missing process first.
+            heartbeat_timeout_seconds=2 * pc.heartbeat_timeout_s,
+            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+        )
+    except Exception as err:  # the runtime raises its own types
+        where = pc.coordinator_address or f"the {detected[0]} environment"
+        raise FlagError(
+            f"cannot join the job at {where} as process {pc.process_id}: {_first_line(err)}"
+        ) from None
+    _quiet_native_stdout()
+    processes = Processes(
+        jax.process_index(), jax.process_count(), compat.distributed_client(),
+        pc.heartbeat_timeout_s,
+    )  # fmt: skip
+    if not processes.is_main:  # the others print nothing but errors
+        logging.set_verbosity(logging.ERROR)
+        py_logging.getLogger("jax").setLevel(py_logging.ERROR)
+        warnings.simplefilter("ignore")
+    _current = processes
+    return processes
+
+
+def _quiet_native_stdout() -> None:
+    """Python keeps the terminal; native code's stdout (gloo prints a line per connection it
+    opens, on every process) goes to /dev/null. Errors go to stderr, untouched."""
+    sys.stdout.flush()
+    terminal = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = os.fdopen(terminal, "w", buffering=1)
+
+
+def global_devices():
+    """Every device of the job, ordered by process, then id (a mesh's first axis of size
+    `processes` is then the process)."""
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
