@@ -4,14 +4,13 @@
 # it after the suite. Any ASan report or undefined behaviour fails the run.
 #   bash scripts/sanitize.sh                 # the default selection below
 #   bash scripts/sanitize.sh -k scan -x      # other pytest arguments instead of the selection
-# The selection (12 cases, chosen to fit CI's time: under ASan each compile takes ~5x longer):
-# tests/native_test.py; from tests/dispatch_combine_test.py the ffi cases of
-# test_rows_follow_the_contract (fused one-level layout, dispatch and combine: dropless, padding,
-# capacity, placement), test_inside_scan_and_checkpoint (the VJPs, several generations per call
-# site, remat) and test_two_ep_groups_beside_a_data_axis; from tests/hierarchical_test.py the ffi
-# cases of test_a_level_spanning_two_mesh_axes and test_values_and_gradients[1.0-dc2_node2_local2]
-# (the per-level steps and their VJPs over three levels). Not selected: the cross-process pack
-# path and the cases that compile the xla backend too (`-k "not xla"` runs them all, ~9 min).
+# The selection (chosen to fit CI's time: under ASan each compile takes ~5x longer):
+# tests/native_test.py; test_inside_scan_and_checkpoint[ffi] from tests/dispatch_combine_test.py
+# (the VJPs, several generations per call site, remat); and from the contract suite
+# (tests/contract_test.py) the host kinds on the fused one-level route with capacity and a
+# placement, two EP groups beside a data axis, three walked levels with padding (values and
+# VJPs), and the cross-process pack path over two levels (each also compiles the xla reference).
+# `tests/contract_test.py -k ffi` runs every host case.
 # The normal .venv build is untouched: the sanitized module is loaded in its place inside this
 # one Python process only.
 set -euo pipefail
@@ -36,8 +35,11 @@ mkdir -p "$build"
 module=$(ls "$build"/_hybridep.*so)
 
 if [ $# -eq 0 ]; then
-  set -- tests/native_test.py tests/dispatch_combine_test.py tests/hierarchical_test.py -k \
-    "native or (ffi and (rows_follow or scan or two_ep_groups or a_level_spanning or 1.0-dc2_node2_local2))"
+  contract=tests/contract_test.py::test_contract
+  set -- tests/native_test.py "tests/dispatch_combine_test.py::test_inside_scan_and_checkpoint[ffi]" \
+    "$contract[ffi-flat4_capacity_placed]" "$contract[ffi-data_groups_capacity]" \
+    "$contract[ffi-dc2_node2_local2_capacity_pad2]" \
+    "$contract[ffi_packed-node2_local4_capacity_unweighted]"
 fi
 # Python is not instrumented, so the ASan runtime must be the first library loaded, and libstdc++
 # right after it (ASan intercepts C++ throws, and finds the real __cxa_throw only if libstdc++ is

@@ -14,6 +14,7 @@ without replicas and to the dense MoE, values and gradients, on 1- and 2-level m
 from __future__ import annotations
 
 import collections
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -29,25 +30,48 @@ from nn_test import _block_params, dense_block
 import jax_hybridep as hep
 from jax_hybridep import balance, xdc
 from jax_hybridep import nn as hnn
+from jax_hybridep.balance import planner
 from jax_hybridep.balance.workloads import Skew, counts
 from jax_hybridep.reference import dense_moe
 
 # ----------------------------------------------------------------------------- the balancer
 
 
+def _rule_breaks(placement):
+    """The placement rules plan_placement keeps (its module docstring), stated independently:
+    no rank holds two instances (primary or copies) of one expert; when node u holds two or more
+    instances of an expert more than node v, no rank of v without it has a free redundant slot."""
+    table, lp = placement.table, placement.slots_per_rank
+    per_node = placement.ranks_per_node or placement.num_ranks
+    breaks = [
+        f"rank {r} holds {row.tolist()}"
+        for r, row in enumerate(table)
+        if len(row[row >= 0]) != len(set(row[row >= 0].tolist()))
+    ]
+    nodes = [table[i : i + per_node] for i in range(0, len(table), per_node)]
+    for e in range(placement.num_experts):
+        held = [int(np.sum(node == e)) for node in nodes]
+        for u, v in itertools.permutations(range(len(nodes)), 2):
+            free = [rk for rk in nodes[v] if e not in rk and balance.EMPTY in rk[lp:]]
+            if held[u] >= held[v] + 2 and free:
+                breaks.append(f"expert {e}: {held[u]} on node {u}, {held[v]} on node {v}")
+    return breaks
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    shape=st.sampled_from([(1, 2, 1), (2, 1, 1), (4, 2, 1), (4, 1, 2), (8, 2, 1), (4, 3, 2)]),
-    per_node=st.sampled_from([None, 1, 2]),
+    shape=st.sampled_from([(1, 2, 1), (2, 1, 1), (4, 2, 1), (4, 1, 2), (8, 2, 1), (4, 3, 2),
+                           (2, 8, 2), (2, 3, 2), (8, 2, 2), (4, 2, 3)]),
+    per_node=st.sampled_from([None, 1, 2, 4]),
     charge=st.booleans(),
     data=st.data(),
-)
+)  # fmt: skip
 def test_every_plan_is_a_valid_placement(shape, per_node, charge, data):
     ranks, lp, redundant = shape
     e = ranks * lp
     load = np.asarray(
         data.draw(st.lists(st.integers(0, 1000), min_size=e, max_size=e)), np.float64
-    ) * data.draw(st.sampled_from([1.0, 0.01]))
+    ) ** data.draw(st.sampled_from([1, 3])) * data.draw(st.sampled_from([1.0, 0.01]))
     per_node = per_node if per_node is not None and ranks % per_node == 0 else None
     kwargs = dict(expert_bytes=5000, row_bytes=100) if charge else {}
     plan = balance.plan_placement(load, ranks, lp, redundant, per_node, **kwargs)
@@ -68,6 +92,39 @@ def test_every_plan_is_a_valid_placement(shape, per_node, charge, data):
     )
     assert kept.placement == plan.placement and not kept.changed  # no gain, no change
     assert balance.Placement.from_json(plan.placement.to_json()) == plan.placement
+    assert _rule_breaks(plan.placement) == [] == planner.spread_violations(plan.placement)
+
+
+def test_rule_checks_name_what_a_placement_breaks():
+    # Expert 0's copy beside its primary on rank 0 while rank 1 has a free redundant slot.
+    doubled = balance.Placement(((0, 0), (1, balance.EMPTY)), 1)
+    assert planner.spread_violations(doubled) == ["rank 0 holds expert 0 2 times"]
+    assert len(_rule_breaks(doubled)) == 1
+    # Nodes of two ranks: expert 0 twice on node 0, never on node 1, whose rank 3 has room.
+    crowded = balance.Placement(((0, 3), (1, 0), (2, 1), (3, balance.EMPTY)), 1, 2)
+    assert planner.spread_violations(crowded) == [
+        "node 0 holds 2 instances of expert 0, node 1 0 with a free redundant slot on a rank "
+        "without it"
+    ]
+    assert _rule_breaks(crowded) == ["expert 0: 2 on node 0, 0 on node 1"]
+
+
+def test_near_equal_plans_prefer_more_copies(monkeypatch):
+    """On the table's Zipf workload a few copies already predict max/mean ~1.000; the planner
+    fills every redundant slot (within NEAR_EQUAL of the lowest cost) rather than the fewest."""
+    skew = Skew.make("zipf", TABLE_E, TABLE_K, 1.0, seed=0)
+    load = counts(skew.sample(TABLE_RANKS * TABLE_TOKENS, 1), TABLE_E)
+    near = planner.NEAR_EQUAL
+
+    def plan():
+        placement = balance.plan_placement(load, TABLE_RANKS, TABLE_E // TABLE_RANKS, 1)
+        return placement, int(np.sum(placement.placement.table[:, TABLE_E // TABLE_RANKS :] >= 0))
+
+    most, most_copies = plan()
+    monkeypatch.setattr(planner, "NEAR_EQUAL", 0.0)
+    lowest, fewest_copies = plan()
+    assert most_copies == TABLE_RANKS > fewest_copies
+    assert lowest.after <= most.after <= lowest.after * (1 + near)
 
 
 def test_hot_expert_is_copied_and_the_charge_can_refuse_copies():

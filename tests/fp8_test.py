@@ -15,12 +15,13 @@ import pytest
 from flax import nnx
 from harness import all_axes_spec, make_mesh, random_routing
 from jax.sharding import PartitionSpec as P
+from route_kinds import ROUTES, gpu_twin_route, on_mesh, same_bits_on
 from transport_twin import JaxExchanges
 
 import jax_hybridep as hep
 from jax_hybridep import _native, fp8, ops, traffic
 from jax_hybridep import nn as hnn
-from jax_hybridep.exchange import cuda_bottom, layouts, routes
+from jax_hybridep.exchange import routes
 
 MESHES = [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))]
 FP8 = "float8_e4m3fn"
@@ -105,36 +106,39 @@ def _dispatch_fn(mesh, topo, cfg, route=None):
         return d.tokens, d.scales, d.weights, d.group_sizes, d.stats.level_rows
 
     scales_spec = spec if cfg.fp8_rows else None
-    out_specs = (spec, scales_spec, spec, P(topo.ep_axes), P(topo.ep_axes))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=out_specs))
+    return on_mesh(
+        mesh, body, out_specs=(spec, scales_spec, spec, P(topo.ep_axes), P(topo.ep_axes))
+    )
 
 
+# Hidden sizes of one full and of two partial blocks (wire rows of H + 4 * ceil(H / 128) bytes) on
+# the fused host route and the walked one over two and three levels; the contract suite runs
+# FP8 on the wire on every route kind (H = 8).
 @pytest.mark.parametrize(
     "shape,names,hidden,capacity",
-    [(*MESHES[0], 200, None), (*MESHES[1], 256, 1.0), (*MESHES[2], 256, None),
-     (*MESHES[2], 200, 1.0)],
+    [(*MESHES[0], 200, None), (*MESHES[1], 256, 1.0), (*MESHES[2], 200, 1.0)],
 )  # fmt: skip
 def test_fp8_dispatch_xla_equals_ffi_and_the_dequantised_16_bit_dispatch(shape, names, hidden,
                                                                          capacity):  # fmt: skip
     mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=capacity)
     results = {}
-    for backend in ("xla", "ffi"):
-        for rows in (False, True):
-            cfg = hep.DispatchConfig(backend=backend, wire_dtype=FP8, fp8_rows=rows, **kw)
-            results[backend, rows] = jax.device_get(_dispatch_fn(mesh, topo, cfg)(x, idx, w))
     for rows in (False, True):
-        for got, want in zip(results["ffi", rows], results["xla", rows], strict=True):
-            if want is not None:
-                np.testing.assert_array_equal(_bits(got), _bits(want))
+        cfg = hep.DispatchConfig(wire_dtype=FP8, fp8_rows=rows, **kw)
+
+        def program(kind, cfg=cfg):
+            topo_k, cfg_k, route = ROUTES[kind].prepare(topo, cfg)
+            return _dispatch_fn(mesh, topo_k, cfg_k, route=route)
+
+        results[rows] = same_bits_on(("ffi",), program, x, idx, w)["xla"]
     # Dequantised rows are the 16-bit dispatch of x' = dequantize(quantize(x)), and the FP8 rows
     # dequantise to them: one quantisation per token, at the source, forwarded unchanged.
     x_prime = jax.jit(lambda x: fp8.dequantize(*fp8.quantize(x), x.dtype))(x)
     plain = hep.DispatchConfig(backend="xla", **kw)
     want = jax.device_get(_dispatch_fn(mesh, topo, plain)(x_prime, idx, w))
-    deq, _, weights, sizes, level_rows = results["xla", False]
+    deq, _, weights, sizes, level_rows = results[False]
     for got, ref in zip((deq, weights, sizes, level_rows), (want[0], *want[2:]), strict=True):
         np.testing.assert_array_equal(_bits(got), _bits(ref))
-    q, scales = results["xla", True][:2]
+    q, scales = results[True][:2]
     assert q.dtype == jnp.float8_e4m3fn and scales.shape == (q.shape[0], fp8.num_blocks(hidden))
     per_shard = q.shape[0] // mesh.size
     live = np.concatenate(
@@ -198,7 +202,7 @@ def test_gradients_equal_the_16_bit_path_given_the_same_row_cotangents(backend):
             d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
             return d.tokens, d.weights
 
-        fn = jax.shard_map(rows, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec))
+        fn = on_mesh(mesh, rows, out_specs=(spec, spec))
         shapes = jax.eval_shape(fn, x, idx, w)
         rng = np.random.default_rng(9)
         cts = tuple(jnp.asarray(rng.standard_normal(o.shape), o.dtype) for o in shapes)
@@ -265,18 +269,17 @@ def test_config_rejects_unknown_wire_dtypes():
         hep.DispatchConfig(num_experts=4, fp8_rows=True)
 
 
-@pytest.mark.parametrize(
-    "shape,names,hidden", [(*MESHES[0], 200), (*MESHES[1], 256), (*MESHES[2], 198)]
-)
+# One level (the transport quantises) and three (wire rows under the slow levels); two levels,
+# and FP8 values and gradients on every mesh, run in the contract suite (the `gpu_twin` kind).
+@pytest.mark.parametrize("shape,names,hidden", [(*MESHES[0], 200), (*MESHES[2], 198)])
 def test_gpu_route_carries_fp8_like_the_xla_backend(shape, names, hidden):
-    """The GPU route (CUDA bottom over the pure-JAX twin of its exchanges, as in
-    gpu_composition_test.py): on one level the tokens reach the transport unquantised (its send
-    kernel quantises), under slower levels as wire rows; bitwise the xla backend's values, scales
-    and row weights, H a multiple of 128 or not (198: wire rows of 206 bytes)."""
+    """The GPU route (CUDA bottom over the pure-JAX twin of its exchanges, as the contract
+    suite's `gpu_twin` kind runs it): on one level the tokens reach the transport unquantised
+    (its send kernel quantises), under slower levels as wire rows; bitwise the xla backend's
+    values, scales and row weights, H a multiple of 128 or not (198: wire rows of 206 bytes)."""
     mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=1.0)
     gpu_topo = dataclasses.replace(topo, platform="gpu")
-    gpu = routes.route_for("ffi", gpu_topo)
-    assert gpu.fp8_wire == "fused"
+    assert routes.route_for("ffi", gpu_topo).fp8_wire == "fused"
     reached = []  # the dtype of what reached the transport, per trace
 
     class Recording(JaxExchanges):
@@ -284,8 +287,7 @@ def test_gpu_route_carries_fp8_like_the_xla_backend(shape, names, hidden):
             reached.append(x.dtype)
             return super().dispatch(plan, fast, x, *args)
 
-    twin = dataclasses.replace(gpu, layout=layouts.JnpLayout(),
-                               bottom=cuda_bottom.CudaBottom(exchanges=Recording()))  # fmt: skip
+    twin = gpu_twin_route(topo, Recording())
     for rows in (False, True):
         cfg = hep.DispatchConfig(backend="ffi", wire_dtype=FP8, fp8_rows=rows, **kw)
         got = jax.device_get(_dispatch_fn(mesh, gpu_topo, cfg, route=twin)(x, idx, w))

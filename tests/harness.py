@@ -23,13 +23,18 @@ def make_mesh(shape, names):
 
 
 def local_experts(tokens, group_sizes, w_local):
-    """Each row times its local expert's matrix (CPU path: no ragged_dot); padding rows give 0."""
+    """Each row times its local expert's matrix (CPU path: no ragged_dot); padding rows give 0.
+
+    Rows outside every group are masked by a select before they are read, so padding that holds
+    NaN (zero_padding=False under JAX_HYBRIDEP_POISON_PADDING=1) reaches no value or gradient,
+    as with ragged_dot."""
     ends = jnp.cumsum(group_sizes)
     expert = jnp.searchsorted(ends, jnp.arange(tokens.shape[0]), side="right")
-    in_group = expert < w_local.shape[0]
+    in_group = (expert < w_local.shape[0])[:, None]
+    rows = jnp.where(in_group, tokens, 0).astype(jnp.float32)
     expert = jnp.minimum(expert, w_local.shape[0] - 1)
-    y = jnp.einsum("ch,chf->cf", tokens.astype(jnp.float32), w_local[expert].astype(jnp.float32))
-    return jnp.where(in_group[:, None], y, 0).astype(tokens.dtype)
+    y = jnp.einsum("ch,chf->cf", rows, w_local[expert].astype(jnp.float32))
+    return jnp.where(in_group, y, 0).astype(tokens.dtype)
 
 
 def all_axes_spec(mesh):

@@ -1,13 +1,14 @@
 """Property tests of the public API: hypothesis draws routings and configs, §2.1 must hold.
 
 Each drawn case is one entry of a fixed grid of (mesh, topology, DispatchConfig) at fixed shapes,
-so every entry compiles once per backend; hypothesis draws the entry and the routing (in-range
+so every entry compiles once per route kind; hypothesis draws the entry and the routing (in-range
 ids, -1, ids out of range on both sides, duplicates and hot experts) and the data. Every case is
 checked against the independent numpy model of §2.1 (tests/harness.py: rows, weights, group
 sizes, kept, dropped, invalid and tokens per expert, exactly; the combined output to tolerance
-against the dense MoE), and the `xla` and `ffi` backends must agree bit for bit. Strict-mode
-entries must fail exactly when the model says a row is dropped or an id is invalid (balanced
-routings, drawn too, fill every expert exactly to capacity, so both outcomes occur).
+against the dense MoE), and the `xla` and `ffi` route kinds (tests/route_kinds.py) must agree
+bit for bit. Strict-mode entries must fail exactly when the model says a row is dropped or an id
+is invalid (balanced routings, drawn too, fill every expert exactly to capacity, so both outcomes
+occur).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import pytest
 from harness import PlanView, expected_rows, make_mesh, moe_fn, reference_layout
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from route_kinds import ROUTES, bits
 
 import jax_hybridep as hep
 from jax_hybridep.reference import dense_moe
 
-BACKENDS = ("xla", "ffi")
+# The reference and the host route (the contract suite runs every route kind on fixed routings).
+KINDS = ("xla", "ffi")
 T, K, H, F = 4, 3, 8, 4  # per shard: tokens, top-k, hidden, expert output width
 E = 8
 # Expert e on rank (e * 3) % 4, slot e // 4: injective, far from the default placement.
@@ -44,16 +47,20 @@ GRID = {
     "two_level_dropless_pad4": ((2, 2), ("node", "local"), ("node", "local"), dict(pad_multiple=4)),
     "two_level_capacity": ((2, 2), ("node", "local"), ("node", "local"), dict(capacity_factor=1.0)),
     "data_groups_capacity": ((2, 2), ("data", "ep"), ("ep",), dict(capacity_factor=1.5)),
+    "three_level_capacity": ((2, 2, 2), ("dc", "node", "local"), ("dc", "node", "local"),
+                             dict(capacity_factor=1.0)),
 }  # fmt: skip
 
 
 @functools.cache
-def _compiled(name, backend):
-    """The jitted dispatch -> experts -> combine step of a grid entry (compiled on first use)."""
+def _compiled(name, kind):
+    """The jitted dispatch -> experts -> combine step of a grid entry on a route kind (compiled
+    on first use)."""
     shape, axes, levels, fields = GRID[name]
     mesh = make_mesh(shape, axes)
-    topo = hep.Topology.from_mesh(mesh, levels)
-    return moe_fn(mesh, topo, hep.DispatchConfig(num_experts=E, backend=backend, **fields))
+    cfg = hep.DispatchConfig(num_experts=E, **fields)
+    topo, cfg, route = ROUTES[kind].prepare(hep.Topology.from_mesh(mesh, levels), cfg)
+    return moe_fn(mesh, topo, cfg, route=route)
 
 
 def _views(name):
@@ -72,11 +79,6 @@ def _views(name):
     if fields.get("row_budget") is not None:
         view.rows = fields["row_budget"]
     return int(np.prod(shape)) // ep, ep, view
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32) if a.dtype == np.float32 else a
 
 
 ids = st.one_of(
@@ -119,19 +121,19 @@ def test_dispatch_and_combine_follow_the_contract(name, data, seed):
     if GRID[name][3].get("strict"):
         failing = any(r["dropped"].sum() + r["invalid"].sum() for r in refs)
         event(f"strict, {'failing' if failing else 'passing'}")
-        for backend in BACKENDS:
+        for kind in KINDS:
             if failing:
                 with pytest.raises(Exception, match="jax_hybridep strict mode"):
-                    jax.block_until_ready(_compiled(name, backend)(x, idx, w, stacked))
+                    jax.block_until_ready(_compiled(name, kind)(x, idx, w, stacked))
                 # JAX keeps the failure for its next effects barrier (at exit, it would print it
                 # again): take it now.
                 with contextlib.suppress(Exception):
                     jax.effects_barrier()
             else:
-                jax.block_until_ready(_compiled(name, backend)(x, idx, w, stacked))
+                jax.block_until_ready(_compiled(name, kind)(x, idx, w, stacked))
         return
 
-    results = {b: jax.device_get(_compiled(name, b)(x, idx, w, stacked)) for b in BACKENDS}
+    results = {k: jax.device_get(_compiled(name, k)(x, idx, w, stacked)) for k in KINDS}
     out, (tokens, weights, sizes, kept, stats) = results["xla"]
     for g, ref in enumerate(refs):
         shard, ranks = slice(g * ep * T, (g + 1) * ep * T), slice(g * ep, (g + 1) * ep)
@@ -161,4 +163,4 @@ def test_dispatch_and_combine_follow_the_contract(name, data, seed):
             atol=1e-5,
         )
     for a, b in zip(jax.tree.leaves(results["xla"]), jax.tree.leaves(results["ffi"]), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))

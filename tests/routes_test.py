@@ -1,5 +1,6 @@
 """Backend selection: which layout, level steps and bottom each backend and topology runs
-(jax_hybridep/exchange/routes.py), and that a Topology built by its constructor runs everywhere."""
+(jax_hybridep/exchange/routes.py), and that a Topology built by its constructor runs everywhere.
+(The contract suite, tests/contract_test.py, runs every case on every route kind.)"""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 from harness import make_mesh, moe_fn, random_routing
+from route_kinds import ROUTES, same_bits_on
 
 import jax_hybridep as hep
 from jax_hybridep import _native
@@ -81,8 +83,9 @@ def test_constructed_topology_runs_ffi_like_xla():
     idx, w = random_routing(rng, 8 * 6, 2, 16, invalid_fraction=0.1)
     x = rng.standard_normal((8 * 6, 8)).astype(np.float32)
     experts = rng.standard_normal((16, 8, 8)).astype(np.float32)
-    outs = []
-    for backend in ("ffi", "xla"):
-        fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=16, backend=backend))
-        outs.append(np.asarray(fn(x, idx, w, experts)[0]))
-    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+    def program(kind):
+        seen, cfg, route = ROUTES[kind].prepare(topo, hep.DispatchConfig(num_experts=16))
+        return moe_fn(mesh, seen, cfg, route=route)
+
+    same_bits_on(("ffi",), program, x, idx, w, experts)

@@ -9,16 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from harness import make_mesh
+from route_kinds import ROUTES, bits, combine_vjp, on_mesh, same_bits_on
 
 import jax_hybridep as hep
 from jax_hybridep import weight_grad
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
 def test_lanes():
@@ -48,7 +44,7 @@ def test_xla_order_is_the_numpy_order_bitwise(hidden, dtype):
     want = weight_grad.fixed_order_dot_numpy(
         np.asarray(y.astype(jnp.float32)), np.asarray(g.astype(jnp.float32))
     )
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(bits(got), bits(want))
     assert np.signbit(got[0]) and got[0] == 0.0
     assert np.isnan(got[2])
 
@@ -70,17 +66,28 @@ def test_other_platforms_use_xla_reduction():
 EP, E, T, K = 4, 8, 6, 3
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("hidden", [5, 16, 40, 1040, 2100])
-@pytest.mark.parametrize("mesh_shape", [(EP,), (2, 2)], ids=["flat", "node2_local2"])
-def test_ffi_weight_gradient_is_the_xla_backends_bitwise(mesh_shape, hidden, dtype):
+def _mesh(mesh_shape):
+    names = ("ep",) if len(mesh_shape) == 1 else ("node", "local")
+    mesh = make_mesh(mesh_shape, names)
+    return mesh, hep.Topology.from_mesh(mesh, names)
+
+
+MESH_SHAPES = {"flat": (EP,), "node2_local2": (2, 2)}  # the fused and the walked host route
+
+
+# Every hidden size with both dtypes, the two meshes alternating between them (the lanes of
+# RowDotT depend on the hidden size and dtype; the mesh picks the fused or the walked route).
+@pytest.mark.parametrize(
+    "mesh_name,hidden,dtype",
+    [(("flat", "node2_local2")[(i + j) % 2], hidden, dtype)
+     for i, hidden in enumerate([5, 16, 40, 1040, 2100])
+     for j, dtype in enumerate(["float32", "bfloat16"])],
+)  # fmt: skip
+def test_ffi_weight_gradient_is_the_xla_backends_bitwise(mesh_name, hidden, dtype):
     """Gradients of y and of the combine weights (padding rows included: their dot is with a
     row of zeros) from the fused host VJP equal the xla backend's, bit for bit."""
     dtype = DTYPES[dtype]
-    names = ("ep",) if len(mesh_shape) == 1 else ("node", "local")
-    mesh = make_mesh(mesh_shape, names)
-    topo = hep.Topology.from_mesh(mesh, names)
-    spec = jax.sharding.PartitionSpec(names)
+    mesh, topo = _mesh(MESH_SHAPES[mesh_name])
     rng = np.random.default_rng(hidden)
     idx = np.stack([rng.permutation(E)[:K] for _ in range(EP * T)]).astype(np.int32)
     idx[::5, 2] = -1
@@ -93,36 +100,22 @@ def test_ffi_weight_gradient_is_the_xla_backends_bitwise(mesh_shape, hidden, dty
     # and the handlers' worker threads run under the calling thread's floating-point mode.
     y = y.at[5].multiply(1e-30)
     row_w = jnp.asarray(rng.normal(size=EP * c).astype(np.float32))
-    results = {}
-    for backend in ("xla", "ffi"):
-        cfg = hep.DispatchConfig(num_experts=E, backend=backend)
 
-        def step(x, idx, w, y, row_w, cfg=cfg):
-            d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+    def loss(out, x):
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(x.astype(jnp.float32))) * 1e-12
 
-            def loss(y, row_w):
-                out = hep.combine(y, d.handle, weights=row_w)
-                return jnp.sum(out.astype(jnp.float32) * jnp.cos(x.astype(jnp.float32))) * 1e-12
-
-            return jax.grad(loss, (0, 1))(y, row_w)
-
-        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
-        results[backend] = fn(x, idx, w, y, row_w)
+    program = combine_vjp(mesh, topo, hep.DispatchConfig(num_experts=E), loss)
+    results = same_bits_on(("ffi",), program, x, idx, w, y, row_w)
     grad_w = np.asarray(results["ffi"][1]).reshape(EP, c)
     assert np.signbit(grad_w[:, -1]).all() and (grad_w[:, -1] == 0).all()
     assert np.abs(grad_w).max() > 0  # the gradient is not trivially zero
-    for a, b in zip(results["xla"], results["ffi"], strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("mesh_shape", [(EP,), (2, 2)], ids=["flat", "node2_local2"])
-def test_unweighted_combine_of_signed_zeros_and_nans_is_the_xla_backends_bitwise(mesh_shape):
+@pytest.mark.parametrize("mesh_name", sorted(MESH_SHAPES))
+def test_unweighted_combine_of_signed_zeros_and_nans_is_the_xla_backends_bitwise(mesh_name):
     """An unweighted partial of one row is added without its rounding step on the host (0 + x
     rounded back is x except -0 -> +0, which adds the same); -0 and NaN rows check that claim."""
-    names = ("ep",) if len(mesh_shape) == 1 else ("node", "local")
-    mesh = make_mesh(mesh_shape, names)
-    topo = hep.Topology.from_mesh(mesh, names)
-    spec = jax.sharding.PartitionSpec(names)
+    mesh, topo = _mesh(MESH_SHAPES[mesh_name])
     rng = np.random.default_rng(7)
     idx = np.stack([rng.permutation(E)[:K] for _ in range(EP * T)]).astype(np.int32)
     w = rng.random(idx.shape).astype(np.float32)
@@ -133,16 +126,15 @@ def test_unweighted_combine_of_signed_zeros_and_nans_is_the_xla_backends_bitwise
     y[1::7, 2] = np.nan
     y[2::5, 3] = -np.inf
     y = jnp.asarray(y, jnp.bfloat16)
-    results = {}
-    for backend in ("xla", "ffi"):
-        cfg = hep.DispatchConfig(num_experts=E, backend=backend)
 
-        def step(x, idx, w, y, cfg=cfg):
-            d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+    def program(kind):
+        cfg = hep.DispatchConfig(num_experts=E)
+
+        def step(x, idx, w, y):
+            d = ROUTES[kind].dispatch(x, idx, w, topology=topo, config=cfg)
             return hep.combine(y, d.handle)
 
-        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
-        results[backend] = fn(x, idx, w, y)
-    out = np.asarray(results["ffi"].astype(jnp.float32))
+        return on_mesh(mesh, step, num_args=4)
+
+    out = np.asarray(same_bits_on(("ffi",), program, x, idx, w, y)["ffi"].astype(np.float32))
     assert (out == 0).any() and not np.signbit(out[out == 0]).any()  # -0 rows sum to +0
-    np.testing.assert_array_equal(_bits(results["xla"]), _bits(results["ffi"]))

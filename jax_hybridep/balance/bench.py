@@ -3,11 +3,11 @@ jax_hybridep.balance.bench`).
 
 Per skewed routing (`workloads`: Zipf, DeepSeek-V3-like group-limited) the balancer plans from a
 moving average of measured batches; the table gives max/mean per-rank load predicted by the plan
-and measured on held-out batches routed by the real replica rule (`Replicas.physical_ids`),
-for plain EP and for the plan. `dispatch_counts` then runs the real `dispatch` on a held-out
-batch: rows dropped with a capacity factor and, dropless, the largest per-rank receive count
-(rows in a rank's expert groups), plain EP against the plan. Counts only, no timings: they are
-deterministic, so any machine gives the same figures.
+and measured (the mean over `HELD_OUT` batches) routed by the real replica rule
+(`Replicas.physical_ids`), for plain EP and for the plan. `dispatch_counts` then runs the real
+`dispatch` on the first held-out batch: rows dropped with a capacity factor and, dropless, the
+largest per-rank receive count (rows in a rank's expert groups), plain EP against the plan.
+Counts only, no timings: they are deterministic, so any machine gives the same figures.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jax_hybridep.bench import cli
 from jax_hybridep.values import make_parent_dirs
 
 LOAD_DECAY = 0.9
+HELD_OUT = range(100, 110)  # seeds of the held-out batches the plans are measured on
 
 
 def planned(skew: Skew, ranks: int, tokens: int, redundant: int, per_node, measured=range(1, 5)):
@@ -102,8 +103,15 @@ def table_row(kind, experts, top_k, ranks, tokens, redundant, per_node, strength
     """One row of docs/balance.md's table (see the module docstring)."""
     skew = Skew.make(kind, experts, top_k, strength, seed=0)
     plan, batches = planned(skew, ranks, tokens, redundant, per_node)
-    held_out = skew.sample(ranks * tokens, seed=100).reshape(ranks, tokens, top_k)
+    held_out = [
+        skew.sample(ranks * tokens, seed).reshape(ranks, tokens, top_k) for seed in HELD_OUT
+    ]
     plain = Placement.default(experts, ranks, redundant, per_node)
+
+    def measured(placement):
+        return float(np.mean([imbalance(measured_rank_load(placement, b, per_node))
+                              for b in held_out]))  # fmt: skip
+
     row = dict(
         kind=kind,
         experts=experts,
@@ -116,14 +124,15 @@ def table_row(kind, experts, top_k, ranks, tokens, redundant, per_node, strength
         hottest_share=float(max(b.max() / b.sum() for b in batches)),
         predicted_plain=plan.before,
         predicted_plan=plan.after,
-        measured_plain=imbalance(measured_rank_load(plain, held_out, per_node)),
-        measured_plan=imbalance(measured_rank_load(plan.placement, held_out, per_node)),
+        measured_plain=measured(plain),
+        measured_plan=measured(plan.placement),
+        copies=int(np.sum(plan.placement.table[:, plan.placement.slots_per_rank :] >= 0)),
         remote_replicas=plan.placement.remote_replicas,
     )
     if dispatch:
         for name, p in (("plain", None), ("plan", plan.placement)):
-            drop, _ = dispatch_counts(p, held_out, per_node, capacity_factor, experts)
-            _, most = dispatch_counts(p, held_out, per_node, None, experts)
+            drop, _ = dispatch_counts(p, held_out[0], per_node, capacity_factor, experts)
+            _, most = dispatch_counts(p, held_out[0], per_node, None, experts)
             row[f"dropped_{name}"] = drop
             row[f"max_received_{name}"] = most
         row["capacity_factor"] = capacity_factor

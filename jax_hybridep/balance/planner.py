@@ -2,12 +2,21 @@
 
 `plan_placement` follows the shape of DeepSeek-V3's EPLB (our own code): give the extra copies
 to the experts with the most load per copy, spread every expert's copies over nodes so each
-node's received load is balanced (a copy on every node when an expert has that many, else on
-distinct nodes), then pack each node's copies into its ranks, heaviest first onto the least
-loaded rank with room (primaries into primary slots, copies into redundant ones, never two
-copies of one expert on a rank while another rank has room), and improve by swapping pairs
-between the most loaded rank and the others. Copy weights follow the replica rule exactly
-(`Placement.slot_loads`).
+node's received load is balanced (each copy to the node with the fewest of that expert among
+nodes with a free redundant slot), then pack each node's copies into its ranks, heaviest first
+onto the least loaded rank with room in the copy's class (primaries into primary slots, copies
+into redundant ones), and improve by swapping pairs between the most loaded rank and the others.
+Copy weights follow the replica rule exactly (`Placement.slot_loads`). It tries every number of
+copies (up to `MAX_BUDGETS` of them) and keeps the lowest predicted cost; among candidates
+within `NEAR_EQUAL` of it, the one with the most copies (the prediction assumes every rank sends
+an equal share of each expert; real batches do not, and more copies absorb more of that).
+
+Every plan keeps two placement rules (`spread_violations` checks them):
+
+* a rank never holds two instances (primary or copies) of one expert: a copy whose node has no
+  free redundant slot on a rank without that expert is left out, its slot stays for others;
+* an expert's instances are spread over nodes: when node u holds at least two more of them
+  than node v, no rank of v without that expert has a free redundant slot.
 
 Replicas are not free: each remote copy's weights travel to it every step and its gradient
 back. With `expert_bytes` and `row_bytes` the balancer charges that: a rank's cost is its rows
@@ -26,6 +35,11 @@ from jax_hybridep.values import check_array, check_int, check_real, check_type
 
 MAX_BUDGETS = 33  # replica counts tried per plan (all of them up to this many)
 SWAP_ROUNDS = 64  # swap-improvement passes per rank and slot
+# Candidates whose predicted cost is within this fraction of the lowest count as equal; among
+# them the plan with the most copies wins: on docs/balance.md's workloads (§5) their predicted
+# max/mean differ by < 0.001, and on held-out batches the most copies measured 0.003-0.007
+# lower than the fewest (any value from 0.002 to 0.02 picks the same plans there).
+NEAR_EQUAL = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +136,16 @@ def plan_placement(
         budgets = sorted(set(np.linspace(0, r * n, MAX_BUDGETS).round().astype(int).tolist()))
     base = current or Placement.default(load.size, r, n, ranks_per_node)
     # Plain EP's order competes too: a plan is never predicted worse than it.
-    best = Placement.default(load.size, r, n, ranks_per_node)
-    best_cost = cost(best)
+    candidates = [Placement.default(load.size, r, n, ranks_per_node)]
     for used in budgets:
         table = _place(load, r, lp, n, per_node, used)
-        candidate = Placement(tuple(map(tuple, table)), lp, ranks_per_node)
-        c = cost(candidate)
-        if c < best_cost * (1 - 1e-12):  # ties keep the earlier: fewer replicas
-            best, best_cost = candidate, c
+        candidates.append(Placement(tuple(map(tuple, table)), lp, ranks_per_node))
+    costs = [cost(c) for c in candidates]
+    lowest = min(costs)
+    near = [i for i, c in enumerate(costs) if c <= lowest * (1 + NEAR_EQUAL)]
+    # The most copies among the near-equal; then the lower cost; then the earlier candidate.
+    pick = min(near, key=lambda i: (-_copies(candidates[i]), costs[i], i))
+    best, best_cost = candidates[pick], costs[pick]
     if current is not None and not best_cost < cost(current) * (1 - min_gain):
         best = current
     rank_load = best.rank_loads(load)
@@ -143,6 +159,31 @@ def plan_placement(
         moved_experts=moved,
         changed=current is None or best != current,
     )
+
+
+def spread_violations(placement: Placement) -> list[str]:
+    """The placement rules of the module docstring that `placement` breaks (empty: none)."""
+    table = placement.table
+    lp, per_node = placement.slots_per_rank, placement.num_ranks // placement.nodes
+    out = []
+    for rank, row in enumerate(table):
+        experts, times = np.unique(row[row != EMPTY], return_counts=True)
+        for e, k in zip(experts[times > 1], times[times > 1], strict=True):
+            out.append(f"rank {rank} holds expert {int(e)} {int(k)} times")
+    for e in range(placement.num_experts):
+        on_node = (table == e).reshape(placement.nodes, -1).sum(axis=1)
+        for u, v in np.argwhere(on_node[:, None] >= on_node[None, :] + 2):
+            ranks = table[v * per_node : (v + 1) * per_node]
+            if any(np.any(rk[lp:] == EMPTY) and not np.any(rk == e) for rk in ranks):
+                out.append(
+                    f"node {u} holds {on_node[u]} instances of expert {e}, node {v} "
+                    f"{on_node[v]} with a free redundant slot on a rank without it"
+                )
+    return out
+
+
+def _copies(placement: Placement) -> int:
+    return int(np.sum(placement.table[:, placement.slots_per_rank :] != EMPTY))
 
 
 def moving_average(previous, tokens_per_expert, decay: float):
@@ -225,19 +266,56 @@ def _place(load, num_ranks, lp, n, per_node, used) -> np.ndarray:
             copies = sorted(e for _, e, p in held if not p and e != EMPTY)
             table[rank, :lp] = primaries
             table[rank, lp : lp + len(copies)] = copies
+    _even_out_nodes(table, lp, per_node)
     return table
+
+
+def _even_out_nodes(table, lp, per_node) -> None:
+    """Moves copies (in place) from a node holding two or more instances of an expert more
+    than another node to a free redundant slot there, on a rank without that expert (the
+    second placement rule; a copy left out by `_pack` can free such a slot)."""
+    nodes = table.shape[0] // per_node
+    if nodes == 1:
+        return
+    by_node = table.reshape(nodes, per_node, -1)  # a view: writes go to `table`
+    for e in range(table.shape[0] * lp):
+        while True:
+            on_node = (by_node == e).sum(axis=(1, 2))
+            takers = [v for v in range(nodes) if _free_rank(by_node[v], e, lp) is not None]
+            if not takers:
+                break
+            v = min(takers, key=lambda v: (on_node[v], v))
+            u = int(np.argmax(on_node))  # the lowest id among the most
+            if on_node[u] < on_node[v] + 2:
+                break
+            rank, slot = np.argwhere(by_node[u][:, lp:] == e)[-1]
+            by_node[u][rank, lp + slot] = EMPTY
+            to = _free_rank(by_node[v], e, lp)
+            free_slot = lp + int(np.flatnonzero(by_node[v][to, lp:] == EMPTY)[0])
+            by_node[v][to, free_slot] = e
+
+
+def _free_rank(ranks, e, lp) -> int | None:
+    """The first of `ranks` ([per_node, L]) without expert e and with a free redundant slot."""
+    for i, row in enumerate(ranks):
+        if not np.any(row == e) and np.any(row[lp:] == EMPTY):
+            return i
+    return None
 
 
 def _pack(items, ranks, lp, n) -> list[list[tuple[float, int, bool]]]:
     """Items into `ranks` ranks of lp primary and n redundant slots: heaviest first onto the
-    least loaded rank with room in its class (preferring ranks without that expert), then
-    swaps between the most loaded rank and the others while one lowers the larger of the two."""
+    least loaded rank with room in its class that does not hold the item's expert (a copy with
+    no such rank is left out), then swaps between the most loaded rank and the others while one
+    lowers the larger of the two (never bringing an expert onto a rank that holds it)."""
     held: list[list[tuple[float, int, bool]]] = [[] for _ in range(ranks)]
     room = [[n, lp] for _ in range(ranks)]  # [redundant, primary] left
     load = np.zeros(ranks)
     for w, e, p in sorted(items, key=lambda it: (-it[0], it[1], not it[2])):
         free = [r for r in range(ranks) if room[r][p]]
-        fresh = [r for r in free if all(x != e for _, x, _ in held[r])] or free
+        fresh = [r for r in free if all(x != e for _, x, _ in held[r])]
+        if not fresh:  # only a copy can meet its expert (the primary comes first): left out
+            continue
         r = min(fresh, key=lambda r: (load[r], r))
         held[r].append((w, e, p))
         room[r][p] -= 1
