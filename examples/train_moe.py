@@ -377,8 +377,7 @@ def main(argv):
     except (FlagError, ResumeError, FloatingPointError, OSError) as err:
         train_processes.exit_with(processes, SCRIPT, err)
     except BaseException as err:
-        processes.fail(f"{type(err).__name__}: {err}")
-        raise
+        train_processes.end_unexpected(processes, SCRIPT, err)
     processes.finish()
 
 
