@@ -325,7 +325,7 @@ def _recording_processes(count: int):
 @pytest.mark.parametrize(
     "count, message, first_call",
     [
-        (2, "UNKNOWN: Gloo AllGather failed: Read error: Connection reset by peer", "await_verdict"),
+        (2, "UNKNOWN: Gloo AllGather failed: Connection reset by peer", "await_verdict"),
         (2, "INTERNAL: strict mode: 3 rows dropped", ("die", "train_moe.py (process 0 of 2): "
                                                       "JaxRuntimeError: INTERNAL: strict mode: 3 "
                                                       "rows dropped")),
