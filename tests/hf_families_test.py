@@ -3,13 +3,9 @@ loaded by `hf.load_block` equals that family's dense reference (tests/hf_referen
 from its modeling code): expert ids exactly, outputs and gradients (input and every parameter) to
 1e-5 in float32, on a 1-level and a 2-level mesh, with the dispatch's padding rows poisoned (NaN).
 
-Cost: one compiled program per family and mesh (values, gradients and ids together). Both
-backends run only where the block's route differs from the plain one (Llama-4 weights the rows
-before the experts and combines unweighted; Switch and NLLB-MoE drop choices at their group
-capacity) -- there in one program, and their outputs must agree bit for bit. Elsewhere the
-family's options live outside dispatch/combine (router, experts, shared expert), the same code
-for both backends, so those families run the `ffi` backend (its programs compile 2-4x faster
-than `xla`'s on CPU; the backends' own agreement is tests/dispatch_combine_test.py's).
+Cost: one compiled program per family (values, gradients and ids together) runs every (mesh,
+backend) block: both meshes span the same 4 devices. Both backends' outputs must also agree bit
+for bit (docs/design.md §2.1.4).
 """
 
 import os
@@ -33,7 +29,6 @@ from hf_moe_layer import TINY  # noqa: E402  (the example's tiny config of each 
 
 BATCH, SEQ = 4, 8  # one sequence of 8 tokens per device
 MESHES = (((4,), ("ep",)), ((2, 2), ("node", "local")))
-ROUTE_DIFFERS = ("Llama-4", "Switch", "NLLB-MoE")
 GROUPS = BATCH  # NLLB-MoE's token groups: each device's tokens
 
 
@@ -111,9 +106,8 @@ def test_family_block_equals_its_reference(name, monkeypatch):
     prefix = hf.layer_prefixes(config)[0]
     x = jax.random.normal(jax.random.key(index), (BATCH, SEQ, 8), jnp.float32)
     cot = jax.random.normal(jax.random.key(100 + index), x.shape, jnp.float32)
-    backends = BACKENDS if name in ROUTE_DIFFERS else ("ffi",)
     # Both meshes span the same 4 devices, so one program runs every (mesh, backend) block.
-    cases = [(make_mesh(shape, axes), axes, b) for shape, axes in MESHES for b in backends]
+    cases = [(make_mesh(shape, axes), axes, b) for shape, axes in MESHES for b in BACKENDS]
     blocks = [build(config, mesh, axes, b) for mesh, axes, b in cases]
     tensors = random_tensors(name, blocks[0], prefix)
     for block in blocks:
@@ -148,8 +142,8 @@ def test_family_block_equals_its_reference(name, monkeypatch):
             np.testing.assert_allclose(
                 got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=f"{at}: d/d{key}"
             )
-    if len(backends) == 2:  # per mesh, both backends: the same bits (docs/design.md §2.1.4)
-        for m in range(len(MESHES)):
-            np.testing.assert_array_equal(outs[2 * m][0], outs[2 * m + 1][0], err_msg=name)
+    assert BACKENDS == ("xla", "ffi")  # per mesh, both backends: the same bits (§2.1.4)
+    for m in range(len(MESHES)):
+        np.testing.assert_array_equal(outs[2 * m][0], outs[2 * m + 1][0], err_msg=name)
     if name in ("Switch", "NLLB-MoE"):
         assert int(outs[0][1]) > 0, f"{name}: the capacity never bound"
