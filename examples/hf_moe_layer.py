@@ -18,7 +18,7 @@ import tempfile
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import AxisType
 from safetensors.numpy import save_file
@@ -118,6 +118,7 @@ def random_checkpoint(directory, config, block, seed):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # absl's INFO lines (backend probing) are noise here
     jax.config.update("jax_num_cpu_devices", 8)  # before any device is used; GPUs ignore it
     mesh = make_mesh()
     x = np.random.default_rng(1).normal(size=(16, FLAGS.tokens, H)).astype(np.float32)
