@@ -35,11 +35,7 @@ from jax_hybridep import traffic, xdc
 from jax_hybridep.xdc.runtime import migrate
 from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
-
-@pytest.fixture(autouse=True)
-def _no_backend_override(monkeypatch):
-    # The env var would override --backend and make the backend comparison vacuous.
-    monkeypatch.delenv("JAX_HYBRIDEP_BACKEND", raising=False)
+pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 
 @pytest.fixture(scope="module")
