@@ -360,8 +360,9 @@ def run_job(script: str, flag_names, body: Callable[[Processes], object]) -> Non
     process agrees on the flags `flag_names` (and the process flags) and the liveness watch runs.
 
     An expected error (a bad flag, an unusable --resume checkpoint, a non-finite loss, an I/O
-    error) ends every process with one line naming it; any other is published to the peers and
-    raised.
+    error) ends every process with one line naming it; any other as
+    `train_processes.end_unexpected` says (a peer's death named by the liveness thread, else
+    published to the peers and raised).
     """
     processes = Processes()
     try:
@@ -373,8 +374,7 @@ def run_job(script: str, flag_names, body: Callable[[Processes], object]) -> Non
     except (FlagError, ResumeError, FloatingPointError, OSError) as err:
         train_processes.exit_with(processes, script, err)
     except BaseException as err:
-        processes.fail(f"{type(err).__name__}: {err}")
-        raise
+        train_processes.end_unexpected(processes, script, err)
     processes.finish()
 
 

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging as py_logging
 import os
+import re
 import sys
 import threading
 import time
@@ -255,6 +256,12 @@ class Processes:
                     )
             self._stop.wait(1.0)
 
+    def await_verdict(self) -> None:
+        """Waits (at most the heartbeat timeout and a few seconds) while the liveness thread
+        decides whether a peer is gone; it ends the process if so."""
+        if self._thread is not None:
+            self._thread.join(self._timeout + 5)
+
     def finish(self) -> None:
         """This process finished its part: peers stop watching it."""
         self._stop.set()
@@ -318,6 +325,24 @@ def _first_line(err: Exception) -> str:
 def exit_with(processes: Processes, script: str, err: BaseException) -> None:
     """Ends the run on an expected error: one line naming the process, the peers told, exit 1."""
     processes.die(f"{processes.error_prefix(script)}: {err}")
+
+
+# What a collective says when a peer's connection broke (gloo on CPU, NCCL on GPUs).
+_PEER_LOST = re.compile(r"gloo|nccl|connection|unavailable|socket", re.IGNORECASE)
+
+
+def end_unexpected(processes: Processes, script: str, err: BaseException) -> None:
+    """Ends the run on an unexpected error. With several processes, a collective that failed
+    because a peer died (the peer's socket closed under it) waits for the liveness thread's
+    verdict, which names the missing process, instead of raising: the interpreter's exit would
+    meet the runtime's shutdown barrier, and the runtime aborts the process there with a native
+    stack dump. Any other error is published to the peers and raised."""
+    if processes.count > 1 and isinstance(err, jax.errors.JaxRuntimeError):
+        if _PEER_LOST.search(str(err)):
+            processes.await_verdict()  # exits the process when the watchdog names the peer
+        processes.die(f"{processes.error_prefix(script)}: {_first_line(err)}")
+    processes.fail(f"{type(err).__name__}: {err}")
+    raise err
 
 
 _current: Processes | None = None  # this process's job, once `start` joined it

@@ -297,3 +297,52 @@ def test_launcher_stops_the_others_at_the_first_failure(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(s["pid"], 0)
     assert sorted(os.listdir(tmp_path / "logs")) == [f"process_{i}.log" for i in range(3)]
+
+
+def _recording_processes(count: int):
+    """(train_processes, a Processes of `count` whose exits are recorded instead of taken)."""
+    sys.path.insert(0, EXAMPLES)
+    import train_processes
+
+    class Recording(train_processes.Processes):
+        def __init__(self):
+            super().__init__(0, count)
+            self.calls = []
+
+        def await_verdict(self):
+            self.calls.append("await_verdict")
+
+        def die(self, line, dead=None):
+            self.calls.append(("die", line))
+            raise SystemExit(1)
+
+        def fail(self, message):
+            self.calls.append(("fail", message))
+
+    return train_processes, Recording()
+
+
+@pytest.mark.parametrize(
+    "count, message, first_call",
+    [
+        (2, "UNKNOWN: Gloo AllGather failed: Connection reset by peer", "await_verdict"),
+        (2, "INTERNAL: strict mode: 3 rows dropped", ("die", "train_moe.py (process 0 of 2): "
+                                                      "JaxRuntimeError: INTERNAL: strict mode: 3 "
+                                                      "rows dropped")),
+        (1, "UNKNOWN: Gloo AllGather failed", ("fail", "JaxRuntimeError: UNKNOWN: Gloo AllGather "
+                                               "failed")),
+    ],
+)  # fmt: skip
+def test_a_collective_broken_by_a_dead_peer_waits_for_the_watchdog(count, message, first_call):
+    """A collective that failed because a peer's connection broke waits for the liveness
+    thread's verdict (which names the peer) rather than raising into the runtime's abort at
+    exit; any other runtime error ends the run at once with its first line; alone, it raises."""
+    import jax
+
+    train_processes, processes = _recording_processes(count)
+    err = jax.errors.JaxRuntimeError(message)
+    with pytest.raises((SystemExit, jax.errors.JaxRuntimeError)):
+        train_processes.end_unexpected(processes, "train_moe.py", err)
+    assert processes.calls[0] == first_call
+    if first_call == "await_verdict":  # no verdict came: the error's own line ends the run
+        assert processes.calls[1][0] == "die" and "Gloo AllGather failed" in processes.calls[1][1]
