@@ -21,40 +21,33 @@ directory included, is checked before jax starts, and an error ends the run with
 recomputed mean, without a shared expert, and SR with gradient compression, the same steps each.
 `--replan_every` trains once with `xdc.Replanner` re-planning from the measured routing and the
 link schedule, recompiling only when the plan changes; `--skew_at` skews the routing at that
-step (a router bias towards experts 0 and 1, the experts of one node of DC 0).
+step (a router bias towards experts 0 and 1, the experts of one node of DC 0). The flags, their
+checks and the cluster they describe: `cross_dc_settings.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 import numpy as np
 import train_processes
 from absl import app, flags, logging
 from cross_dc_bytes import first_step, measure, predict, program_bytes
+from cross_dc_settings import MESH, RANKS, Settings, define_flags, describe_cluster, links_spec
 from flax import nnx
 from lm_model import describe_workload, make_mesh
 from replan_hook import ReplanHook
 from rich.console import Console
 from rich.table import Table
-from train_checkpoint import ResumeError
-from train_config import (
-    FlagError,
-    check_output_dir,
-    define_migration_flags,
-    migration_flags,
-    migration_from_flags,
-)
-from train_moe import TrainConfig, model_config, train
+from train_config import migration_flags
+from train_flags import migration_from_flags
+from train_moe import TrainConfig, model_config, run_job, train
 from train_processes import global_devices
 
 from jax_hybridep import xdc
 
-MESH = (("dc", 2), ("node", 2), ("local", 2))
-RANKS = math.prod(s for _, s in MESH)
 SR_TABLE = (  # name, (SR ratio, shared expert, gradient compression) or None (full experts)
     ("full experts", None),
     ("SR, persistent shared expert", ("c", "persistent", None)),
@@ -62,104 +55,6 @@ SR_TABLE = (  # name, (SR ratio, shared expert, gradient compression) or None (f
     ("SR, no shared expert", ("c", "none", None)),
     ("SR persistent + gradient compression", ("c", "persistent", "g")),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The example's flags, as one value tests can build directly; the cross-DC flags
-    (--domains overriding the plan, --domain_compression, ...) as one `xdc.Migration`
-    (`train_config.parse_migration`)."""
-
-    steps: int = 150
-    batch: int = 16
-    wan_gbps: float = 10.0
-    wan_latency_ms: float = 5.0
-    node_gbps: float = 100.0
-    local_gbps: float = 3600.0
-    migration: xdc.Migration = xdc.Migration(sync_every=10)
-    prefetch: bool = True
-    sr_table: bool = False
-    replan_every: int = 0
-    link_schedule: str | None = None
-    skew_at: int = 0
-    min_gain: float = 0.02
-    backend: str = "auto"
-    output_dir: str = "/tmp/cross_dc"
-
-    def check(self) -> None:
-        """ValueError naming the flag and its value, before any model is built."""
-
-        def bad(flag, why):
-            raise ValueError(f"--{flag}={getattr(self, flag)!r}: {why}")
-
-        def number(value) -> bool:
-            return isinstance(value, int | float) and not isinstance(value, bool)
-
-        def integer(flag, low):
-            value = getattr(self, flag)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                bad(flag, f"must be an integer >= {low}")
-
-        integer("steps", 1)
-        if not isinstance(self.batch, int) or self.batch < 1 or self.batch % RANKS:
-            bad("batch", f"must be a positive multiple of the {RANKS} devices")
-        for flag in ("wan_gbps", "node_gbps", "local_gbps"):
-            value = getattr(self, flag)
-            if not number(value) or not 0 < value < math.inf:
-                bad(flag, "must be a finite bandwidth > 0")
-        if not number(self.wan_latency_ms) or not 0 <= self.wan_latency_ms < math.inf:
-            bad("wan_latency_ms", "must be a finite latency >= 0")
-        integer("replan_every", 0)
-        integer("skew_at", 0)
-        if not number(self.min_gain) or not 0 <= self.min_gain < 1:
-            bad("min_gain", "must be a fraction in [0, 1)")
-        if self.sr_table and self.replan_every:
-            bad("sr_table", "is a mode of its own: leave --replan_every unset")
-        if (self.link_schedule or self.skew_at) and not self.replan_every:
-            bad("replan_every", "must be set for --link_schedule and --skew_at")
-        if self.backend not in ("auto", "xla", "ffi"):
-            bad("backend", "must be one of auto, xla, ffi")
-        check_output_dir(self.output_dir, "--output_dir")  # creatable and writable
-        if not isinstance(self.migration, xdc.Migration):
-            bad("migration", "must be a jax_hybridep.xdc.Migration")
-        self.domain_sizes()
-        xdc.LinkSchedule.parse(self.link_schedule, [n for n, _ in MESH])
-
-    def domain_sizes(self) -> tuple[int, ...] | None:
-        """`--domains` (`migration.domains`) as one size per mesh level (None: use the plan)."""
-        if not self.migration.domains:
-            return None
-        sizes, spec = dict(MESH), migration_flags(self.migration)["domains"]
-        for name, size in self.migration.domains:
-            if name not in sizes:
-                raise ValueError(
-                    f"--domains={spec!r}: {name!r} is not a level, one of {', '.join(sizes)}"
-                )
-            if sizes[name] % size:
-                raise ValueError(
-                    f"--domains={spec!r}: {name}={size} must divide the level's {sizes[name]} ranks"
-                )
-        given = dict(self.migration.domains)
-        return tuple(given.get(n, 1) for n, _ in MESH)
-
-
-def describe_cluster(s: Settings) -> xdc.cost.Cluster:
-    """The flags as a cost-model cluster (bytes/s, seconds)."""
-    wan = s.wan_gbps * 1e9 / 8
-    links = (
-        xdc.cost.Link(bandwidth=wan, alpha=s.wan_latency_ms * 1e-3, uplink=wan),
-        xdc.cost.Link(bandwidth=s.node_gbps * 1e9 / 8, alpha=5e-6),
-        xdc.cost.Link(bandwidth=s.local_gbps * 1e9 / 8, alpha=2e-6),
-    )
-    return xdc.cost.Cluster(tuple(g for _, g in MESH), links, tuple(n for n, _ in MESH))
-
-
-def links_spec(s: Settings) -> str:
-    """`describe_cluster`'s links as `train_moe.py --links` spells them."""
-    return (
-        f"dc={s.wan_gbps:g}:{s.wan_latency_ms:g}:shared,node={s.node_gbps:g}:0.005,"
-        f"local={s.local_gbps:g}:0.002"
-    )
 
 
 def over_domains(migration: xdc.Migration, sizes) -> xdc.Migration:
@@ -372,26 +267,6 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
                 eval_loss=result["final_eval_loss"], train=result["train"])  # fmt: skip
 
 
-def define_flags() -> None:
-    """One flag per `Settings` field (only when run as a script)."""
-    d = Settings()
-    flags.DEFINE_integer("steps", d.steps, "training steps per run")
-    flags.DEFINE_integer("batch", d.batch, "sequences (of 128 bytes) per step, a multiple of 8")
-    flags.DEFINE_float("wan_gbps", d.wan_gbps, "bandwidth between datacenters, shared by a DC")
-    flags.DEFINE_float("wan_latency_ms", d.wan_latency_ms, "one-way WAN latency per message")
-    flags.DEFINE_float("node_gbps", d.node_gbps, "per-GPU bandwidth between nodes of a DC")
-    flags.DEFINE_float("local_gbps", d.local_gbps, "per-GPU bandwidth inside a node (NVLink)")
-    define_migration_flags(d.migration, "override the plan, e.g. 'dc=2' (default: planned)")
-    flags.DEFINE_bool("prefetch", d.prefetch, "gather every layer's experts at step start")
-    flags.DEFINE_bool("sr_table", False, "train plain EP, domains and the SR variants")
-    flags.DEFINE_integer("replan_every", 0, "re-plan every N steps (one run)")
-    flags.DEFINE_string("link_schedule", None, "bandwidth changes by step, e.g. '50:dc=0.5'")
-    flags.DEFINE_integer("skew_at", 0, "skew the routing at this step (re-planning run)")
-    flags.DEFINE_float("min_gain", d.min_gain, "predicted gain a re-plan needs to switch")
-    flags.DEFINE_string("backend", d.backend, "dispatch/combine backend: auto, xla or ffi")
-    flags.DEFINE_string("output_dir", d.output_dir, "where runs, metrics and summary go")
-
-
 SCRIPT = "cross_dc.py"
 
 
@@ -399,27 +274,20 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     names = [f.name for f in dataclasses.fields(Settings) if f.name != "migration"]
-    processes = train_processes.Processes()
     try:  # before jax starts: a bad flag costs nothing
         settings = Settings(**{n: flags.FLAGS[n].value for n in names},
                             migration=migration_from_flags())  # fmt: skip
         settings.check()
     except ValueError as err:  # FlagError included
-        train_processes.exit_with(processes, SCRIPT, err)
-    try:
-        # Default: the example's 8 ranks (RANKS) split over the processes.
-        processes = train_processes.start(train_processes.config_from_flags())
-        shared = [*names, *migration_flags(xdc.Migration()), *train_processes.SHARED_FLAGS]
-        processes.agree_on_flags(train_processes.command_line_values(shared))
-        processes.watch(SCRIPT)
+        train_processes.exit_with(train_processes.Processes(), SCRIPT, err)
+
+    def body(processes):
         console = processes.console()
         console.width = max(console.width, 132)
         run(settings, console)
-    except (FlagError, ResumeError, FloatingPointError, OSError) as err:
-        train_processes.exit_with(processes, SCRIPT, err)
-    except BaseException as err:
-        train_processes.end_unexpected(processes, SCRIPT, err)
-    processes.finish()
+
+    # Default: the example's 8 ranks (RANKS) split over the processes.
+    run_job(SCRIPT, [*names, *migration_flags(xdc.Migration())], body)
 
 
 if __name__ == "__main__":

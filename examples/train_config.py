@@ -1,11 +1,12 @@
-"""What a run of examples/train_moe.py depends on: its config, its flags, and their validation.
+"""What a run of examples/train_moe.py depends on: its config and the config's validation.
 
 `TrainConfig` holds the flags as one value (tests build it directly); `check_config` validates every
 field before any model is built and raises `FlagError` naming the flag, its value and what is
 wrong, in the library's own words where the library has a rule (e.g. experts per EP rank). The
 cross-DC flags (--domains, --domain_compression, --domain_shared, --domain_sync_every,
 --grad_compression) become one `xdc.Migration` in one place, `parse_migration`, and are spelled
-back by `migration_flags`.
+back by `migration_flags`. The command-line flags themselves are defined and read in
+`train_flags.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 import tempfile
 from numbers import Integral, Real
 
-from absl import flags
 from lm_data import ByteData
 from lm_model import DATA_AXIS, make_mesh
 
@@ -375,109 +375,3 @@ def check_output_dir(path, flag: str) -> None:
     except OSError as err:
         what = "is not writable" if existing == path else f"cannot be created in {existing}"
         raise FlagError(f"{flag}={path} {what} ({err.strerror or err})") from None
-
-
-def define_flags() -> None:
-    """The command-line flags, one per TrainConfig field (defined only when run as a script, so
-    importing this module, e.g. from a test, leaves absl's global flag registry alone)."""
-    d = TrainConfig()
-    flags.DEFINE_integer("steps", d.steps, "total training steps (a resumed run continues to it)")
-    flags.DEFINE_integer("batch", d.batch, "sequences per step")
-    flags.DEFINE_integer("seq_len", d.seq_len, "bytes per sequence")
-    flags.DEFINE_integer("d_model", d.d_model, "model width")
-    flags.DEFINE_integer("d_ff", d.d_ff, "expert FFN hidden width")
-    flags.DEFINE_integer("layers", d.layers, "transformer layers")
-    flags.DEFINE_integer("heads", d.heads, "attention heads")
-    flags.DEFINE_integer("experts", d.experts, "routed experts per layer")
-    flags.DEFINE_integer("top_k", d.top_k, "experts per token")
-    flags.DEFINE_string(
-        "mesh",
-        None,
-        "mesh axis sizes, e.g. 'node=2,local=4', 'ep=8' or 'data=2,ep=4' "
-        "(default: node=2,local=n/2 on CPU, ep=all on GPUs)",
-    )
-    flags.DEFINE_enum("backend", d.backend, list(BACKENDS), "dispatch/combine backend")
-    define_migration_flags(
-        d.migration, "cross-DC expert domain sizes per EP level, e.g. 'dc=2' (unset: plain EP)"
-    )
-    flags.DEFINE_bool("prefetch", False, "gather every layer's experts at step start")
-    flags.DEFINE_integer("replan_every", 0, "re-plan the domains every N steps (needs --links)")
-    flags.DEFINE_string("links", None, "EP level links to plan for, e.g. dc=10:5:shared,...")
-    flags.DEFINE_string("link_schedule", None, "link bandwidth changes by step, e.g. '200:dc=1'")
-    flags.DEFINE_float("memory_limit_mb", 0.0, "per-device memory limit of re-plans (0: none)")
-    flags.DEFINE_string(
-        "capacity_factor",
-        DROPLESS,
-        f"per-expert capacity factor, a number > 0; '{DROPLESS}' (the default): dropless",
-    )
-    flags.DEFINE_enum(
-        "wire_dtype",
-        None,
-        list(WIRE_DTYPES),
-        "FP8 dispatch (one scale per 128 elements); unset: the model's dtype",
-    )
-    flags.DEFINE_integer(
-        "redundant_slots", d.redundant_slots, "expert slots per EP rank for copies of hot experts"
-    )
-    flags.DEFINE_integer(
-        "rebalance_every",
-        d.rebalance_every,
-        "re-place the experts every this many steps from the measured load (0: never)",
-    )
-    flags.DEFINE_bool(
-        "charge_sync",
-        d.charge_sync,
-        "the balancer charges each replica's sync bytes against the rows it saves",
-    )
-    flags.DEFINE_float("lr", d.lr, "peak learning rate")
-    flags.DEFINE_integer(
-        "schedule_steps", d.schedule_steps,
-        "the step the learning-rate decay ends at (0: --steps); set it to the final step count "
-        "when a run will be resumed to more steps",
-    )  # fmt: skip
-    flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")
-    flags.DEFINE_string("output_dir", d.output_dir, "metrics, plot and checkpoint go here")
-    flags.DEFINE_integer("eval_every", d.eval_every, "evaluate every this many steps")
-    flags.DEFINE_integer(
-        "checkpoint_every", d.checkpoint_every,
-        "also commit a checkpoint and metrics.json every this many steps (0: only at the end)",
-    )  # fmt: skip
-    flags.DEFINE_bool(
-        "resume", False,
-        "restore the checkpoint in --output_dir and continue; every flag must equal the "
-        f"checkpoint's except {', '.join('--' + n for n in RESUMABLE_FLAGS)} (and the process "
-        "flags)",
-    )  # fmt: skip
-
-
-def define_migration_flags(default: xdc.Migration, domains_help: str) -> None:
-    """The cross-DC flags `parse_migration` reads: --domains (unset by default) and how experts
-    travel, with `default`'s values."""
-    flags.DEFINE_string("domains", None, domains_help)
-    flags.DEFINE_float(
-        "domain_compression", default.compression, "SR compression ratio (> 1) of migrated experts"
-    )
-    flags.DEFINE_enum(
-        "domain_shared", default.shared, list(SHARED_VARIANTS), "SR shared expert (reference)"
-    )
-    flags.DEFINE_integer(
-        "domain_sync_every", default.sync_every, "steps between SR shared-expert refreshes"
-    )
-    flags.DEFINE_float(
-        "grad_compression",
-        default.grad_compression,
-        "top-k ratio (> 1) of replica gradients, error feedback (lossy)",
-    )
-
-
-def migration_from_flags() -> xdc.Migration:
-    """The parsed cross-DC flags as one `xdc.Migration` (FlagError for a bad value)."""
-    return parse_migration(**{n: flags.FLAGS[n].value for n in migration_flags(xdc.Migration())})
-
-
-def config_from_flags() -> TrainConfig:
-    """The TrainConfig the parsed command-line flags describe (FlagError for a bad value)."""
-    values = {f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)
-              if f.name in flags.FLAGS}  # fmt: skip
-    values["capacity_factor"] = parse_capacity_factor(values["capacity_factor"])
-    return TrainConfig(**values, migration=migration_from_flags())

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -53,14 +54,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from train_checkpoint import ResumeError
-from train_config import (
-    FlagError,
-    TrainConfig,
-    check_config,
-    config_from_flags,
-    define_flags,
-    flag_values,
-)
+from train_config import FlagError, TrainConfig, check_config, flag_values
+from train_flags import config_from_flags, define_flags
 from train_processes import Processes, global_devices
 from train_report import (
     imbalance,
@@ -360,6 +355,29 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
     return history, params, rest, opt_state, backend, feeder
 
 
+def run_job(script: str, flag_names, body: Callable[[Processes], object]) -> None:
+    """Runs `body(processes)` as this process of the job the process flags describe, once every
+    process agrees on the flags `flag_names` (and the process flags) and the liveness watch runs.
+
+    An expected error (a bad flag, an unusable --resume checkpoint, a non-finite loss, an I/O
+    error) ends every process with one line naming it; any other as
+    `train_processes.end_unexpected` says (a peer's death named by the liveness thread, else
+    published to the peers and raised).
+    """
+    processes = Processes()
+    try:
+        processes = train_processes.start(train_processes.config_from_flags())
+        names = [*flag_names, *train_processes.SHARED_FLAGS]
+        processes.agree_on_flags(train_processes.command_line_values(names))
+        processes.watch(script)
+        body(processes)
+    except (FlagError, ResumeError, FloatingPointError, OSError) as err:
+        train_processes.exit_with(processes, script, err)
+    except BaseException as err:
+        train_processes.end_unexpected(processes, script, err)
+    processes.finish()
+
+
 SCRIPT = "train_moe.py"
 
 
@@ -367,18 +385,11 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
     logging.set_verbosity(logging.WARNING)
-    processes = Processes()
-    try:
-        processes = train_processes.start(train_processes.config_from_flags())
-        names = [*flag_values(TrainConfig()), *train_processes.SHARED_FLAGS]
-        processes.agree_on_flags(train_processes.command_line_values(names))
-        processes.watch(SCRIPT)
-        train(config_from_flags(), processes.console(), processes=processes)
-    except (FlagError, ResumeError, FloatingPointError, OSError) as err:
-        train_processes.exit_with(processes, SCRIPT, err)
-    except BaseException as err:
-        train_processes.end_unexpected(processes, SCRIPT, err)
-    processes.finish()
+    run_job(
+        SCRIPT,
+        flag_values(TrainConfig()),
+        lambda processes: train(config_from_flags(), processes.console(), processes=processes),
+    )
 
 
 if __name__ == "__main__":

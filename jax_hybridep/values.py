@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -180,3 +181,12 @@ def make_parent_dirs(path: str) -> None:
     """Creates the directories above the file `path` (see check_output_path)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
+
+
+def run_command(main: Callable[[], object], prog: str) -> None:
+    """Runs a command line's `main()`; a bad value (a ValueError, which names it) ends the command
+    with one line, `<prog>: error: <message>`, and exit status 1, without a traceback."""
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"{prog}: error: {e}")

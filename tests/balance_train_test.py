@@ -26,9 +26,7 @@ TINY = tiny(steps=4, eval_batches=1)
 BALANCED = dataclasses.replace(TINY, redundant_slots=1, rebalance_every=2)
 
 
-@pytest.fixture(autouse=True)
-def _no_backend_override(monkeypatch):
-    monkeypatch.delenv("JAX_HYBRIDEP_BACKEND", raising=False)
+pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,13 @@ def _fresh_error_log():
         pass
 
 
+@pytest.fixture
+def no_backend_override(monkeypatch):
+    """JAX_HYBRIDEP_BACKEND unset: the env var would override the examples' --backend (and make
+    a comparison of backends vacuous)."""
+    monkeypatch.delenv("JAX_HYBRIDEP_BACKEND", raising=False)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Each dispatch/combine backend in turn."""

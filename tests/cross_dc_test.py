@@ -9,28 +9,20 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 from rich.console import Console
+from train_harness import EXAMPLES, cross_dc
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
-
-import cross_dc  # noqa: E402
-
-from jax_hybridep import xdc  # noqa: E402
+from jax_hybridep import xdc
 
 KEYS = ("experts", "all_reduce", "tokens", "total")
 # One expert per rank (8 experts, 8 ranks): three 128 x 256 float32 matrices.
 EXPERT = 3 * 128 * 256 * 4
 
-
-@pytest.fixture(autouse=True)
-def _no_backend_override(monkeypatch):
-    monkeypatch.delenv("JAX_HYBRIDEP_BACKEND", raising=False)
+pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 
 @pytest.fixture(scope="module")

@@ -144,15 +144,26 @@ def _assert_round(got: dict, want: dict, what: str):
 
 
 ROUTINGS = ("random", "all_minus_one", "one_expert", "duplicates", "invalid", "empty_rank")
+# The rows both transports' main test sends (tests/cuda_v2_transport_test.py too): 2052 float32 =
+# 8208 bytes (two bulk chunks on Hopper, whole 16-byte words) and 300 bfloat16 = 600 bytes (the
+# plain path; in v2 not whole 16-byte words: the G2S lanes load them, stores stay bulk).
+ROWS = (("float32", 2052), ("bfloat16", 300))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("ranks", [2, 4, 8])
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_transport_matches_numpy(gpu, ranks, routing, dtype):
-    # 300 bf16 = 600 bytes a row: the plain path; 2052 f32 = 8208 bytes: two bulk chunks on Hopper.
-    hidden = 2052 if dtype == "float32" else 300
+def on_every_round(test):
+    """A GPU test over 2, 4 and 8 ranks, every routing and both kinds of `ROWS`."""
+    for mark in (
+        pytest.mark.parametrize("dtype, hidden", ROWS),
+        pytest.mark.parametrize("routing", ROUTINGS),
+        pytest.mark.parametrize("ranks", [2, 4, 8]),
+        pytest.mark.gpu,
+    ):
+        test = mark(test)
+    return test
+
+
+@on_every_round
+def test_transport_matches_numpy(gpu, ranks, routing, dtype, hidden):
     case = Round(routing, dtype, hidden, R=ranks)
     for weighted in (False, True):
         (got,) = run_rounds([case], weighted, send_blocks=3)

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from cuda_kernels_test import _bits
-from cuda_transport_test import Round
+from cuda_transport_test import ROUTINGS, Round, on_every_round
 
 from jax_hybridep import _native, fp8
 
@@ -57,18 +57,9 @@ def _check(got: dict, n: int, case: Round, weighted: bool, what: str):
             np.testing.assert_array_equal(got[key][n, r], ref[key], err_msg=f"{what}: {key} {r}")
 
 
-ROUTINGS = ("random", "all_minus_one", "one_expert", "duplicates", "invalid", "empty_rank")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ranks", [2, 4, 8])
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_v2_transport_matches_the_model(gpu, ranks, routing, dtype):
-    # 2052 f32 = 8208-byte rows (bulk loads); 300 bf16 = 600 bytes (not whole 16-byte words: the
-    # G2S lanes load them, stores stay bulk). T = 70: two chunks, the second partial.
-    hidden = 2052 if dtype == "float32" else 300
-    case = Round(routing, dtype, hidden, R=ranks, T=70)
+@on_every_round
+def test_v2_transport_matches_the_model(gpu, ranks, routing, dtype, hidden):
+    case = Round(routing, dtype, hidden, R=ranks, T=70)  # T = 70: two chunks, the second partial
     for weighted in (False, True):
         got = _run([case], weighted, send_blocks=3)
         _check(got, 0, case, weighted, f"weighted={weighted}")

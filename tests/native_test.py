@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jax_hybridep import _native, config
-from jax_hybridep.exchange import cuda_bottom
+from jax_hybridep.exchange import cuda_transport
 
 
 def test_handlers_registered():
@@ -63,7 +63,7 @@ def test_python_mirrors_the_native_limits():
     """Constants checked on the Python side equal the kernels' own (xla_ffi/limits.h)."""
     limits = _native.testing_module().limits()
     assert config.MAX_SMS == limits["max_send_blocks"]
-    assert cuda_bottom.MAX_TOP_K == limits["max_top_k"]
+    assert cuda_transport.MAX_TOP_K == limits["max_top_k"]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -13,8 +13,10 @@ from rich.console import Console
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
 
+import cross_dc  # noqa: E402, F401  (re-exported: the cross-DC example)
 import train_checkpoint  # noqa: E402, F401  (re-exported: the checkpoint's reader)
 import train_config  # noqa: E402, F401  (re-exported: the flags' checks)
+import train_flags  # noqa: E402, F401  (re-exported: the command line)
 import train_moe  # noqa: E402
 
 # A model that compiles and trains in seconds on 8 fake CPU devices.

@@ -28,18 +28,14 @@ import sys
 import numpy as np
 import pytest
 from rich.console import Console
-from train_harness import EXAMPLES, TINY, train_checkpoint, train_config, train_moe
+from train_harness import EXAMPLES, TINY, train_checkpoint, train_config, train_flags, train_moe
 from train_harness import train as _train
 
 from jax_hybridep import traffic, xdc
 from jax_hybridep.xdc.runtime import migrate
 from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
-
-@pytest.fixture(autouse=True)
-def _no_backend_override(monkeypatch):
-    # The env var would override --backend and make the backend comparison vacuous.
-    monkeypatch.delenv("JAX_HYBRIDEP_BACKEND", raising=False)
+pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 
 @pytest.fixture(scope="module")
@@ -454,7 +450,7 @@ def test_resume_help_lists_the_flags_that_may_change():
     from absl import flags  # noqa: PLC0415
 
     if "resume" not in flags.FLAGS:
-        train_config.define_flags()
+        train_flags.define_flags()
     text = flags.FLAGS["resume"].help
     for name in train_config.RESUMABLE_FLAGS:
         assert f"--{name}" in text and name in flags.FLAGS, (name, text)

@@ -206,27 +206,22 @@ def benchmark(
     return doc
 
 
+# The flags `benchmark` takes as they are parsed, under their own names.
+_AS_GIVEN = (
+    "routings", "capacities", "methods", "backends", "topologies", "directions", "variants",
+    "zero_padding", "repeats", "warmup", "nodes", "seed", "keep_freed_memory",
+)  # fmt: skip
+
+
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
     doc = benchmark(
         args.preset,
-        routings=args.routings,
-        capacities=args.capacities,
-        methods=args.methods,
-        backends=args.backends,
-        topologies=args.topologies,
-        directions=args.directions,
-        variants=args.variants,
-        zero_padding=args.zero_padding,
         wire_dtypes=[None if w == NATIVE else w for w in args.wire_dtype],
-        repeats=args.repeats,
-        warmup=args.warmup,
-        nodes=args.nodes,
-        seed=args.seed,
-        keep_freed_memory=args.keep_freed_memory,
         json_path=args.json or None,
         png_path=args.png or None,
         command=" ".join(["python -m jax_hybridep.bench", *(argv or sys.argv[1:])]),
+        **{name: getattr(args, name) for name in _AS_GIVEN},
     )
     print(report.table(doc))
     if args.json:

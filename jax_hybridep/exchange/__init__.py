@@ -13,5 +13,7 @@ walks levels; each kind of step lives in one module:
                   processes (around an XLA all-to-all), host rows
   host_fused.py   the one-call-per-direction host bottom spanning one in-process level
   cuda_bottom.py  the CUDA transport as the bottom spanning the fastest level
+  cuda_v2.py      transport v2 (Hybrid-EP's structure) as that bottom
+  cuda_transport.py  what both CUDA transports' bottoms share: top-k limit, issuing, structure
   ffi_call.py     emitting the custom calls and their attribute bundles
 """

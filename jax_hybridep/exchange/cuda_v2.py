@@ -18,6 +18,7 @@ Selected by `DispatchConfig(gpu_transport="v2")`; the same contract and bits as 
 
 `CudaV2Bottom(exchanges=...)` takes the object issuing the custom calls: `CudaV2Exchanges` in
 production; tests pass the pure-JAX twin (tests/transport_v2_twin.py) to run this bottom on CPU.
+What it shares with transport v1 is in cuda_transport.py.
 """
 
 from __future__ import annotations
@@ -29,20 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep import compat, weight_grad
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange import wire
-from jax_hybridep.exchange.cuda_bottom import MAX_TOP_K
-from jax_hybridep.exchange.ffi_call import call, i32, transport_attrs
-from jax_hybridep.exchange.steps import (
-    FastLevel,
-    Items,
-    Shard,
-    fast_dest,
-    fast_level,
-    pytree_record,
-    span_copies,
-)
+from jax_hybridep.exchange import steps, wire
+from jax_hybridep.exchange.cuda_transport import TransportBottom, transport_call
+from jax_hybridep.exchange.ffi_call import call, i32
 
 # Items per send chunk; the layout's maps are padded to whole chunks (xla_ffi/cuda/v2_layout.h).
 CHUNK = 64
@@ -55,7 +46,7 @@ def padded(n: int) -> int:
     return -(-n // CHUNK) * CHUNK
 
 
-@pytree_record
+@steps.pytree_record
 @dataclasses.dataclass(frozen=True)
 class V2Layout:
     """One dispatch's layout over the level, for this GPU (xla_ffi/cuda/v2_layout.h)."""
@@ -67,7 +58,7 @@ class V2Layout:
     info: jax.Array  # [2] int32: n (slots received), last filled row + 1
 
 
-def gather_routing(plan: DispatchPlan, fast: FastLevel, dest, pos, weights):
+def gather_routing(plan: DispatchPlan, fast: steps.FastLevel, dest, pos, weights):
     """[S, M, K, 3] int32: every GPU of the level's (destination, row, weight bits) per (item, k),
     by an XLA all-gather over the level (NCCL on GPUs)."""
     routing = jnp.stack([dest, pos, jax.lax.bitcast_convert_type(weights, jnp.int32)], axis=-1)
@@ -84,7 +75,7 @@ def _rows_attr(plan: DispatchPlan) -> np.int64:
 class CudaV2Exchanges:
     """Transport v2's custom calls (xla_ffi/cuda/v2_handlers.cc)."""
 
-    def layout(self, plan: DispatchPlan, fast: FastLevel, gathered):
+    def layout(self, plan: DispatchPlan, fast: steps.FastLevel, gathered):
         """(V2Layout, row weights [C] float32) of this GPU from the gathered routing."""
         size, items, k = gathered.shape[:3]
         out_types = (
@@ -101,42 +92,30 @@ class CudaV2Exchanges:
         )
         return V2Layout(send_slot, recv_item, recv_rows, row_slot, info), row_weights
 
-    def _exchange(self, plan: DispatchPlan, fast: FastLevel, name, out_types, *args, like,
-                  **attrs):  # fmt: skip
-        """One exchange over the level, on the configured stream (DispatchConfig.gpu_stream)."""
-        local = plan.topology.level_local[fast.level]
-        attrs.update(transport_attrs(plan, fast.size, multi_process=not local))
-
-        def issue():
-            return call(f"cuda_v2_{name}", out_types, *args, fast.coord, fast.group, like=like,
-                        plan=plan, **attrs)  # fmt: skip
-
-        stream = plan.config.gpu_stream
-        return issue() if stream is None else compat.on_gpu_stream(issue, stream)
-
-    def dispatch(self, plan: DispatchPlan, fast: FastLevel, x, lay: V2Layout):
+    def dispatch(self, plan: DispatchPlan, fast: steps.FastLevel, x, lay: V2Layout):
         """Rows [C, H]: x's tokens (FP8 on the wire: quantised by the send when x is the tokens,
         moved as bytes when x is their wire rows; dequantised by the permute, or delivered as wire
         rows with fp8_rows)."""
         fp8_hidden = 0 if plan.config.wire_dtype is None else plan.hidden
-        return self._exchange(
-            plan, fast, "dispatch", wire.transport_rows(plan, x), x, lay.send_slot,
+        return transport_call(
+            plan, fast, "cuda_v2_dispatch", wire.transport_rows(plan, x), x, lay.send_slot,
             lay.recv_rows, lay.row_slot, lay.info, like=(x, lay.recv_rows),
             fp8_hidden=np.int64(fp8_hidden), sparse_pad_multiple=_rows_attr(plan),
         )  # fmt: skip
 
-    def redispatch(self, plan: DispatchPlan, fast: FastLevel, g, lay: V2Layout, scale=None):
+    def redispatch(self, plan: DispatchPlan, fast: steps.FastLevel, g, lay: V2Layout, scale=None):
         """Rows [C, H] of the held g [M, H]; with `scale`, also rows * scale (one pass)."""
         rows = jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype)
         common = (lay.send_slot, lay.recv_rows, lay.row_slot, lay.info)
         if scale is None:
-            return self._exchange(plan, fast, "redispatch", rows, g, *common, like=(g, lay.info),
+            return transport_call(plan, fast, "cuda_v2_redispatch", rows, g, *common,
+                                  like=(g, lay.info),
                                   sparse_pad_multiple=_rows_attr(plan))  # fmt: skip
-        return self._exchange(plan, fast, "redispatch_scaled", (rows, rows), g, scale, *common,
-                              like=(g, scale, lay.info),
+        return transport_call(plan, fast, "cuda_v2_redispatch_scaled", (rows, rows), g, scale,
+                              *common, like=(g, scale, lay.info),
                               sparse_pad_multiple=_rows_attr(plan))  # fmt: skip
 
-    def unpermute(self, plan: DispatchPlan, fast: FastLevel, y, weights, lay: V2Layout):
+    def unpermute(self, plan: DispatchPlan, fast: steps.FastLevel, y, weights, lay: V2Layout):
         """[padded(S * M), H] in y's dtype: per received slot, its rows of y summed in ascending
         k in float32 (times `weights` unless None), rounded once (local, no exchange)."""
         weighted = weights is not None
@@ -146,21 +125,26 @@ class CudaV2Exchanges:
         return call("cuda_v2_unpermute", out, y, weights, lay.recv_rows, lay.info,
                     like=(y, lay.recv_rows), plan=plan, weighted=np.bool_(weighted))  # fmt: skip
 
-    def combine(self, plan: DispatchPlan, fast: FastLevel, partials, lay: V2Layout, dest):
+    def combine(self, plan: DispatchPlan, fast: steps.FastLevel, partials, lay: V2Layout, dest):
         """[M, H]: each held item's partials from its destinations added in ascending order."""
         out = jax.ShapeDtypeStruct((dest.shape[0], partials.shape[1]), partials.dtype)
-        return self._exchange(plan, fast, "combine", out, partials, lay.recv_item, lay.info, dest,
-                              like=(partials, dest))  # fmt: skip
+        return transport_call(plan, fast, "cuda_v2_combine", out, partials, lay.recv_item,
+                              lay.info, dest, like=(partials, dest))  # fmt: skip
 
 
-@pytree_record
+@steps.pytree_record
 @dataclasses.dataclass(frozen=True)
 class CudaV2Record:
     dest: jax.Array  # [M, K] int32: each held (item, k)'s destination GPU in the level, -1: none
     layout: V2Layout
 
+    @property
+    def route(self):
+        """What the exchanges take to retrace the dispatch."""
+        return (self.layout,)
 
-def return_row_values(plan: DispatchPlan, fast: FastLevel, dest, lay: V2Layout, values):
+
+def return_row_values(plan: DispatchPlan, fast: steps.FastLevel, dest, lay: V2Layout, values):
     """[M, K] float32: values [C] of each row back to the held (item, k) it came from (0 where
     dest is -1), by an XLA all-to-all of K floats per (source GPU, item)."""
     size, items, k = fast.size, dest.shape[0], dest.shape[1]
@@ -178,18 +162,10 @@ def return_row_values(plan: DispatchPlan, fast: FastLevel, dest, lay: V2Layout, 
 
 
 @dataclasses.dataclass(frozen=True)
-class CudaV2Bottom:
+class CudaV2Bottom(TransportBottom):
     exchanges: Any = CudaV2Exchanges()
 
-    spans_level = True
-
-    def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
-        if plan.k > MAX_TOP_K:
-            raise ValueError(
-                f"the CUDA transport takes top-k <= {MAX_TOP_K} (topk_idx has k={plan.k}); "
-                "use backend='xla'"
-            )
-        rows = held.rows
+    def check_rows(self, plan: DispatchPlan, rows) -> None:
         if plan.config.wire_dtype is not None and rows.dtype != jnp.uint8:
             token_bytes = rows.shape[1] * rows.dtype.itemsize
             if token_bytes > MAX_FP8_TOKEN_BYTES:
@@ -198,30 +174,18 @@ class CudaV2Bottom:
                     f"memory, at most {MAX_FP8_TOKEN_BYTES} bytes (x has H={rows.shape[1]} of "
                     f"{rows.dtype}); use gpu_transport='v1'"
                 )
-        fast = fast_level(plan, shard)
-        dest = fast_dest(fast, held.dest)
+
+    def send(self, plan: DispatchPlan, fast: steps.FastLevel, held: steps.Items, dest):
         gathered = gather_routing(plan, fast, dest, held.pos, held.weights)
         lay, row_weights = self.exchanges.layout(plan, fast, gathered)
         tokens = self.exchanges.dispatch(plan, fast, held.rows, lay)
-        tokens, scales = wire.handler_tokens(plan, tokens)
-        return tokens, scales, row_weights, CudaV2Record(dest, lay)
+        return tokens, row_weights, CudaV2Record(dest, lay)
 
-    def redispatch(self, plan: DispatchPlan, shard: Shard, record: CudaV2Record, g):
-        fast = fast_level(plan, shard)
-        return self.exchanges.redispatch(plan, fast, g, record.layout)
-
-    def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: CudaV2Record, g, y, weights):
-        fast = fast_level(plan, shard)
-        rows, scaled = self.exchanges.redispatch(plan, fast, g, record.layout, scale=weights)
-        return scaled, weight_grad.row_dot(plan.topology.platform, y, rows)
-
-    def partials(self, plan: DispatchPlan, shard: Shard, record: CudaV2Record, y, weights):
-        fast = fast_level(plan, shard)
+    def partials(self, plan: DispatchPlan, shard: steps.Shard, record: CudaV2Record, y, weights):
+        fast = steps.fast_level(plan, shard)
         partials = self.exchanges.unpermute(plan, fast, y, weights, record.layout)
         return self.exchanges.combine(plan, fast, partials, record.layout, record.dest)
 
-    def row_values(self, plan: DispatchPlan, shard: Shard, record: CudaV2Record, values):
-        return return_row_values(plan, fast_level(plan, shard), record.dest, record.layout, values)
-
-    def copies(self, plan: DispatchPlan, shard: Shard, record: CudaV2Record):
-        return span_copies(fast_level(plan, shard), record.dest)
+    def row_values(self, plan: DispatchPlan, shard: steps.Shard, record: CudaV2Record, values):
+        fast = steps.fast_level(plan, shard)
+        return return_row_values(plan, fast, record.dest, record.layout, values)

@@ -16,19 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange import wire
+from jax_hybridep.exchange import steps, wire
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, row_attrs
-from jax_hybridep.exchange.steps import (
-    Items,
-    Shard,
-    fast_dest,
-    fast_level,
-    pytree_record,
-    span_copies,
-)
+from jax_hybridep.exchange.steps import Items, Shard
 
 
-@pytree_record
+@steps.pytree_record
 @dataclasses.dataclass(frozen=True)
 class HostFusedRecord:
     dest: jax.Array  # [M, K] int32: each held (item, k)'s destination in the level, -1 for none
@@ -36,12 +29,10 @@ class HostFusedRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class HostFused:
-    spans_level = True
-
+class HostFused(steps.SpanningBottom):
     def _call(self, plan: DispatchPlan, shard: Shard, name, out_types, *args, like, **attrs):
         """A handler call meeting the level's ranks, with (dest, pos, coord, level group) last."""
-        fast = fast_level(plan, shard)
+        fast = steps.fast_level(plan, shard)
         return call(name, out_types, *args, fast.coord, fast.group, like=like, plan=plan,
                     **exchange_attrs(plan, fast.size), **attrs)  # fmt: skip
 
@@ -52,7 +43,7 @@ class HostFused:
                           like=(rows, weights, pos), **row_attrs(plan, wire_hidden))  # fmt: skip
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
-        dest = fast_dest(fast_level(plan, shard), held.dest)
+        dest = steps.fast_dest(steps.fast_level(plan, shard), held.dest)
         tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest)
         tokens, scales = wire.handler_tokens(plan, tokens)
         return tokens, scales, row_weights, HostFusedRecord(dest, held.pos)
@@ -80,6 +71,3 @@ class HostFused:
         out_type = jax.ShapeDtypeStruct(record.pos.shape, jnp.float32)
         return self._call(plan, shard, "return_row_values", out_type, values, record.pos,
                           record.dest, like=(values, record.pos))  # fmt: skip
-
-    def copies(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord):
-        return span_copies(fast_level(plan, shard), record.dest)

@@ -167,3 +167,14 @@ def span_copies(fast: FastLevel, dest):
     peers = jnp.arange(fast.size)
     to_peer = jnp.any(dest[:, :, None] == peers, axis=1) & (peers != fast.coord)
     return jnp.sum(to_peer, dtype=jnp.int32)
+
+
+class SpanningBottom:
+    """What every bottom spanning the fastest level shares: `spans_level`, and the level's copies
+    counted from its record's `dest` ([M, K] int32, each held (item, k)'s coordinate in the level,
+    -1 for none)."""
+
+    spans_level = True
+
+    def copies(self, plan: DispatchPlan, shard: Shard, record):
+        return span_copies(fast_level(plan, shard), record.dest)

@@ -17,7 +17,48 @@ from jax_hybridep.sim.sweep import (
     run_sweep,
     write_csv,
 )
-from jax_hybridep.values import output_path_arg
+from jax_hybridep.values import output_path_arg, run_command
+
+# A flag's unit: (the field's value -> the flag's, the flag's value -> the field's).
+_UNITS = {
+    "": (lambda v: v, lambda v: v),
+    "ms": (lambda v: v * 1e3, lambda v: v * 1e-3),
+    "us": (lambda v: v * 1e6, lambda v: v * 1e-6),
+    "MB": (lambda v: v / 1e6, lambda v: v * 1e6),
+}
+# The flags setting one number of the cluster (`Datacenters`) or of the layer (`MoELayer`):
+# (flag, the field it sets, its unit, its type, help). Each defaults to its field's default.
+_CLUSTER_FLAGS = (
+    ("--gpus-per-dc", "gpus_per_dc", "", int, None),
+    ("--gpu-gbps", "gpu_gbps", "", float, "per-GPU link to the DC, Gbit/s"),
+    ("--wan-latency-ms", "wan_latency_s", "ms", float, "one-way WAN latency per message (RTT/2)"),
+    ("--intra-latency-us", "intra_latency_s", "us", float, None),
+    ("--msg-overhead-us", "msg_overhead_s", "us", float,
+     "per-message posting cost at the sender (serialised)"),
+    ("--header-bytes", "header_bytes", "", float, "extra bytes per message"),
+    ("--min-window-bytes", "min_window_bytes", "", float,
+     "transport minimum window (floor rate = window / RTT)"),
+    ("--congestion", "congestion_exponent", "", float,
+     "goodput exponent on links whose flows' floor rates exceed capacity (0: ideal)"),
+)  # fmt: skip
+_LAYER_FLAGS = (
+    ("--data-mb", "data_bytes", "MB", float, "D, MB per rank per all-to-all"),
+    ("--expert-mb", "expert_bytes", "MB", float, "P_E, expert MB per rank"),
+    ("--compute-ms", "compute_s", "ms", float,
+     "forward compute not overlapping communication (backward = 2x)"),
+    ("--pre-expert-ms", "pre_expert_s", "ms", float,
+     "Lat_PE, forward pre-expert compute hiding the all-gather (backward = 2x)"),
+    ("--skew", "skew", "", float, "Zipf exponent of routing over GPU index"),
+    ("--compression", "compression", "", float,
+     "SR compression of the forward expert all-gather, full / sent bytes (1: off; above 1 adds "
+     "the shared expert's all-reduce)"),
+)  # fmt: skip
+
+
+def _fields(args: argparse.Namespace, table) -> dict:
+    """The fields `table`'s flags set, in the fields' units."""
+    return {field: _UNITS[unit][1](getattr(args, flag[2:].replace("-", "_")))
+            for flag, field, unit, _, _ in table}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,34 +91,8 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--no-best", action="store_true", help="skip the best-S search")
     a("--no-planned", action="store_true", help="skip the cost model's plan (xdc.plan)")
-    a("--gpus-per-dc", type=int, default=c.gpus_per_dc)
-    a("--gpu-gbps", type=float, default=c.gpu_gbps, help="per-GPU link to the DC, Gbit/s")
-    a(
-        "--wan-latency-ms",
-        type=float,
-        default=c.wan_latency_s * 1e3,
-        help="one-way WAN latency per message (RTT/2)",
-    )
-    a("--intra-latency-us", type=float, default=c.intra_latency_s * 1e6)
-    a(
-        "--msg-overhead-us",
-        type=float,
-        default=c.msg_overhead_s * 1e6,
-        help="per-message posting cost at the sender (serialised)",
-    )
-    a("--header-bytes", type=float, default=c.header_bytes, help="extra bytes per message")
-    a(
-        "--min-window-bytes",
-        type=float,
-        default=c.min_window_bytes,
-        help="transport minimum window (floor rate = window / RTT)",
-    )
-    a(
-        "--congestion",
-        type=float,
-        default=c.congestion_exponent,
-        help="goodput exponent on links whose flows' floor rates exceed capacity (0: ideal)",
-    )
+    for flag, field, unit, kind, text in _CLUSTER_FLAGS:
+        a(flag, type=kind, default=_UNITS[unit][0](getattr(c, field)), help=text)
     a(
         "--exchange",
         choices=EXCHANGES,
@@ -85,28 +100,8 @@ def parser() -> argparse.ArgumentParser:
         help="token exchange: hierarchical (one cross-DC message per DC, then forwarded inside "
         "it; this package's runtime) or flat (every rank to every rank, as Tutel)",
     )
-    a("--data-mb", type=float, default=w.data_bytes / 1e6, help="D, MB per rank per all-to-all")
-    a("--expert-mb", type=float, default=w.expert_bytes / 1e6, help="P_E, expert MB per rank")
-    a(
-        "--compute-ms",
-        type=float,
-        default=w.compute_s * 1e3,
-        help="forward compute not overlapping communication (backward = 2x)",
-    )
-    a(
-        "--pre-expert-ms",
-        type=float,
-        default=w.pre_expert_s * 1e3,
-        help="Lat_PE, forward pre-expert compute hiding the all-gather (backward = 2x)",
-    )
-    a("--skew", type=float, default=w.skew, help="Zipf exponent of routing over GPU index")
-    a(
-        "--compression",
-        type=float,
-        default=w.compression,
-        help="SR compression of the forward expert all-gather, full / sent bytes (1: off; above "
-        "1 adds the shared expert's all-reduce)",
-    )
+    for flag, field, unit, kind, text in _LAYER_FLAGS:
+        a(flag, type=kind, default=_UNITS[unit][0](getattr(w, field)), help=text)
     a(
         "--compress-gradients",
         action="store_true",
@@ -138,15 +133,6 @@ _FLAG_CHECKS = (
     ("domains", "--domains", lambda v: v >= 1, ">= 1"),
     ("fractions", "--p", lambda v: 0 <= v <= 1, "in [0, 1]"),
 )
-# Flag -> the field it sets, to name the flag in the constructors' errors.
-_FIELDS = {
-    "--gpus-per-dc": "gpus_per_dc", "--gpu-gbps": "gpu_gbps", "--wan-latency-ms": "wan_latency_s",
-    "--intra-latency-us": "intra_latency_s", "--msg-overhead-us": "msg_overhead_s",
-    "--header-bytes": "header_bytes", "--min-window-bytes": "min_window_bytes",
-    "--congestion": "congestion_exponent", "--data-mb": "data_bytes",
-    "--expert-mb": "expert_bytes", "--compute-ms": "compute_s",
-    "--pre-expert-ms": "pre_expert_s", "--skew": "skew", "--compression": "compression",
-}  # fmt: skip
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -162,23 +148,14 @@ def check_args(args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace) -> tuple[Datacenters, MoELayer]:
     """The datacenters and layer the flags describe (ValueError naming the flag if one is bad)."""
     try:
-        cluster = Datacenters(
-            num_dcs=1, gpus_per_dc=args.gpus_per_dc, gpu_gbps=args.gpu_gbps,
-            wan_latency_s=args.wan_latency_ms * 1e-3,
-            intra_latency_s=args.intra_latency_us * 1e-6,
-            msg_overhead_s=args.msg_overhead_us * 1e-6, header_bytes=args.header_bytes,
-            min_window_bytes=args.min_window_bytes, congestion_exponent=args.congestion,
-            exchange=args.exchange,
-        )  # fmt: skip
+        cluster = Datacenters(num_dcs=1, exchange=args.exchange, **_fields(args, _CLUSTER_FLAGS))
         workload = MoELayer(
-            data_bytes=args.data_mb * 1e6, expert_bytes=args.expert_mb * 1e6,
-            compute_s=args.compute_ms * 1e-3, pre_expert_s=args.pre_expert_ms * 1e-3,
-            skew=args.skew, forward_only=args.forward_only, compression=args.compression,
-            compress_gradients=args.compress_gradients,
+            forward_only=args.forward_only, compress_gradients=args.compress_gradients,
+            **_fields(args, _LAYER_FLAGS),
         )  # fmt: skip
     except ValueError as e:
-        flags = [f for f, field in _FIELDS.items() if f".{field} " in str(e)]
-        raise ValueError(f"{' / '.join(flags) or 'flags'}: {e}") from None
+        named = [f for f, field, *_ in _CLUSTER_FLAGS + _LAYER_FLAGS if f".{field} " in str(e)]
+        raise ValueError(f"{' / '.join(named) or 'flags'}: {e}") from None
     return cluster, workload
 
 
@@ -220,7 +197,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:  # a bad flag: say which, without a traceback
-        sys.exit(f"python -m jax_hybridep.sim: error: {e}")
+    run_command(main, "python -m jax_hybridep.sim")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from collections.abc import Iterable
 
@@ -18,7 +17,7 @@ from jax_hybridep.sim.cluster import Datacenters, MoELayer
 from jax_hybridep.sim.moe_step import step_time
 from jax_hybridep.sim.policies import best_domain, fixed_domain, fixed_fraction
 from jax_hybridep.sim.sweep import BANDWIDTHS_GBPS, write_csv
-from jax_hybridep.values import output_path_arg
+from jax_hybridep.values import output_path_arg, run_command
 
 # Each assumed constant (a `Datacenters` field) and the values tried, the default among them.
 CONSTANTS = {
@@ -99,7 +98,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"python -m jax_hybridep.sim.sensitivity: error: {e}")
+    run_command(main, "python -m jax_hybridep.sim.sensitivity")

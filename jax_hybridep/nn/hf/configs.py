@@ -114,7 +114,14 @@ def _granitemoe(c):
     )
 
 
-def _deepseek_shared(c, s):
+def _deepseek(c, router):
+    """A DeepSeek-style model's settings from its router's: experts of moe_intermediate_size, and
+    its n_shared_experts shared experts as one shared expert n times as wide."""
+    s = _settings(
+        c.get("hidden_size"),
+        router,
+        dict(d_ff=c.get("moe_intermediate_size"), activation=c.activation()),
+    )
     shared = c.get("n_shared_experts", 0)
     if shared:
         s["experts"]["shared_ff"] = shared * c.get("moe_intermediate_size")
@@ -144,12 +151,7 @@ def _deepseek_v2(c):
         _groups(c, router, "max")
     elif method != "greedy":
         c.fail("topk_method", "is not 'greedy' or 'group_limited_greedy'")
-    s = _settings(
-        c.get("hidden_size"),
-        router,
-        dict(d_ff=c.get("moe_intermediate_size"), activation=c.activation()),
-    )
-    return _deepseek_shared(c, s)
+    return _deepseek(c, router)
 
 
 def _deepseek_v3(c):
@@ -165,12 +167,7 @@ def _deepseek_v3(c):
         routed_scale=float(c.get("routed_scaling_factor", 1.0)),
     )
     _groups(c, router, "top2_sum")
-    s = _settings(
-        c.get("hidden_size"),
-        router,
-        dict(d_ff=c.get("moe_intermediate_size"), activation=c.activation()),
-    )
-    return _deepseek_shared(c, s)
+    return _deepseek(c, router)
 
 
 def _dbrx(c):

@@ -236,21 +236,14 @@ class Replanner:
         check_type("workload", workload, planner.Workload, "a planner.Workload")
         if schedule is not None:
             check_type("schedule", schedule, LinkSchedule, "a LinkSchedule (LinkSchedule.parse)")
-        min_gain = check_real("Replanner: min_gain", min_gain, 0.0, 1.0, below_hi=True)
+        self.min_gain = check_real("Replanner: min_gain", min_gain, 0.0, 1.0, below_hi=True)
         self.cluster, self.workload = cluster, workload
         self.schedule = schedule or LinkSchedule()
-        self.memory_limit_bytes, self.per_layer, self.min_gain = (
-            memory_limit_bytes,
-            per_layer,
-            min_gain,
-        )
+        # How every plan is made, the first one and each re-plan.
+        self.plan_options = dict(memory_limit_bytes=memory_limit_bytes, per_layer=per_layer)
         if layer_domains is None:
-            layer_domains = planner.plan(
-                self.schedule.cluster_at(cluster, 0),
-                workload,
-                memory_limit_bytes=memory_limit_bytes,
-                per_layer=per_layer,
-            ).layer_domains
+            first = self.schedule.cluster_at(cluster, 0)
+            layer_domains = planner.plan(first, workload, **self.plan_options).layer_domains
         self.layer_domains = planner.layer_list(layer_domains, workload.layers)
         self.history: list[dict] = []
 
@@ -274,14 +267,9 @@ class Replanner:
                 f"tokens_per_expert has {len(probs)} layers, the workload {self.workload.layers}"
             )
         cluster = self.schedule.cluster_at(self.cluster, step)
+        current = tuple(self.layer_domains)
         r = replan(
-            tuple(self.layer_domains),
-            cluster,
-            self.workload,
-            probs,
-            memory_limit_bytes=self.memory_limit_bytes,
-            per_layer=self.per_layer,
-            min_gain=self.min_gain,
+            current, cluster, self.workload, probs, min_gain=self.min_gain, **self.plan_options
         )
         chosen = (
             r.plan.best

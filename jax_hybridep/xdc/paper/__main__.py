@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from jax_hybridep.values import make_parent_dirs, output_path_arg
+from jax_hybridep.values import make_parent_dirs, output_path_arg, run_command
 from jax_hybridep.xdc.paper import reproduction
 
 
@@ -36,7 +36,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:
-        sys.exit(f"python -m jax_hybridep.xdc.paper: error: {e}")
+    run_command(main, "python -m jax_hybridep.xdc.paper")
