@@ -8,8 +8,9 @@ onto the least loaded rank with room in the copy's class (primaries into primary
 into redundant ones), and improve by swapping pairs between the most loaded rank and the others.
 Copy weights follow the replica rule exactly (`Placement.slot_loads`). It tries every number of
 copies (up to `MAX_BUDGETS` of them) and keeps the lowest predicted cost; among candidates
-within `NEAR_EQUAL` of it, the one with the most copies (the prediction assumes every rank sends
-an equal share of each expert; real batches do not, and more copies absorb more of that).
+within `NEAR_EQUAL` of it (and no costlier than plain EP), the one with the most copies (the
+prediction assumes every rank sends an equal share of each expert; real batches do not, and more
+copies absorb more of that).
 
 Every plan keeps two placement rules (`spread_violations` checks them):
 
@@ -142,7 +143,9 @@ def plan_placement(
         candidates.append(Placement(tuple(map(tuple, table)), lp, ranks_per_node))
     costs = [cost(c) for c in candidates]
     lowest = min(costs)
-    near = [i for i, c in enumerate(costs) if c <= lowest * (1 + NEAR_EQUAL)]
+    # Near-equal never reaches above plain EP's cost (candidate 0): a few more copies are not
+    # worth a plan predicted worse than no plan.
+    near = [i for i, c in enumerate(costs) if c <= min(lowest * (1 + NEAR_EQUAL), costs[0])]
     # The most copies among the near-equal; then the lower cost; then the earlier candidate.
     pick = min(near, key=lambda i: (-_copies(candidates[i]), costs[i], i))
     best, best_cost = candidates[pick], costs[pick]
