@@ -144,8 +144,10 @@ def test_sr_block_values_and_gradients_equal_plain_ep_on_sparse_residuals():
         y, g = _value_and_grad(sr, X)
         if sparse:
             np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-5)
+            # The two programs sum the gradients in different orders; with entries up to ~7e3
+            # and cancelling terms, float32 leaves up to ~2e-5 of the largest entry (jax 0.11.2).
             for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0), strict=True):
-                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))
         else:
             assert float(jnp.max(jnp.abs(y - y0))) > 1e-2
 
