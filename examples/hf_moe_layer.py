@@ -7,7 +7,7 @@ each process reading only its own experts) and run under EP on 8 fake CPU device
 node/local mesh) with both backends. One line per family: the layout read, the output's norm,
 rows dropped by a Switch/GShard capacity, and whether the backends agree bit for bit.
 
-    python examples/hf_moe_layer.py [--families=mixtral,gpt_oss] [--tokens=16]
+    python examples/hf_moe_layer.py [--families=Mixtral,GPT-OSS] [--tokens=16]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ FLAGS = flags.FLAGS
 
 
 def make_mesh():
-    devices = np.asarray(jax.devices()[:8]).reshape(2, 4)
+    devices = np.asarray(jax.devices("cpu")[:8]).reshape(2, 4)  # CPU devices even beside GPUs
     return jax.sharding.Mesh(devices, ("node", "local"), axis_types=(AxisType.Auto,) * 2)
 
 
@@ -119,9 +119,12 @@ def random_checkpoint(directory, config, block, seed):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # absl's INFO lines (backend probing) are noise here
-    jax.config.update("jax_num_cpu_devices", 8)  # before any device is used; GPUs ignore it
+    jax.config.update("jax_num_cpu_devices", 8)  # before any device is used
     mesh = make_mesh()
     x = np.random.default_rng(1).normal(size=(16, FLAGS.tokens, H)).astype(np.float32)
+    unknown = sorted(set(FLAGS.families) - set(TINY))
+    if unknown:
+        raise app.UsageError(f"--families: unknown {unknown}; known: {', '.join(TINY)}")
     for name in FLAGS.families:
         config = TINY[name]
         outputs = {}

@@ -90,6 +90,20 @@ def test_layer_prefixes_follow_each_family_rule():
     }  # fmt: skip
     for name, (overrides, want) in cases.items():
         assert hf.layer_prefixes({**TINY[name], **overrides}) == want, name
+    assert hf.layer_prefixes({**TINY["Jamba"], "num_experts": 1}) == []  # every MLP dense
+    for name, field in (
+        ("DeepSeek-V3", "first_k_dense_replace"),
+        ("GLM-4.5", "first_k_dense_replace"),
+        ("Jamba", "expert_layer_period"),
+        ("Jamba", "expert_layer_offset"),
+    ):
+        with pytest.raises(ValueError, match=f"lacks '{field}'"):
+            hf.layer_prefixes({k: v for k, v in TINY[name].items() if k != field})
+    dbrx = {
+        **TINY["DBRX"],
+        "ffn_config": {**TINY["DBRX"]["ffn_config"], "moe_normalize_expert_weights": None},
+    }
+    assert hf.block_kwargs(dbrx)["router"].normalize is False  # null: no normalisation
     text = {
         **TINY["Llama-4"]["text_config"],
         "num_hidden_layers": 4,
@@ -121,6 +135,13 @@ def test_layer_prefixes_follow_each_family_rule():
          "moe_eval_capacity_token_fraction=0.5"),
         ({**TINY["NLLB-MoE"], "batch_prioritized_routing": True}, ValueError,
          "batch_prioritized_routing"),
+        # Fields whose HF default differs by family are required (not read as another model).
+        *[({k: v for k, v in TINY[family].items() if k != field}, ValueError, f"lacks '{field}'")
+          for family, fields in (
+              ("DeepSeek-V3", ("n_group", "routed_scaling_factor", "n_shared_experts")),
+              ("GLM-4.5", ("n_group", "routed_scaling_factor", "n_shared_experts")),
+              ("Qwen2-MoE", ("shared_expert_intermediate_size",)),
+          ) for field in fields],
     ],
 )  # fmt: skip
 def test_config_errors_name_the_field(config, error, match):
@@ -330,3 +351,43 @@ def test_gpt_oss_mxfp4_files_load_as_their_decoded_values():
     hf.load_block(blocks[1], dense, prefix)
     for key, value in params(blocks[1]).items():
         np.testing.assert_array_equal(params(blocks[0])[key], value, err_msg=key)
+
+
+def test_deepseek_v3_fp8_files_load_as_their_dequantized_values(tmp_path):
+    """DeepSeek-V3's released format: the expert and shared-expert weights float8 e4m3 with a
+    float32 scale per block (config's weight_block_size; 4 x 3 here, so edge blocks are partial)
+    load as value x scale, from safetensors files and from arrays; a float8 weight without its
+    scales, or scales of another block size, is refused."""
+    config = {
+        **TINY["DeepSeek-V3"],
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [4, 3]},
+    }
+    prefix = hf.layer_prefixes(config)[0]
+    blocks = [build("DeepSeek-V3") for _ in range(3)]
+    dense = random_tensors(blocks[0], prefix, "deepseek_v3")
+    rng = np.random.default_rng(3)
+    stored = dict(dense)
+    for name, value in dense.items():
+        if not name.endswith("proj.weight"):  # the router stays unquantized, as released
+            continue
+        out, inp = value.shape
+        scale = rng.uniform(0.01, 0.1, size=(-(-out // 4), -(-inp // 3))).astype(np.float32)
+        full = np.repeat(np.repeat(scale, 4, 0), 3, 1)[:out, :inp]
+        stored[name] = (value / full).astype(ml_dtypes.float8_e4m3fn)
+        stored[name + "_scale_inv"] = scale
+        dense[name] = stored[name].astype(np.float32) * full
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert hf.load_checkpoint(str(tmp_path), {prefix: blocks[0]})[prefix].startswith("per-expert")
+    hf.load_block(blocks[1], stored, prefix, fp8_block=(4, 3))
+    want = build("DeepSeek-V3")
+    hf.load_block(want, dense, prefix)
+    for key, value in params(want).items():
+        np.testing.assert_array_equal(params(blocks[0])[key], value, err_msg=key)
+        np.testing.assert_array_equal(params(blocks[1])[key], value, err_msg=key)
+    name = f"{prefix}.experts.0.up_proj.weight"
+    with pytest.raises(ValueError, match=f"'{name}' is float8_e4m3fn without '{name}_scale_inv'"):
+        hf.load_block(blocks[2], {k: v for k, v in stored.items() if k != name + "_scale_inv"},
+                      prefix)  # fmt: skip
+    with pytest.raises(ValueError, match=r"in 128 x 128 blocks has scales of shape \(1, 1\)"):
+        hf.load_block(blocks[2], stored, prefix)

@@ -7,30 +7,52 @@ process holds from disk.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
 
-from jax_hybridep.nn.hf import configs, prefixes
+import ml_dtypes  # numpy learns "bfloat16" for BF16 slices; the float8 types
+import numpy as np
+
+from jax_hybridep.nn.hf import block_fp8, configs, prefixes
 from jax_hybridep.nn.hf.loader import load_block
+
+_FLOAT8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class _LazyTensor:
-    """A safetensors tensor read on slicing (`[...]` reads all of it)."""
+    """A safetensors tensor read on slicing (`[...]` reads all of it). float8 tensors (which the
+    safetensors numpy API cannot read) are read from a memory map of the file."""
 
-    def __init__(self, handle, name):
+    def __init__(self, handle, name, path):
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        self._path, self._name = path, name
+        float8 = _FLOAT8.get(self._slice.get_dtype())
+        self.dtype = getattr(ml_dtypes, float8) if float8 else None
 
     def __getitem__(self, index):
-        return self._slice[index]
+        if self.dtype is None:
+            return self._slice[index]
+        entry, start = _header(self._path)
+        begin, end = entry[self._name]["data_offsets"]
+        raw = np.memmap(self._path, np.uint8, "r", offset=start + begin, shape=(end - begin,))
+        return np.asarray(raw.view(self.dtype).reshape(self.shape)[index])
+
+
+@functools.lru_cache(maxsize=64)
+def _header(path) -> tuple[dict, int]:
+    """(safetensors header, offset of its data) of a file."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
 
 
 class Checkpoint(Mapping):
     """Tensor name -> lazy tensor over a set of safetensors files (numpy API, no torch)."""
 
     def __init__(self, files: Sequence[str], weight_map: Mapping[str, str] | None = None):
-        import ml_dtypes  # noqa: F401, PLC0415  (numpy learns "bfloat16" for BF16 slices)
         from safetensors import safe_open  # noqa: PLC0415  (optional dependency: extra "hf")
 
         self._handles = {}
@@ -47,7 +69,8 @@ class Checkpoint(Mapping):
                     raise ValueError(f"the index maps {name!r} to {file!r}, not found there")
 
     def __getitem__(self, name):
-        return _LazyTensor(self._handles[self._where[name]], name)
+        path = self._where[name]
+        return _LazyTensor(self._handles[path], name, path)
 
     def __contains__(self, name):
         return name in self._where
@@ -119,7 +142,8 @@ def load_checkpoint(path, blocks, *, config: Mapping | None = None) -> dict[str,
             )
         blocks = dict(zip(names, blocks, strict=True))
     tensors = Checkpoint(files, weight_map)
+    fp8_block = block_fp8.block_size(config)
     return {
-        prefix: load_block(block, tensors, prefix, model_type=model_type)
+        prefix: load_block(block, tensors, prefix, model_type=model_type, fp8_block=fp8_block)
         for prefix, block in blocks.items()
     }

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 _REQUIRED = object()
+# A field whose default differs between HF's families (or versions) has none here: a config
+# without it is refused, naming it, rather than read as another model.
 
 
 class _Config:
@@ -77,7 +79,7 @@ def _qwen2_moe(c):
         ff_key="moe_intermediate_size",
         normalize=bool(c.get("norm_topk_prob", False)),
     )
-    shared = c.get("shared_expert_intermediate_size", 0)
+    shared = c.get("shared_expert_intermediate_size")
     if shared:
         s["experts"].update(shared_ff=shared, shared_gate=True)
     return s
@@ -114,7 +116,7 @@ def _granitemoe(c):
     )
 
 
-def _deepseek(c, router):
+def _deepseek(c, router, shared_default=_REQUIRED):
     """A DeepSeek-style model's settings from its router's: experts of moe_intermediate_size, and
     its n_shared_experts shared experts as one shared expert n times as wide."""
     s = _settings(
@@ -122,14 +124,14 @@ def _deepseek(c, router):
         router,
         dict(d_ff=c.get("moe_intermediate_size"), activation=c.activation()),
     )
-    shared = c.get("n_shared_experts", 0)
+    shared = c.get("n_shared_experts", shared_default)
     if shared:
         s["experts"]["shared_ff"] = shared * c.get("moe_intermediate_size")
     return s
 
 
-def _groups(c, router, score):
-    groups = c.get("n_group", 1)
+def _groups(c, router, score, default=_REQUIRED):
+    groups = c.get("n_group", default)
     if groups > 1:
         router.update(num_groups=groups, topk_groups=c.get("topk_group"), group_score=score)
 
@@ -148,10 +150,10 @@ def _deepseek_v2(c):
     )
     method = c.get("topk_method", "greedy")
     if method == "group_limited_greedy":
-        _groups(c, router, "max")
+        _groups(c, router, "max", default=1)
     elif method != "greedy":
         c.fail("topk_method", "is not 'greedy' or 'group_limited_greedy'")
-    return _deepseek(c, router)
+    return _deepseek(c, router, shared_default=0)
 
 
 def _deepseek_v3(c):
@@ -164,7 +166,7 @@ def _deepseek_v3(c):
         top_k=c.get("num_experts_per_tok"),
         score_fn="sigmoid",
         normalize=bool(c.get("norm_topk_prob", True)),
-        routed_scale=float(c.get("routed_scaling_factor", 1.0)),
+        routed_scale=float(c.get("routed_scaling_factor")),
     )
     _groups(c, router, "top2_sum")
     return _deepseek(c, router)
@@ -172,7 +174,7 @@ def _deepseek_v3(c):
 
 def _dbrx(c):
     ffn = _Config(c.get("ffn_config"), c.model_type)
-    p = ffn.get("moe_normalize_expert_weights", 1)
+    p = ffn.config.get("moe_normalize_expert_weights", 1)  # null: no normalisation
     if p not in (None, 1, 1.0):
         ffn.fail("moe_normalize_expert_weights", "is not 1 or None (only the L1 norm is offered)")
     return _settings(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep.nn.hf import layouts
+from jax_hybridep.nn.hf import block_fp8, layouts
 
 
 def _join(prefix: str, rel: str) -> str:
@@ -227,7 +227,14 @@ def tensor_shapes(block, prefix: str, model_type: str) -> dict[str, tuple[int, .
     return plan.expected
 
 
-def load_block(block, tensors: Mapping, prefix: str, *, model_type: str | None = None) -> str:
+def load_block(
+    block,
+    tensors: Mapping,
+    prefix: str,
+    *,
+    model_type: str | None = None,
+    fp8_block: tuple[int, int] = block_fp8.DEFAULT_BLOCK,
+) -> str:
     """Sets one MoE layer's parameters of `block` from HuggingFace tensors.
 
     Args:
@@ -236,6 +243,9 @@ def load_block(block, tensors: Mapping, prefix: str, *, model_type: str | None =
         numpy, e.g. `load_checkpoint`'s lazy safetensors tensors).
       prefix: the layer's MoE module, e.g. "model.layers.3.mlp" (`hf.layer_prefixes`).
       model_type: the family (config.json's model_type); None finds the layout from the names.
+      fp8_block: the block of block-scaled FP8 weights (a float8 `{name}` with its
+        `{name}_scale_inv`, `nn.hf.block_fp8`): config.json's
+        quantization_config.weight_block_size; they load as their dequantized values.
 
     Returns:
       The name of the layout read.
@@ -244,15 +254,8 @@ def load_block(block, tensors: Mapping, prefix: str, *, model_type: str | None =
       ValueError: unknown model_type, no known layout under prefix, or (all at once) missing
         tensors, wrong shapes and tensors the block cannot hold.
     """
-    if model_type is not None:
-        candidates = layouts.FAMILY_LAYOUTS.get(model_type)
-        if candidates is None:
-            raise ValueError(
-                f"unknown model_type {model_type!r}: jax_hybridep.nn.hf knows "
-                f"{sorted(layouts.FAMILY_LAYOUTS)}"
-            )
-    else:
-        candidates = layouts.ALL_LAYOUTS
+    candidates = layouts.ALL_LAYOUTS if model_type is None else _family_layouts(model_type)
+    tensors = block_fp8.dequantizing(tensors, fp8_block)
 
     def has(rel):
         return _join(prefix, rel) in tensors
@@ -264,11 +267,11 @@ def load_block(block, tensors: Mapping, prefix: str, *, model_type: str | None =
             f"{_under(tensors, prefix)}; layouts look for: "
             f"{[list(layout.signature) for layout in candidates]}"
         )
-    best = max(_specificity(layout, has) for layout in present)
+    specificity = [_specificity(layout, has) for layout in present]
     plans = [
         _plan(block, tensors, prefix, layout)
-        for layout in present
-        if _specificity(layout, has) == best
+        for layout, n in zip(present, specificity, strict=True)
+        if n == max(specificity)
     ]
     good = [plan for plan in plans if not plan.problems]
     if len(good) > 1 and all(plan.expected == good[0].expected for plan in good):

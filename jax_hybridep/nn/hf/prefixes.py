@@ -26,17 +26,21 @@ def layer_prefixes(config: Mapping) -> list[str]:
             c, layers + "mlp", lambda i: i not in dense and (i + 1) % step == 0, "num_hidden_layers"
         )
     if name in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
-        first, freq = c.get("first_k_dense_replace", 0), c.get("moe_layer_freq", 1)
+        # HF's default differs between these families: deepseek_v2's is 0, the others' not.
+        first = c.get("first_k_dense_replace", *((0,) if name == "deepseek_v2" else ()))
+        freq = c.get("moe_layer_freq", 1)
         return _layers(
             c, layers + "mlp", lambda i: i >= first and i % freq == 0, "num_hidden_layers"
         )
     if name in ("olmoe", "gpt_oss"):
         return _layers(c, layers + "mlp", lambda i: True, "num_hidden_layers")
     if name == "jamba":
-        period, offset = c.get("expert_layer_period", 1), c.get("expert_layer_offset", 0)
+        period, offset = c.get("expert_layer_period"), c.get("expert_layer_offset")
+        sparse = c.get("num_experts") > 1  # one expert: every layer is a dense MLP
         return _layers(
-            c, layers + "feed_forward", lambda i: i % period == offset, "num_hidden_layers"
-        )
+            c, layers + "feed_forward", lambda i: sparse and i % period == offset,
+            "num_hidden_layers",
+        )  # fmt: skip
     if name == "dbrx":
         return _layers(c, "transformer.blocks.{i}.ffn", lambda i: True, "n_layers")
     if name in ("llama4", "llama4_text"):
