@@ -286,7 +286,6 @@ def main(argv):
         console.width = max(console.width, 132)
         run(settings, console)
 
-    # Default: the example's 8 ranks (RANKS) split over the processes.
     run_job(SCRIPT, [*names, *migration_flags(xdc.Migration())], body)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import os
 
 import jax
@@ -54,6 +55,12 @@ class ByteData:
         data = np.frombuffer(stdlib_corpus(), np.uint8)
         split = int(len(data) * (1.0 - eval_fraction))
         return cls(train=data[:split], eval=data[split:])
+
+    def digest(self) -> str:
+        """A short digest of both streams (processes compare theirs)."""
+        h = hashlib.sha256(self.train.tobytes())
+        h.update(self.eval.tobytes())
+        return h.hexdigest()[:16]
 
     def train_batch(self, seed: int, step: int, batch: int, seq_len: int, rows=None):
         """Random windows for one step: (inputs, targets), each [batch, seq_len] int32, or

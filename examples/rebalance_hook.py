@@ -44,7 +44,7 @@ class Rebalancer:
         self.tags, blocks = balance.expert_tags(model, params)
         self.placements = [b.placement for b in blocks]
         self.loads: list[np.ndarray | None] = [None] * len(blocks)
-        self.events: list[dict] = []
+        self.last_events: list[dict] = []  # the last `rebalance`'s, one per measured block
         # Charged replica sync (--charge_sync): an expert's weights against the bytes a routed
         # row moves per step (dispatch and combine, forward and backward).
         itemsize = 4  # float32 parameters and activations
@@ -65,13 +65,12 @@ class Rebalancer:
 
     def rebalance(self, step, graphdef, params, rest, opt_state):
         """Re-places every block from its load average (process 0's decision). Returns
-        (changed, graphdef, params, rest, opt_state) with the state moved; an event per block
-        is kept in `events`."""
+        (changed, graphdef, params, rest, opt_state) with the state moved; an event per measured
+        block is kept in `last_events`."""
         decision = self.processes.decide(f"rebalance {step}", lambda: self._plan(step))
         perms, changed = [], False
-        for i, (placement, event) in enumerate(decision):
-            if event is not None:
-                self.events.append(event)
+        self.last_events = [event for _, event in decision if event is not None]
+        for i, (placement, _) in enumerate(decision):
             if placement is None:
                 perms.append(None)
                 continue
@@ -84,7 +83,7 @@ class Rebalancer:
                 f"step {step}: the processes hold different expert placements after the same "
                 f"re-balancing decision (digests {digests})"
             )
-        for event in self.events[-len(decision) :]:
+        for event in self.last_events:
             event["placement_digests"] = digests
         if not changed:
             return False, graphdef, params, rest, opt_state

@@ -271,6 +271,13 @@ def _check_mesh(cfg: TrainConfig, devices) -> None:
     except ValueError as err:
         raise FlagError(str(err)) from None
     spec = cfg.mesh or ",".join(f"{n}={s}" for n, s in mesh.shape.items())
+    processes = len({d.process_index for d in devices})
+    if processes > 1 and mesh.devices.size < len(devices):
+        raise FlagError(
+            f"--mesh={spec} uses {mesh.devices.size} of the {len(devices)} devices of the "
+            f"{processes} processes; with several processes the mesh must use every device "
+            "(each process feeds its own)"
+        )
     ep = topology.ep_size
     if cfg.experts % ep:
         raise FlagError(

@@ -94,8 +94,8 @@ def define_flags() -> None:
     flags.DEFINE_bool(
         "resume", False,
         "restore the checkpoint in --output_dir and continue; every flag must equal the "
-        f"checkpoint's except {', '.join('--' + n for n in RESUMABLE_FLAGS)} (and the process "
-        "flags)",
+        f"checkpoint's except {', '.join('--' + n for n in RESUMABLE_FLAGS)}, "
+        "--coordinator_address, --process_id and --heartbeat_timeout_s",
     )  # fmt: skip
 
 

@@ -121,6 +121,13 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
     processes = processes or train_processes.current()
     console = console or Console(soft_wrap=True)
     data = ByteData.load()
+    # Every host builds the corpus from its own Python's stdlib: they must hold the same bytes.
+    corpus = processes.exchange("corpus", data.digest())
+    if len(set(corpus)) > 1:
+        raise FlagError(
+            f"the training text differs between processes (digests {corpus}): every host must "
+            "run the same Python, whose stdlib is the corpus"
+        )
     devices = global_devices()
     check_config(cfg, devices, data)
     mesh, topology = make_mesh(cfg.mesh, devices)
@@ -254,7 +261,7 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
         changed, graphdef, params, rest, opt_state = balancer.rebalance(
             step, graphdef, params, rest, opt_state
         )
-        events = balancer.events[-len(balancer.placements) :]
+        events = balancer.last_events
         history["rebalances"] += events
         console.print(rebalance_line(step, events), highlight=False)
         return changed
@@ -356,21 +363,24 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
 
 
 def run_job(script: str, flag_names, body: Callable[[Processes], object]) -> None:
-    """Runs `body(processes)` as this process of the job the process flags describe, once every
-    process agrees on the flags `flag_names` (and the process flags) and the liveness watch runs.
+    """Runs `body(processes)` as this process of the job the process flags describe, once the
+    liveness watch runs and every process agrees on the flags `flag_names` (and the process
+    flags); then waits for every process to finish.
 
     An expected error (a bad flag, an unusable --resume checkpoint, a non-finite loss, an I/O
     error) ends every process with one line naming it; any other as
-    `train_processes.end_unexpected` says (a peer's death named by the liveness thread, else
-    published to the peers and raised).
+    `train_processes.end_unexpected` says.
     """
     processes = Processes()
     try:
         processes = train_processes.start(train_processes.config_from_flags())
+        processes.watch(script)
         names = [*flag_names, *train_processes.SHARED_FLAGS]
         processes.agree_on_flags(train_processes.command_line_values(names))
-        processes.watch(script)
         body(processes)
+        # Process 0 writes the outputs after the others' last step: they wait here (watched)
+        # rather than in the runtime's shutdown barrier, whose timeout is short.
+        processes.barrier("outputs written")
     except (FlagError, ResumeError, FloatingPointError, OSError) as err:
         train_processes.exit_with(processes, script, err)
     except BaseException as err:

@@ -32,6 +32,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from numbers import Integral
@@ -59,7 +60,8 @@ class ProcessConfig:
       coordinator_address: "host:port" of process 0's coordination service; None: one process,
         or the cluster the environment describes.
       num_processes, process_id: the job's process count and this process's index.
-      cpu_devices: fake CPU devices of this process (None: 8 / num_processes); ignored on GPUs.
+      cpu_devices: fake CPU devices of this process (None: 8 / num_processes when that is whole,
+        else JAX's default); ignored on GPUs.
       heartbeat_timeout_s: a peer silent for this long is declared gone and this process exits.
     """
 
@@ -332,17 +334,21 @@ _PEER_LOST = re.compile(r"gloo|nccl|connection|unavailable|socket", re.IGNORECAS
 
 
 def end_unexpected(processes: Processes, script: str, err: BaseException) -> None:
-    """Ends the run on an unexpected error. With several processes, a collective that failed
+    """Ends the run on an unexpected error. Alone, the error is raised. With several processes
+    the error is not raised (the interpreter's exit would meet the runtime's shutdown barrier,
+    where the runtime aborts the process with a native stack dump): a collective that failed
     because a peer died (the peer's socket closed under it) waits for the liveness thread's
-    verdict, which names the missing process, instead of raising: the interpreter's exit would
-    meet the runtime's shutdown barrier, and the runtime aborts the process there with a native
-    stack dump. Any other error is published to the peers and raised."""
-    if processes.count > 1 and isinstance(err, jax.errors.JaxRuntimeError):
-        if _PEER_LOST.search(str(err)):
-            processes.await_verdict()  # exits the process when the watchdog names the peer
-        processes.die(f"{processes.error_prefix(script)}: {_first_line(err)}")
-    processes.fail(f"{type(err).__name__}: {err}")
-    raise err
+    verdict, which names the missing process; any other error prints its traceback (each line
+    naming this process) and ends every process with its first line."""
+    if processes.count == 1:
+        processes.fail(f"{type(err).__name__}: {err}")
+        raise err
+    if isinstance(err, jax.errors.JaxRuntimeError) and _PEER_LOST.search(str(err)):
+        processes.await_verdict()  # exits the process when the watchdog names the peer
+    prefix = processes.error_prefix(script)
+    for line in "".join(traceback.format_exception(err)).rstrip().splitlines():
+        print(f"{prefix}: {line}", file=sys.stderr)
+    processes.die(f"{prefix}: {_first_line(err)}")
 
 
 _current: Processes | None = None  # this process's job, once `start` joined it
@@ -362,18 +368,21 @@ def start(pc: ProcessConfig) -> Processes:
     pc.check()
     detected = None
     if pc.num_processes is None:
-        detected = compat.detected_cluster()
+        try:
+            detected = compat.detected_cluster()
+        except Exception as err:  # noqa: BLE001  (a cluster module's own error)
+            raise FlagError(
+                f"cannot read the cluster environment: {_first_line(err)}; give "
+                "--coordinator_address, --num_processes and --process_id"
+            ) from None
     count = pc.num_processes or (detected[1] if detected else 1)
     devices = pc.cpu_devices
-    if devices is None:
-        if DEFAULT_CPU_DEVICES % count:
-            raise FlagError(
-                f"--cpu_devices is needed: the default {DEFAULT_CPU_DEVICES} / {count} processes "
-                "is not a whole number"
-            )
+    if devices is None and DEFAULT_CPU_DEVICES % count == 0:
         devices = DEFAULT_CPU_DEVICES // count
     # Fake CPU devices when there is no GPU; must precede any backend use (ignored on GPUs).
-    jax.config.update("jax_num_cpu_devices", devices)
+    # Otherwise (a count that does not divide 8) JAX's default: the mesh check names the gap.
+    if devices is not None:
+        jax.config.update("jax_num_cpu_devices", devices)
     if pc.coordinator_address is None and detected is None:
         _current = Processes()
         return _current
@@ -391,9 +400,8 @@ def start(pc: ProcessConfig) -> Processes:
         )
     except Exception as err:  # the runtime raises its own types
         where = pc.coordinator_address or f"the {detected[0]} environment"
-        raise FlagError(
-            f"cannot join the job at {where} as process {pc.process_id}: {_first_line(err)}"
-        ) from None
+        me = "" if pc.process_id is None else f" as process {pc.process_id}"
+        raise FlagError(f"cannot join the job at {where}{me}: {_first_line(err)}") from None
     _quiet_native_stdout()
     processes = Processes(
         jax.process_index(), jax.process_count(), compat.distributed_client(),
