@@ -46,6 +46,8 @@ class Topology:
         if isinstance(self.mesh_axes, str) or not isinstance(self.mesh_axes, Sequence):
             raise TypeError(f"Topology mesh_axes must be a sequence of axis names, got "
                             f"{short(self.mesh_axes)}")  # fmt: skip
+        if isinstance(self.mesh_shape, np.ndarray) and self.mesh_shape.ndim == 1:
+            object.__setattr__(self, "mesh_shape", self.mesh_shape.tolist())
         if isinstance(self.mesh_shape, str) or not isinstance(self.mesh_shape, Sequence):
             raise TypeError(f"Topology mesh_shape must be a sequence of axis sizes, got "
                             f"{short(self.mesh_shape)}")  # fmt: skip

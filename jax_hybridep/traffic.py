@@ -278,10 +278,12 @@ def crossing_bytes(
     collectives); a group printed otherwise raises ValueError rather than being miscounted.
     """
     check_str("hlo_text", hlo_text)
-    if isinstance(axes, str):
-        axes = {axes}
-    elif not isinstance(axes, Iterable) or not axes or not all(isinstance(a, str) for a in axes):
-        raise TypeError(f"axes must be a mesh axis name or a collection of them, got {short(axes)}")
+    given = axes
+    axes = {axes} if isinstance(axes, str) else list(axes) if isinstance(axes, Iterable) else None
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(
+            f"axes must be a mesh axis name or a collection of them, got {short(given)}"
+        )
     axes = set(axes)
     if dtype is not None:
         check_str("dtype", dtype, tuple(_DTYPE_BYTES))

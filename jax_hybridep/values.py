@@ -127,7 +127,7 @@ def check_array(
     except (TypeError, ValueError):  # ragged nesting, or a traced value
         raise TypeError(f"{name} must be an array of numbers, got {short(value)}") from None
     kinds = "iu" if integer else "iuf"
-    if arr.dtype.kind not in kinds:
+    if arr.dtype.kind not in kinds and arr.size:  # np.asarray([]) is float64
         want = "integers" if integer else "real numbers"
         raise TypeError(f"{name} must hold {want}, got dtype {arr.dtype}: {short(value)}")
     if ndim is not None and arr.ndim != ndim:

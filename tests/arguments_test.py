@@ -411,3 +411,9 @@ def test_sim_cli_refuses_a_bad_output_path_before_the_sweep(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith(f"argument --csv: '{bad}' cannot be created: "
                             f"'{tmp_path / 'file'}' is a file")  # fmt: skip
+
+
+def test_empty_lists_and_numpy_shapes_are_accepted_where_valid():
+    assert values.check_array("x", [], integer=True, nonempty=False).size == 0
+    shape = hep.Topology(mesh_axes=("ep",), mesh_shape=np.array([4]), levels=("ep",)).mesh_shape
+    assert shape == (4,) and type(shape[0]) is int

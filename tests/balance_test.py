@@ -459,6 +459,14 @@ def test_setting_errors():
         hnn.MoEBlock(8, balance=balance.BalanceConfig(placement=placement), **kwargs)
     with pytest.raises(ValueError, match="has 1 redundant slots per rank, redundant_slots=2"):
         balance.BalanceConfig(2, balance.Placement.default(16, 8, 1))
+    with pytest.raises(ValueError, match="has 1 redundant slots per rank, redundant_slots=0"):
+        balance.BalanceConfig(0, balance.Placement.default(16, 8, 1))
+    assert (
+        balance.BalanceConfig(placement=balance.Placement.default(8, 4, 1)).redundant_slots is None
+    )
+    block = hnn.MoEBlock(8, balance=balance.BalanceConfig(), **kwargs)
+    with pytest.raises(ValueError, match="placement has 1 redundant slots per rank; the block was"):
+        block.set_placement(balance.Placement.default(8, 4, 1))
     with pytest.raises(TypeError, match="balance must be a jax_hybridep.balance.BalanceConfig"):
         hnn.MoEBlock(8, balance=1, **kwargs)
     with pytest.raises(ValueError, match="placement spans 8 ranks"):

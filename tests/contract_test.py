@@ -6,8 +6,9 @@ compiled program per route kind, on several routings (random ids with -1 and inv
 adversarial ones). On the reference kind (`xla`) each routing is checked against the independent
 numpy model of §2.1 (tests/harness.py): the rows and their order, row weights, group sizes
 (padded), kept, dropped and invalid counts, tokens per expert and the copies sent at each level
-exactly; the output and gradients against the dense MoE. Every other kind must give the
-reference's bits on every output, count and gradient (§2.1.4: the summation order is fixed).
+exactly; the output (and, in float32, the gradients) against the dense MoE. Every other kind
+must give the reference's bits on every output, count and gradient (§2.1.4: the summation order
+is fixed).
 Adding a route kind adds a column; adding a case adds a row (tests/contract_cases.py).
 """
 

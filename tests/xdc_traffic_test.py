@@ -56,6 +56,7 @@ def test_crossing_bytes_filters_per_array():
     params = traffic.crossing_bytes(HLO, "dc", operands=lambda kind, shape: len(shape) >= 1)
     assert params["all-reduce"] == 32 + 32 + 32 + 24
     assert traffic.crossing_bytes(HLO, "local")["all-gather"] == 64 // 2  # the async one
+    assert traffic.crossing_bytes(HLO, (a for a in ["dc"])) == every  # a one-shot iterable
     with pytest.raises(ValueError, match="op must be one of"):
         traffic.collectives(HLO, "all-scatter")
     with pytest.raises(ValueError, match="unknown HLO element type 'q7'"):

@@ -18,21 +18,24 @@ class BalanceConfig:
     (`MoEBlock.set_placement`). Exact: values and gradients equal the block without copies'.
 
     Attributes:
-      redundant_slots: extra expert slots per EP rank for copies of hot experts (0: none).
+      redundant_slots: extra expert slots per EP rank for copies of hot experts (0: none);
+        None: the placement's (0 without one).
       placement: the `Placement` to start from; None: plain EP's order, redundant slots empty.
     """
 
-    redundant_slots: int = 0
+    redundant_slots: int | None = None
     placement: Placement | None = None
 
     def __post_init__(self):
-        check_int("BalanceConfig.redundant_slots", self.redundant_slots, 0)
+        if self.redundant_slots is not None:
+            check_int("BalanceConfig.redundant_slots", self.redundant_slots, 0)
         p = self.placement
         if p is not None and not isinstance(p, Placement):
             raise TypeError(
                 f"BalanceConfig.placement must be a jax_hybridep.balance.Placement, got {p!r}"
             )
-        if p is not None and self.redundant_slots and p.redundant_per_rank != self.redundant_slots:
+        slots = self.redundant_slots
+        if p is not None and slots is not None and p.redundant_per_rank != slots:
             raise ValueError(
                 f"BalanceConfig.placement has {p.redundant_per_rank} redundant slots per rank, "
                 f"redundant_slots={self.redundant_slots}"
@@ -42,7 +45,7 @@ class BalanceConfig:
         """The starting placement for `num_experts` experts on `topology`'s EP group (ValueError
         when a given placement is for other experts or ranks)."""
         if self.placement is None:
-            return Placement.for_topology(num_experts, topology, self.redundant_slots)
+            return Placement.for_topology(num_experts, topology, self.redundant_slots or 0)
         p, ranks = self.placement, topology.ep_size
         if (p.num_experts, p.num_ranks) != (num_experts, ranks):
             raise ValueError(

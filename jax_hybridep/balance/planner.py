@@ -80,7 +80,8 @@ def plan_placement(
     row_bytes: int = 0,
     min_gain: float = 0.02,
 ) -> BalancePlan:
-    """A placement of `len(load)` logical experts that minimises the largest per-rank load.
+    """A placement of `len(load)` logical experts with (near) the lowest largest per-rank load
+    (among plans within `NEAR_EQUAL` of it, the one with the most copies; module docstring).
 
     Args:
       load: [E] non-negative expected rows per expert per step, e.g. a moving average of

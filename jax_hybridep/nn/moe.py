@@ -360,6 +360,11 @@ class MoEBlock(nnx.Module):
         if self.placement is None:
             raise ValueError("set_placement needs a block built with a balance config")
         slots = self.placement.redundant_per_rank
+        if isinstance(placement, balance_lib.Placement) and placement.redundant_per_rank != slots:
+            raise ValueError(
+                f"placement has {placement.redundant_per_rank} redundant slots per rank; the "
+                f"block was built with {slots} (its slot layout is fixed)"
+            )
         new = balance_lib.BalanceConfig(slots, placement).placement_for(
             self.dispatch_config.num_experts, self.topology
         )

@@ -11,7 +11,7 @@ placed on the replica inside the sender's own domain (`DispatchConfig.expert_pla
 S = 1 everywhere is plain EP; S = a level's size means no token crosses that level.
 
 Gradients are exact: the all-gather's transpose is a reduce-scatter that returns every replica's
-gradient to the owner. `migration` (`xdc.compress.Migration`) can compress what travels: SR
+gradient to the owner. `migration` (`xdc.Migration`) can compress what travels: SR
 compression of the forward gather and gradient compression of the reduce-scatter, neither exact
 (`jax_hybridep.xdc.compress`); the collectives themselves are in `xdc.migrate`.
 
