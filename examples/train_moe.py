@@ -363,9 +363,9 @@ def _loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, ba
 
 
 def run_job(script: str, flag_names, body: Callable[[Processes], object]) -> None:
-    """Runs `body(processes)` as this process of the job the process flags describe, once the
-    liveness watch runs and every process agrees on the flags `flag_names` (and the process
-    flags); then waits for every process to finish.
+    """Runs `body(processes)` as this process of the job the process flags describe, once every
+    process agrees on the flags `flag_names` (and the process flags) and the liveness watch
+    runs; then waits for every process to finish.
 
     An expected error (a bad flag, an unusable --resume checkpoint, a non-finite loss, an I/O
     error) ends every process with one line naming it; any other as
@@ -374,9 +374,10 @@ def run_job(script: str, flag_names, body: Callable[[Processes], object]) -> Non
     processes = Processes()
     try:
         processes = train_processes.start(train_processes.config_from_flags())
-        processes.watch(script)
         names = [*flag_names, *train_processes.SHARED_FLAGS]
+        # Before the watch: a flag error is then each process's own line, not a peer's verdict.
         processes.agree_on_flags(train_processes.command_line_values(names))
+        processes.watch(script)
         body(processes)
         # Process 0 writes the outputs after the others' last step: they wait here (watched)
         # rather than in the runtime's shutdown barrier, whose timeout is short.
