@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jax_hybridep import _native
@@ -165,3 +166,38 @@ def test_send_plan_stages_whole_rows_in_opted_in_shared_memory():
     wide = native.cuda_v2_plan_send(96 * KIB, 8)
     assert wide["pieces"] >= 2 and wide["stages"] >= 4 and wide["smem_bytes"] <= 227 * KIB
     assert native.cuda_v2_plan_send(150 * KIB, 8, fp8_hidden=75 * KIB)["stages"] == 0
+
+
+def test_every_send_plan_has_the_stages_its_warps_need():
+    """Fewer than 4 stages would deadlock the loader warp against the 3 store warps (the waits
+    on shared-memory barriers have no timeout): every plan has >= 4 or none, its pieces cover
+    the row and it fits the budget (e.g. budget 106144 with 100000-byte rows once gave 3)."""
+    rng = np.random.default_rng(0)
+    cases = [(100000, 106144)] + [
+        (int(rng.integers(16, 200 * KIB)), int(rng.integers(8 * KIB, 227 * KIB)))
+        for _ in range(2000)
+    ]
+    for row, budget in cases:
+        plan = native.cuda_v2_plan_send(row, 8, budget=budget)
+        if plan["stages"] == 0:
+            continue
+        assert plan["stages"] >= 4, (row, budget, plan)
+        assert plan["pieces"] * plan["stage_bytes"] >= row and plan["stage_bytes"] % 16 == 0
+        assert plan["smem_bytes"] <= budget, (row, budget, plan)
+
+
+def test_the_fp8_width_check_mirrors_the_send_plan():
+    """cuda_v2.fp8_token_fits (the trace-time check of FP8 over v2) says yes exactly where the
+    send kernel's plan has stages, for every GPU count: a 48 KiB token fits 61 GPUs, not 62."""
+    from jax_hybridep.exchange import cuda_v2
+
+    for ranks in (1, 2, 8, 61, 62, 64, 72):
+        for hidden in (128, 1000, 4096, 7168, 12288, 16384, 24576, 32768):
+            for itemsize in (2, 4):
+                token = hidden * itemsize
+                plan = native.cuda_v2_plan_send(token, ranks, fp8_hidden=hidden,
+                                                budget=cuda_v2.SHARED_BUDGET)  # fmt: skip
+                assert cuda_v2.fp8_token_fits(token, ranks, hidden) == (plan["stages"] > 0), (
+                    ranks, hidden, itemsize, plan)  # fmt: skip
+    assert cuda_v2.fp8_token_fits(48 * KIB, 61, 24576)
+    assert not cuda_v2.fp8_token_fits(48 * KIB, 62, 24576)

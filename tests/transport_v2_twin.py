@@ -34,7 +34,9 @@ def numpy_layout(gathered: np.ndarray, rank: int, rows: int) -> dict:
     n = received.size
     recv_item = np.full(padded(S * M), -1, np.int32)
     recv_item[:n] = received
-    here = dest.reshape(S * M, K)[received] == rank
+    # As the kernels: an entry for this rank at row -1 or >= rows (capacity) has no row.
+    row_of = pos.reshape(S * M, K)[received]
+    here = (dest.reshape(S * M, K)[received] == rank) & (row_of >= 0) & (row_of < rows)
     recv_rows = np.full((padded(S * M), K), -1, np.int32)
     recv_rows[:n] = np.where(here, pos.reshape(S * M, K)[received], -1)
     row_weights = np.zeros(rows, np.float32)
@@ -145,8 +147,10 @@ class JaxV2Exchanges:
         n = jnp.sum(to_me, dtype=jnp.int32)
         flat = jnp.arange(size * items, dtype=jnp.int32)
         recv_item = jnp.full(padded(size * items) + 1, -1, jnp.int32).at[j].set(flat)[:-1]
-        here = dest.reshape(-1, k) == rank
-        rows_here = jnp.where(here, pos.reshape(-1, k), -1)
+        # As the kernels: an entry for this rank at row -1 or >= rows (capacity) has no row.
+        row_of = pos.reshape(-1, k)
+        here = (dest.reshape(-1, k) == rank) & (row_of >= 0) & (row_of < plan.rows)
+        rows_here = jnp.where(here, row_of, -1)
         recv_rows = jnp.full((padded(size * items) + 1, k), -1, jnp.int32).at[j].set(rows_here)
         recv_rows = recv_rows[:-1]
         target = jnp.where(rows_here >= 0, rows_here, plan.rows).reshape(-1)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_hybridep import fp8
 from jax_hybridep.config import DispatchPlan
 from jax_hybridep.exchange import steps, wire
 from jax_hybridep.exchange.cuda_transport import TransportBottom, transport_call
@@ -37,9 +38,22 @@ from jax_hybridep.exchange.ffi_call import call, i32
 
 # Items per send chunk; the layout's maps are padded to whole chunks (xla_ffi/cuda/v2_layout.h).
 CHUNK = 64
-# The widest token the send kernel quantises to FP8: 4 whole tokens fit its shared memory (wider
-# 16-bit rows travel in pieces, but a token is quantised whole; xla_ffi/cuda/v2_send.cu).
-MAX_FP8_TOKEN_BYTES = 48 * 1024
+# The send kernel's shared memory on Hopper (opt-in per block; v2_transport.h kV2SharedBudget).
+SHARED_BUDGET = 232448
+
+
+def fp8_token_fits(token_bytes: int, ranks: int, hidden: int) -> bool:
+    """Whether the send kernel can quantise tokens of `token_bytes` (H = `hidden`) whole over
+    `ranks` GPUs: 4 stages of a whole token beside the two row maps and the 3 store warps' scales
+    (wider 16-bit rows travel in pieces, but a token is quantised whole). Mirrors v2_send.cu's
+    PlanV2Send (tests/cuda_v2_sass_test.py holds them together)."""
+
+    def round_up(n, m):
+        return -(-n // m) * m
+
+    fixed = round_up(2 * CHUNK * ranks * 4, 128) + 3 * round_up(4 * -(-hidden // fp8.BLOCK), 16)
+    room = SHARED_BUDGET - fixed - 2048  # v2_send.cu's kStaticReserve
+    return room >= 16 * 4 and room // round_up(max(token_bytes, 16), 16) >= 4
 
 
 def padded(n: int) -> int:
@@ -168,11 +182,13 @@ class CudaV2Bottom(TransportBottom):
     def check_rows(self, plan: DispatchPlan, rows) -> None:
         if plan.config.wire_dtype is not None and rows.dtype != jnp.uint8:
             token_bytes = rows.shape[1] * rows.dtype.itemsize
-            if token_bytes > MAX_FP8_TOKEN_BYTES:
+            ranks = plan.topology.level_sizes[-1]
+            if not fp8_token_fits(token_bytes, ranks, rows.shape[1]):
                 raise ValueError(
                     f"FP8 dispatch over gpu_transport='v2' quantises each token whole in shared "
-                    f"memory, at most {MAX_FP8_TOKEN_BYTES} bytes (x has H={rows.shape[1]} of "
-                    f"{rows.dtype}); use gpu_transport='v1'"
+                    f"memory: 4 tokens of {token_bytes} bytes (x has H={rows.shape[1]} of "
+                    f"{rows.dtype}) do not fit beside the maps of {ranks} GPUs; use "
+                    "gpu_transport='v1'"
                 )
 
     def send(self, plan: DispatchPlan, fast: steps.FastLevel, held: steps.Items, dest):

@@ -89,8 +89,11 @@ __device__ inline bool WaitFlag(char* own, const V2Exchange& ex, uint64_t genera
   uint64_t start = 0;
   for (int polls = 0;; ++polls) {
     const uint64_t seen = LoadAcquire(flag);
-    if (seen == want || (seen >> 32) == generation + 1) return true;
-    if ((seen >> 32) >= generation) {  // this exchange from another site, or further ahead
+    // The tag keeps the exchange number's low 32 bits: compare modulo 2^32 (a window may serve
+    // more than 2^32 exchanges); behind is "not yet" (int32 < 0).
+    const uint32_t ahead = static_cast<uint32_t>(seen >> 32) - static_cast<uint32_t>(generation);
+    if (seen == want || ahead == 1u) return true;
+    if (ahead == 0u || static_cast<int32_t>(ahead) > 1) {  // another site, or further ahead
       RecordFailure(ex.error, claim, kV2Mismatch, ex.rank, src, block, generation, seen, want);
       return false;
     }

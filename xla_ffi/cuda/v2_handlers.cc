@@ -110,7 +110,9 @@ ffi::ErrorOr<Begun> BeginExchange(cudaStream_t stream, int32_t device, SiteState
   b.ex.items = items;
   b.ex.row_bytes = row_bytes;
   b.ex.send_blocks = static_cast<int32_t>(attrs.num_sms);
-  b.ex.site = static_cast<uint32_t>(attrs.site);
+  // Across processes each process counts its own call sites (a trace on one process alone moves
+  // its count): the tag then carries no site, only the exchange number is compared.
+  b.ex.site = attrs.multi_process ? 0u : static_cast<uint32_t>(attrs.site);
   b.ex.timeout_ns = attrs.timeout_ms * 1000000;
   b.ex.error = view->error_device;
   for (int64_t r = 0; r < attrs.num_ranks; ++r) b.peers.base[r] = view->bases[r];
@@ -143,6 +145,24 @@ ffi::ErrorOr<Fp8Side> CheckFp8Side(ffi::DataType type, ffi::Span<const int64_t> 
   auto dtype = ToDtype(type, what);
   if (dtype.has_error()) return ffi::Unexpected(dtype.error());
   return Fp8Side{true, dtype.value()};
+}
+
+// What a launch after the send would refuse is checked before the send: a send whose flags are
+// raised in the peers' windows, with no receive after it, leaves them one exchange ahead.
+ffi::Error CheckBeforeSend(int64_t k, int64_t out_row_bytes, int64_t want_row_bytes,
+                           const char* what) {
+  if (k < 1 || k > kMaxTopK) {
+    return ffi::Error::InvalidArgument("jax_hybridep: v2 " + std::string(what) +
+                                       ": K=" + std::to_string(k) + " must be in [1, " +
+                                       std::to_string(kMaxTopK) + "]");
+  }
+  if (out_row_bytes != want_row_bytes) {
+    return ffi::Error::InvalidArgument("jax_hybridep: v2 " + std::string(what) +
+                                       ": output rows of " + std::to_string(out_row_bytes) +
+                                       " bytes, the exchange moves rows of " +
+                                       std::to_string(want_row_bytes));
+  }
+  return ffi::Error::Success();
 }
 
 V2Fill Fill(int64_t rows, const V2RowsAttrs& attrs) {
@@ -192,6 +212,13 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, SiteState* state, f
   }
   const int64_t M = x.dimensions()[0], K = recv_rows.dimensions()[1];
   const int64_t row_bytes = hidden > 0 ? Fp8WireBytes(hidden) : RowBytes(x);
+  const int64_t out_row_bytes = RowBytes(*tokens);
+  const int64_t want_out = receive.converted ? hidden * DtypeBytes(receive.dtype) : row_bytes;
+  const bool empty = M == 0 || tokens->dimensions()[0] == 0;  // no row to compare
+  if (auto e = CheckBeforeSend(K, empty ? want_out : out_row_bytes, want_out, "dispatch");
+      e.failure()) {
+    return e;
+  }
   auto begun = BeginExchange(stream, device, state, rank, group, attrs, M, row_bytes);
   if (begun.has_error()) return begun.error();
   const Begun& b = begun.value();
@@ -217,6 +244,7 @@ ffi::Error Redispatch(cudaStream_t stream, int32_t device, SiteState* state, ffi
   auto dtype = ToDtype(g.element_type(), "g");
   if (dtype.has_error()) return dtype.error();
   const int64_t M = g.dimensions()[0], K = recv_rows.dimensions()[1], row_bytes = RowBytes(g);
+  if (auto e = CheckBeforeSend(K, row_bytes, row_bytes, "redispatch"); e.failure()) return e;
   auto begun = BeginExchange(stream, device, state, rank, group, attrs, M, row_bytes);
   if (begun.has_error()) return begun.error();
   const Begun& b = begun.value();
@@ -284,6 +312,17 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, SiteState* state,
   auto dtype = ToDtype(partials.element_type(), "the partials");
   if (dtype.has_error()) return dtype.error();
   const int64_t M = out->dimensions()[0], K = dest.dimensions()[1];
+  if (out->element_type() != partials.element_type()) {
+    return ffi::Error::InvalidArgument(
+        "jax_hybridep: v2 combine's output must be of the "
+        "partials' type");
+  }
+  const bool empty = M == 0 || partials.dimensions()[0] == 0;  // no row to compare
+  if (auto e = CheckBeforeSend(K, empty ? RowBytes(partials) : RowBytes(*out), RowBytes(partials),
+                               "combine");
+      e.failure()) {
+    return e;
+  }
   TransportAttrs capped = attrs;
   capped.num_sms = std::min<int64_t>(attrs.num_sms, kV2CombineMaxBlocks);
   auto begun = BeginExchange(stream, device, state, rank, group, capped, M, RowBytes(partials));

@@ -352,9 +352,9 @@ V2SendPlan PlanV2Send(int64_t staged_bytes, int64_t map_words, int64_t fp8_hidde
   if (plan.stages < kV2MinStages) {
     if (fp8_hidden > 0) {  // quantising needs the whole token in one stage: no plan
       plan.stages = 0;
-    } else {  // cut rows into pieces so that kV2MinStages of them fit
-      plan.pieces = (whole * kV2MinStages + room - 1) / room;
-      plan.stage_bytes = Round16((whole + plan.pieces - 1) / plan.pieces);
+    } else {  // cut rows into pieces of at most room / kV2MinStages (16-byte multiples)
+      plan.stage_bytes = room / kV2MinStages / 16 * 16;
+      plan.pieces = (whole + plan.stage_bytes - 1) / plan.stage_bytes;
       plan.stages = std::min<int64_t>(kV2MaxStages, room / plan.stage_bytes);
     }
   }
