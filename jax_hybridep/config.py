@@ -83,7 +83,8 @@ class DispatchConfig:
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
-        extra stream n (`compute_on("gpu_stream:n")`).
+        extra stream n (`compute_on("gpu_stream:n")`). Exchanges of one shape share one
+        window: give every call site of a shape the same stream.
     """
 
     num_experts: int

@@ -37,8 +37,8 @@
 #   bash scripts/gpu_check.sh --dry-run                # here: the steps' logic, commands echoed
 #                                                      # (DRY_RUN_FAIL="step ..." fails those)
 # Libraries already verified on a GPU may ride along in .gpu_fallback/ (carry both folders; all
-# three files, built together): if nothing imports or builds, or v1's kernel tests fail with .gpu/,
-# the remaining steps run on them.
+# three files, built together): if nothing imports or builds, or v1's kernel tests fail (the
+# `kernels` step, run when STEPS names it), the remaining steps run on them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -182,8 +182,10 @@ build() {
     echo "prebuilt libraries unusable here; building"
     clear_libraries
   fi
-  build_module build/gpu_check jax_hybridep && imports_with_cuda built && return 0
-  echo "building with transport v2 failed; building v1 alone"
+  # Time left for the v1-only build when the v2 one hangs (the step has 200 s in all).
+  timeout 110 bash -c "build_module build/gpu_check jax_hybridep" &&
+    imports_with_cuda built && return 0
+  echo "building with transport v2 failed or took over 110 s; building v1 alone"
   clear_libraries
   build_module build/gpu_check_v1 jax_hybridep JAX_HYBRIDEP_CUDA_V2=OFF &&
     imports_with_cuda "built (v1 alone)" && return 0
@@ -201,9 +203,12 @@ PYTEST=("$PY" -m pytest -q -rfE -p no:cacheprovider)
 HAS_PYTEST_TIMEOUT=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo 1)
 per_test_limit() { [ -n "$HAS_PYTEST_TIMEOUT" ] && echo "--timeout=$1"; }
 export JAX_HYBRIDEP_REQUIRE_GPU=1
-HAS_V2=$([ -n "$DRY_RUN" ] && echo 1 || "$PY" -c "from jax_hybridep import _hybridep as m
+has_v2() {
+  [ -n "$DRY_RUN" ] && echo 1 || "$PY" -c "from jax_hybridep import _hybridep as m
 print(1 if m.with_cuda and 'jax_hybridep_cuda_v2_dispatch' in m.cuda_registrations() else '')" \
-  2>/dev/null)
+    2>/dev/null
+}
+HAS_V2=$(has_v2)
 [ -z "$HAS_V2" ] && echo "the module has no transport v2: its steps are skipped"
 v2() {
   if [ -n "$HAS_V2" ]; then run "$@"; else RESULT[$1]="skipped (no transport v2)"; fi
@@ -245,6 +250,7 @@ MODULE="the module of the build step"
 if [[ "${RESULT[kernels]:-}" == FAILED* ]] && compgen -G ".gpu_fallback/*.so" >/dev/null; then
   clear_libraries
   cp .gpu_fallback/*.so jax_hybridep/
+  HAS_V2=$(has_v2) # the later steps (memcheck) pick v2's tests only if the fallback has v2
   MODULE=".gpu_fallback"
   STEPS="$STEPS kernels_fallback"
   run kernels_fallback 60 "${PYTEST[@]}" $(per_test_limit 60) -m gpu \

@@ -1,5 +1,5 @@
 """Transport v2's steps without a GPU: the numpy twins (tests/transport_v2_twin.py) against the
-host references the CUDA kernels mirror (xla_ffi/cuda/v2_reference.cc) and against the §2.1
+host references the CUDA kernels mirror (xla_ffi/cuda/testing/v2_reference.cc) and against the §2.1
 model, bit for bit (docs/design.md §2.1, §5).
 
 The references run on any machine with a CUDA build (`cuda_build`); the kernels themselves are

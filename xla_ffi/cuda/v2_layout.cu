@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
-#include "xla_ffi/cuda/transport.h"  // kMaxWindowRanks
+#include "xla_ffi/limits.h"  // kMaxWindowRanks
 #include "xla_ffi/cuda/v2_layout.h"
 
 namespace jax_hybridep {

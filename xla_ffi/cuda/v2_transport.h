@@ -38,7 +38,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "xla_ffi/cuda/transport.h"  // kMaxWindowRanks, WindowGeometry, TransportError
+#include "xla_ffi/cuda/transport.h"  // WindowGeometry, TransportError
 #include "xla_ffi/cuda/v2_layout.h"  // kV2Chunk
 #include "xla_ffi/limits.h"
 #include "xla_ffi/numeric.h"

@@ -57,7 +57,10 @@ __global__ void __launch_bounds__(32, 1) BulkCopyKernel(const char* src, char* d
   for (int64_t chunk = blockIdx.x; chunk < chunks && n < kBulkStages; chunk += gridDim.x, ++n) {
     load(n, chunk);
   }
+  // As the send kernel does, a stage is released one store late (wait_group.read 1): this
+  // store is issued before waiting for the previous one to have read its stage.
   n = 0;
+  const int64_t ahead = static_cast<int64_t>(gridDim.x) * kBulkStages;
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x, ++n) {
     const int s = n % kBulkStages;
     BarrierWait(&full[s], (n / kBulkStages) & 1);
@@ -66,12 +69,14 @@ __global__ void __launch_bounds__(32, 1) BulkCopyKernel(const char* src, char* d
         static_cast<uint32_t>(bytes - offset < kBulkChunk ? bytes - offset : kBulkChunk);
     BulkStore(dst + offset, ring + s * kBulkChunk, size);
     BulkCommit();
-    const int64_t next = chunk + static_cast<int64_t>(gridDim.x) * kBulkStages;
-    if (next < chunks) {
-      BulkWaitRead<0>();
-      load(n + kBulkStages, next);
+    const int64_t previous = chunk - gridDim.x;  // the previous store's chunk (n - 1)
+    if (n > 0 && previous + ahead < chunks) {
+      BulkWaitRead<1>();
+      load(n - 1 + kBulkStages, previous + ahead);
     }
   }
+  // The last chunk's stage needs no reload: its next chunk is past the end (chunk + gridDim.x
+  // already is).
   BulkWaitAll();
 }
 

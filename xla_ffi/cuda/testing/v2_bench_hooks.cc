@@ -1,4 +1,4 @@
-// Benchmark hooks of the GPU checks for transport v2 (v2_bindings.h), timed with CUDA events (the
+// Benchmark hooks of the GPU checks for transport v2 (v2_hooks.h), timed with CUDA events (the
 // median of `iters` samples after `warmup`):
 //   cuda_bench_copy_ceiling  C_sm: a copy through 16-byte LSU accesses against the bulk-copy
 //                            engine, per block count;

@@ -1,4 +1,4 @@
-// Transport v2's virtual-rank harness (v2_bindings.h): R ranks of one level on this one GPU, each
+// Transport v2's virtual-rank harness (v2_hooks.h): R ranks of one level on this one GPU, each
 // with its own window, running the kernels of the FFI handlers (layout, send, permute, unpermute,
 // send back, reduce) with nothing but the flags between ranks. The sends never wait, so every
 // exchange enqueues all ranks' sends before any rank's receive on one stream: every rank's wide

@@ -1,4 +1,4 @@
-// Hooks of transport v2 that need no GPU (v2_bindings.h): the send kernel's staging plan and the
+// Hooks of transport v2 that need no GPU (v2_hooks.h): the send kernel's staging plan and the
 // host references of the layout and the row steps, which the numpy twin
 // (tests/transport_v2_twin.py) is checked against bit for bit; and the layout kernels on a GPU
 // against the same reference. Inputs are validated first: a bad index would make the reference
