@@ -135,6 +135,11 @@ def test_layer_prefixes_follow_each_family_rule():
          "moe_eval_capacity_token_fraction=0.5"),
         ({**TINY["NLLB-MoE"], "batch_prioritized_routing": True}, ValueError,
          "batch_prioritized_routing"),
+        ({**TINY["DBRX"], "ffn_config": {"moe_top_k": 2}}, ValueError,
+         "lacks 'ffn_config.moe_num_experts'"),
+        ({k: v for k, v in TINY["GPT-OSS"].items() if k not in ("num_experts_per_tok",
+                                                                 "experts_per_token")},
+         ValueError, "lacks 'num_experts_per_tok or experts_per_token'"),
         # Fields whose HF default differs by family are required (not read as another model).
         *[({k: v for k, v in TINY[family].items() if k != field}, ValueError, f"lacks '{field}'")
           for family, fields in (

@@ -41,8 +41,10 @@ class MoEAux:
     Attributes:
       loss: aux_loss_coef * aux_loss + z_loss_coef * z_loss, to add to the training loss.
       aux_loss, z_loss: raw router losses, averaged over shards.
-      tokens_per_expert: [E] int32 rows routed to each expert, summed over EP groups, before drops.
-      dropped: [] int32 rows dropped over capacity, all shards.
+      tokens_per_expert: [E] int32 rows routed to each expert, summed over EP groups, before the
+        dispatch capacity's drops (after a router group capacity's: docs/families.md).
+      dropped: [] int32 rows dropped over capacity, all shards (a router group capacity's drops
+        included).
       level_rows: [token levels] int32 token copies sent to other ranks at each level of the
         token exchange (`MoEBlock.token_levels`), all shards, one dispatch.
       tokens_per_slot: [EP x slots per rank] int32 rows routed to each physical expert slot

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
-#include "xla_ffi/limits.h"  // kMaxWindowRanks
 #include "xla_ffi/cuda/v2_layout.h"
+#include "xla_ffi/limits.h"  // kMaxWindowRanks
 
 namespace jax_hybridep {
 namespace {

@@ -19,19 +19,26 @@ _REQUIRED = object()
 class _Config:
     """Reads one family's config dict; every error names the model_type and the field."""
 
-    def __init__(self, config: Mapping, model_type: str):
-        self.config, self.model_type = config, model_type
+    def __init__(self, config: Mapping, model_type: str, path: str = ""):
+        # path: where a nested config sits ("ffn_config."), so errors name the whole field.
+        self.config, self.model_type, self.path = config, model_type, path
+
+    def nested(self, key: str) -> _Config:
+        return _Config(self.get(key), self.model_type, f"{self.path}{key}.")
 
     def get(self, key: str, default=_REQUIRED):
         if key in self.config and self.config[key] is not None:
             return self.config[key]
         if default is _REQUIRED:
-            raise ValueError(f"config.json of model_type {self.model_type!r} lacks {key!r}")
+            raise ValueError(
+                f"config.json of model_type {self.model_type!r} lacks {self.path + key!r}"
+            )
         return default
 
     def fail(self, key: str, why: str):
         raise ValueError(
-            f"config.json of model_type {self.model_type!r}: {key}={self.config.get(key)!r} {why}"
+            f"config.json of model_type {self.model_type!r}: {self.path}{key}="
+            f"{self.config.get(key)!r} {why}"
         )
 
     def activation(self, key: str = "hidden_act", default="silu", gated: bool = True) -> str:
@@ -173,7 +180,7 @@ def _deepseek_v3(c):
 
 
 def _dbrx(c):
-    ffn = _Config(c.get("ffn_config"), c.model_type)
+    ffn = c.nested("ffn_config")
     p = ffn.config.get("moe_normalize_expert_weights", 1)  # null: no normalisation
     if p not in (None, 1, 1.0):
         ffn.fail("moe_normalize_expert_weights", "is not 1 or None (only the L1 norm is offered)")
@@ -192,7 +199,7 @@ def _dbrx(c):
 
 
 def _llama4(c):
-    text = _Config(c.get("text_config"), c.model_type) if "text_config" in c.config else c
+    text = c.nested("text_config") if "text_config" in c.config else c
     return _settings(
         text.get("hidden_size"),
         dict(
@@ -211,11 +218,14 @@ def _llama4(c):
 
 
 def _gpt_oss(c):
+    top_k = c.get("num_experts_per_tok", None) or c.get("experts_per_token", None)
+    if top_k is None:
+        c.get("num_experts_per_tok or experts_per_token")  # the error naming both
     return _settings(
         c.get("hidden_size"),
         dict(
             num_experts=c.get("num_local_experts"),
-            top_k=c.get("num_experts_per_tok", None) or c.get("experts_per_token"),
+            top_k=top_k,
             logit_bias=True,
             normalize=True,
         ),

@@ -44,7 +44,9 @@ def layer_prefixes(config: Mapping) -> list[str]:
     if name == "dbrx":
         return _layers(c, "transformer.blocks.{i}.ffn", lambda i: True, "n_layers")
     if name in ("llama4", "llama4_text"):
-        text = _Config(c.get("text_config"), name) if name == "llama4" else c
+        # As configs.py reads it: llama4's text settings in text_config, or (flat) at the top.
+        nested = name == "llama4" and "text_config" in c.config
+        text = c.nested("text_config") if nested else c
         step = text.get("interleave_moe_layer_step", 1)
         moe = text.get("moe_layers", None)
         if moe is None:  # HF's default: every step-th layer, the last of each step
