@@ -6,9 +6,9 @@ host or per local group of devices, joined by JAX's own distributed runtime:
 * `start` joins the job named by `--coordinator_address`, `--num_processes` and `--process_id`,
   or, when those are unset and the environment describes a cluster (SLURM, Open MPI, ... as
   `jax.distributed.initialize()` detects them), the job the environment describes. On CPU each
-  process gets `--cpu_devices` fake devices (default 8 / processes), collectives over gloo. The
-  global device list is ordered by process, so a mesh's first axis of size `processes` (e.g.
-  "node" in `--mesh=node=2,local=4`) is the process.
+  process gets `--cpu_devices` fake devices (default 8 / processes when whole), collectives over
+  gloo. The global device list is ordered by process, so a mesh's first axis of size
+  `processes` (e.g. "node" in `--mesh=node=2,local=4`) is the process.
 * `Processes.agree_on_flags` refuses, on every process and before any model is built, a job whose
   processes were started with different flags (naming the flag and both values).
 * `Processes.decide` runs a decision (re-balancing, re-planning) on process 0 only and hands its
@@ -112,7 +112,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_processes", None, "processes of the job (with --coordinator_address)")
     flags.DEFINE_integer("process_id", None, "this process's index, 0 .. num_processes - 1")
     flags.DEFINE_integer(
-        "cpu_devices", None, "fake CPU devices per process (default 8 / processes)"
+        "cpu_devices", None, "fake CPU devices per process (default 8 / processes when whole)"
     )
     flags.DEFINE_integer(
         "heartbeat_timeout_s", d.heartbeat_timeout_s,
