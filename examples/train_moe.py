@@ -121,13 +121,13 @@ def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hoo
     processes = processes or train_processes.current()
     console = console or Console(soft_wrap=True)
     data = ByteData.load()
-    # Every host builds the corpus from its own Python's stdlib: they must hold the same bytes.
-    corpus = processes.exchange("corpus", data.digest())
-    if len(set(corpus)) > 1:
-        raise FlagError(
-            f"the training text differs between processes (digests {corpus}): every host must "
-            "run the same Python, whose stdlib is the corpus"
-        )
+    if processes.count > 1:  # each host builds the corpus from its own Python's stdlib
+        corpus = processes.exchange("corpus", data.digest())
+        if len(set(corpus)) > 1:
+            raise FlagError(
+                f"the training text differs between processes (digests {corpus}): every host "
+                "must run the same Python, whose stdlib is the corpus"
+            )
     devices = global_devices()
     check_config(cfg, devices, data)
     mesh, topology = make_mesh(cfg.mesh, devices)

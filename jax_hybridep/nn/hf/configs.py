@@ -30,10 +30,11 @@ class _Config:
         if key in self.config and self.config[key] is not None:
             return self.config[key]
         if default is _REQUIRED:
-            raise ValueError(
-                f"config.json of model_type {self.model_type!r} lacks {self.path + key!r}"
-            )
+            self.lacks(key)
         return default
+
+    def lacks(self, key: str):
+        raise ValueError(f"config.json of model_type {self.model_type!r} lacks {self.path + key!r}")
 
     def fail(self, key: str, why: str):
         raise ValueError(
@@ -220,7 +221,7 @@ def _llama4(c):
 def _gpt_oss(c):
     top_k = c.get("num_experts_per_tok", None) or c.get("experts_per_token", None)
     if top_k is None:
-        c.get("num_experts_per_tok or experts_per_token")  # the error naming both
+        c.lacks("num_experts_per_tok or experts_per_token")
     return _settings(
         c.get("hidden_size"),
         dict(
