@@ -50,6 +50,7 @@ INIT_TIMEOUT_S = 120  # how long a process waits for the others to join
 SHUTDOWN_TIMEOUT_S = 30  # how long a finished process waits for the others at exit
 DECIDE_TIMEOUT_MS = 600_000  # a decision waits for process 0 (dead peers: the watchdog's job)
 LEAVE_WAIT_S = 10  # how long a failing process 0 waits for the others to leave first
+RUNTIME_HEARTBEAT_FACTOR = 3  # the runtime's heartbeat timeout: 3 x ours + 10 s (`start`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,8 +395,10 @@ def start(pc: ProcessConfig) -> Processes:
             process_id=pc.process_id,
             initialization_timeout=INIT_TIMEOUT_S,
             # The runtime's own check is the fallback: the watchdog (`Processes.watch`) names the
-            # missing process first.
-            heartbeat_timeout_seconds=2 * pc.heartbeat_timeout_s,
+            # missing process first. The runtime counts from the peer's last heartbeat, not its
+            # death: at twice ours (20 s) it once aborted a process 10.9 s after a kill, before
+            # our 10 s watchdog spoke.
+            heartbeat_timeout_seconds=RUNTIME_HEARTBEAT_FACTOR * pc.heartbeat_timeout_s + 10,
             shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
         )
     except Exception as err:  # the runtime raises its own types
