@@ -7,6 +7,11 @@ this rank's experts receive. Only `d.stats.tokens_per_expert` is global (identic
 Gradients: dispatch's backward is a combine of the row cotangents, combine's backward a dispatch
 of the output cotangent along the same handle; the routing-weight gradient returns per (t, k)
 through `d.weights` or combine's `weights`. Expert ids get none.
+
+`jax.vmap` of the forward is refused (`checks.check_context`); the backward may be mapped over
+cotangents (`jax.jacrev`, `jax.vmap` of a VJP): on the `ffi` backend, whose custom calls have no
+batching rule, the mapped backward runs once per cotangent in a loop (`_per_cotangent`), the same
+values as the `xla` backend's vectorised one.
 """
 
 from __future__ import annotations
@@ -166,11 +171,42 @@ def _dispatch_rows_fwd(route, plan, x, weights, row_pos, dest, row_end, shard):
     return out, out[3]  # the handle
 
 
+def _per_cotangent(fn, handle, *args):
+    """fn(handle, *args); mapped by `jax.vmap` (jacrev maps the backward over the cotangents) on a
+    backend of custom calls, which have no batching rule, as a loop over the mapped axis: one
+    call of fn per cotangent. Unmapped, or on the `xla` backend (whose ops map themselves), fn
+    as it is."""
+    mapped = any(compat.is_batched(leaf) for leaf in jax.tree.leaves((handle, args)))
+    if not mapped or handle.route.backend == "xla":
+        return fn(handle, *args)
+
+    @jax.custom_batching.custom_vmap
+    def call(handle, *args):
+        return fn(handle, *args)
+
+    @call.def_vmap
+    def loop(axis_size, in_batched, handle, *args):
+        leaves, tree = jax.tree.flatten((handle, args))
+        flags = jax.tree.leaves(in_batched)
+        stacked = [leaf for leaf, b in zip(leaves, flags, strict=True) if b]
+
+        def one(sliced):
+            it = iter(sliced)
+            full = [next(it) if b else leaf for leaf, b in zip(leaves, flags, strict=True)]
+            h, a = jax.tree.unflatten(tree, full)
+            return fn(h, *a)
+
+        out = jax.lax.map(one, stacked)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call(handle, *args)
+
+
 def _dispatch_rows_bwd(route, plan, handle, cotangents):
     ct_tokens, _, ct_weights, _ = cotangents
     # FP8 on the wire is straight-through: the rows' cotangent is combined at 16 bits.
-    grad_x = walk.combine(handle, ct_tokens, None)
-    grad_weights = walk.return_row_values(handle, ct_weights)
+    grad_x = _per_cotangent(lambda h, ct: walk.combine(h, ct, None), handle, ct_tokens)
+    grad_weights = _per_cotangent(walk.return_row_values, handle, ct_weights)
     return grad_x, grad_weights, None, None, None, None
 
 
@@ -213,7 +249,9 @@ def _dispatch_fp8_rows_bwd(route, plan, residuals, cotangents):
             "(stop_gradient on x), or use the dequantised rows (fp8_rows=False: the gradient "
             "is the 16-bit path's)"
         )
-    grad_weights = None if zero(ct_weights) else walk.return_row_values(handle, ct_weights)
+    grad_weights = (
+        None if zero(ct_weights) else _per_cotangent(walk.return_row_values, handle, ct_weights)
+    )
     return None, grad_weights, None, None, None, None
 
 
@@ -279,9 +317,10 @@ def _combine_rows_fwd(weighted, handle, y, weights):
 def _combine_rows_bwd(weighted, residuals, g):
     handle, y, weights = residuals
     if not weighted:
-        grad_y, grad_weights = walk.redispatch(handle, g), jnp.zeros_like(weights)
+        grad_y = _per_cotangent(walk.redispatch, handle, g)
+        grad_weights = jnp.zeros_like(weights)
     else:
-        grad_y, grad_weights = walk.combine_vjp(handle, g, y, weights)
+        grad_y, grad_weights = _per_cotangent(walk.combine_vjp, handle, g, y, weights)
     if handle.plan.config.poison_padding:
         grad_y = _poison_padding(grad_y, handle.row_end)
     return None, grad_y, grad_weights
