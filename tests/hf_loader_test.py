@@ -139,7 +139,7 @@ def test_layer_prefixes_follow_each_family_rule():
          "lacks 'ffn_config.moe_num_experts'"),
         ({k: v for k, v in TINY["GPT-OSS"].items() if k not in ("num_experts_per_tok",
                                                                  "experts_per_token")},
-         ValueError, "lacks 'num_experts_per_tok or experts_per_token'"),
+         ValueError, r"lacks 'num_experts_per_tok' \(or 'experts_per_token'\)"),
         # Fields whose HF default differs by family are required (not read as another model).
         *[({k: v for k, v in TINY[family].items() if k != field}, ValueError, f"lacks '{field}'")
           for family, fields in (

@@ -53,11 +53,21 @@ def block_kwargs(config: Mapping, **experts) -> dict:
     from jax_hybridep.nn.router import RouterConfig  # noqa: PLC0415
 
     s = settings(config)
-    return {
-        "d_model": s["d_model"],
-        "router": RouterConfig(**s["router"]),
-        "experts": ExpertConfig(**s["experts"], **experts),
-    }
+    name = config["model_type"]
+    try:
+        router = RouterConfig(**s["router"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"config.json of model_type {name!r} describes a router the block cannot build: {err}"
+        ) from None
+    try:
+        experts = ExpertConfig(**s["experts"], **experts)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"config.json of model_type {name!r} (with {sorted(experts)}) describes experts the "
+            f"block cannot build: {err}"
+        ) from None
+    return {"d_model": s["d_model"], "router": router, "experts": experts}
 
 
 def load_balancing_loss(auxes: Sequence, top_k: int):

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jax_hybridep.values import is_int, short
+
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_BLOCK = (128, 128)
 
@@ -87,6 +89,23 @@ def dequantizing(tensors: Mapping, block: Sequence[int] = DEFAULT_BLOCK) -> Mapp
 
 
 def block_size(config: Mapping | None) -> tuple[int, int]:
-    """config.json's FP8 block (quantization_config.weight_block_size), else 128 x 128."""
-    quant = (config or {}).get("quantization_config") or {}
-    return tuple(quant.get("weight_block_size", DEFAULT_BLOCK))
+    """config.json's FP8 block (quantization_config.weight_block_size: two ints >= 1), else
+    128 x 128; a ValueError naming the field when it is anything else."""
+    quant = (config or {}).get("quantization_config")
+    if quant is None:
+        return DEFAULT_BLOCK
+    if not isinstance(quant, Mapping):
+        raise ValueError(f"config.json: quantization_config={short(quant)} is not a JSON object")
+    size = quant.get("weight_block_size")
+    if size is None:
+        return DEFAULT_BLOCK
+    if (
+        not isinstance(size, list | tuple)
+        or len(size) != 2
+        or not all(is_int(b) and b >= 1 for b in size)
+    ):
+        raise ValueError(
+            f"config.json: quantization_config.weight_block_size={short(size)} is not two block "
+            "sizes (ints >= 1), e.g. [128, 128]"
+        )
+    return int(size[0]), int(size[1])
