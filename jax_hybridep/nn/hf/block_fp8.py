@@ -25,13 +25,19 @@ def is_float8(dtype) -> bool:
     return dtype is not None and np.dtype(dtype).name.startswith("float8")
 
 
+def scale_shape(weight_shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
+    """The scales' shape of a weight [..., out, in] in b0 x b1 blocks."""
+    *lead, out, inp = weight_shape
+    return (*lead, -(-out // block[0]), -(-inp // block[1]))
+
+
 def dequantize(weight, scale, block: Sequence[int]) -> np.ndarray:
     """float8 [..., out, in] x float32 [..., ceil(out / b0), ceil(in / b1)] -> float32."""
     weight = np.asarray(weight).astype(np.float32)
     scale = np.asarray(scale, np.float32)
-    *lead, out, inp = weight.shape
+    *_, out, inp = weight.shape
     b0, b1 = block
-    want = (*lead, -(-out // b0), -(-inp // b1))
+    want = scale_shape(weight.shape, block)
     if scale.shape != want:
         raise ValueError(
             f"a float8 weight {weight.shape} in {b0} x {b1} blocks has scales of shape {want}, "
@@ -43,6 +49,8 @@ def dequantize(weight, scale, block: Sequence[int]) -> np.ndarray:
 
 class _Scaled:
     """A float8 weight and its scales, read as the float32 weight (all of it, then indexed)."""
+
+    dtype = np.dtype(np.float32)
 
     def __init__(self, weight, scale, block):
         self._weight, self._scale, self._block = weight, scale, block
@@ -62,7 +70,17 @@ class _Dequantizing(Mapping):
         tensor = self._tensors[name]
         scale = name + SCALE_SUFFIX
         if scale in self._tensors:
-            return _Scaled(tensor, self._tensors[scale], self._block)
+            scales = self._tensors[scale]
+            shape = tuple(int(d) for d in tensor.shape)
+            want = scale_shape(shape, self._block) if len(shape) >= 2 else None
+            got = tuple(int(d) for d in scales.shape)
+            if got != want:
+                b0, b1 = self._block
+                raise ValueError(
+                    f"{scale!r} has shape {got}, but {name!r} {shape} in {b0} x {b1} blocks "
+                    f"needs {want} (config.json's quantization_config.weight_block_size?)"
+                )
+            return _Scaled(tensor, scales, self._block)
         if is_float8(getattr(tensor, "dtype", None)):
             raise ValueError(
                 f"{name!r} is {np.dtype(tensor.dtype).name} without {scale!r}: the values "
@@ -82,7 +100,8 @@ class _Dequantizing(Mapping):
 
 def dequantizing(tensors: Mapping, block: Sequence[int] = DEFAULT_BLOCK) -> Mapping:
     """`tensors` with every `{name}` that has a `{name}_scale_inv` read dequantized, the scales
-    hidden; a float8 tensor without scales raises ValueError when read."""
+    hidden; a float8 tensor without scales, or scales of another shape than its blocks', raises
+    ValueError when looked up (before anything is read)."""
     if len(block) != 2 or any(int(b) < 1 for b in block):
         raise ValueError(f"weight_block_size={list(block)} must be two block sizes >= 1")
     return _Dequantizing(tensors, block)

@@ -5,193 +5,48 @@ biases) and the shared expert (and its sigmoid gate) from a mapping of tensor na
 Expert parameters are built with `jax.make_array_from_callback` on the block's own sharding, so
 each process reads only the experts its devices hold (and, through `nn.hf.checkpoint`'s lazy
 safetensors slices, only those bytes from disk). Everything is checked before anything is set:
-a missing tensor, a wrong shape or a block/checkpoint mismatch is one ValueError naming them all.
+a missing tensor, a wrong shape or dtype, FP8 scales that do not fit their weight, a tensor under
+the layer's prefix that the block cannot hold (a ninth expert, an expert or router bias; unless
+`ignore_extra`) or a block/checkpoint mismatch is one ValueError naming them all. Then every new
+value is read and built before the first is set, so that a read that fails leaves the block as
+it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep.nn.hf import block_fp8, layouts
+from jax_hybridep.nn.hf import block_fp8, layer_plan, layouts
+from jax_hybridep.values import is_int, short
 
 
-def _join(prefix: str, rel: str) -> str:
-    prefix = prefix.rstrip(".")
-    return f"{prefix}.{rel}" if prefix else rel
-
-
-def _shape(tensor) -> tuple:
-    return tuple(int(d) for d in tensor.shape)
-
-
-def _linear(rel):  # HF [out, in] -> [in, out]
-    return rel, lambda a: np.swapaxes(np.asarray(a), -1, -2)
-
-
-def _vector(rel):
-    return rel, np.asarray
-
-
-class _Plan:
-    """What `load_block` will set: (variable, read) pairs and the problems found on the way.
-
-    With tensors=None it only records the tensors the layout would read (`expected`)."""
-
-    def __init__(self, block, tensors, prefix, layout):
-        self.block, self.tensors, self.prefix, self.layout = block, tensors, prefix, layout
-        self.sets, self.problems, self.expected = [], [], {}
-
-    def has(self, rel) -> bool:
-        if self.tensors is None:
-            return False
-        return rel is not None and _join(self.prefix, rel) in self.tensors
-
-    def get(self, rel):
-        return self.tensors[_join(self.prefix, rel)]
-
-    def expect(self, rel, shape) -> bool:
-        name = _join(self.prefix, rel)
-        self.expected[name] = tuple(shape)
-        if self.tensors is None:
-            return True
-        if name not in self.tensors:
-            self.problems.append(f"missing tensor {name!r}")
-            return False
-        got = _shape(self.tensors[name])
-        if got != tuple(shape):
-            self.problems.append(f"tensor {name!r} has shape {got}, expected {tuple(shape)}")
-            return False
-        return True
-
-    def replicated(self, var, source, shape):
-        rel, convert = source
-        if self.expect(rel, shape):
-            self.sets.append((var, lambda: convert(self.get(rel)[...]), None))
-
-    def extra(self, rel, what: str):
-        """A tensor the checkpoint has and the block cannot hold."""
-        if self.has(rel):
-            self.problems.append(
-                f"the checkpoint holds {_join(self.prefix, rel)!r} but the block has no {what}"
-            )
-
-
-def _plan(block, tensors, prefix, layout) -> _Plan:
-    plan = _Plan(block, tensors, prefix, layout)
-    router = block.router
-    d_model, num_experts = router.gate[...].shape
-    ffn = block.ffn
-    d_ff = block.w_up[...].shape[-1]
-    dims = {"H": d_model, "F": d_ff}
-
-    plan.replicated(router.gate, _linear(layout.router), (num_experts, d_model))
-    if router.config.logit_bias:
-        if layout.logit_bias is None:
-            plan.problems.append(
-                f"the {layout.name} layout has no router logit bias, but the "
-                "block was built with RouterConfig(logit_bias=True)"
-            )
-        else:
-            plan.replicated(router.logit_bias, _vector(layout.logit_bias), (num_experts,))
-    else:
-        plan.extra(layout.logit_bias, "router logit bias (RouterConfig(logit_bias=True))")
-    if layout.selection_bias is not None:
-        plan.replicated(router.bias, _vector(layout.selection_bias), (num_experts,))
-    else:  # a family without a selection bias selects by the scores alone
-        plan.sets.append((router.bias, lambda: np.zeros(num_experts, np.float32), None))
-
-    order = np.arange(num_experts)
-    if getattr(block, "placement", None) is not None:
-        order = block.placement.storage_order  # stored index -> logical expert
-    for name in ffn.names:
-        var = getattr(block, name)
-        source = layout.experts.get(name)
-        if source is None:
-            plan.problems.append(
-                f"the {layout.name} layout has no {name} (the block's experts "
-                f"are {ffn.activation!r}, bias={ffn.bias})"
-            )
-            continue
-        shapes = source.expected(num_experts, tuple(var[...].shape[1:]), dims)
-        if all([plan.expect(rel, shape) for rel, shape in shapes.items()]):
-            plan.sets.append((var, _expert_reader(plan, source, dims), order))
-    for name, source in layout.experts.items():
-        if name not in ffn.names:
-            first = next(iter(source.expected(num_experts, (1, 1), dims)))
-            plan.extra(first, f"{name} (its experts are {ffn.activation!r}, bias={ffn.bias})")
-
-    m, shared = layout.shared, block.shared
-    if shared is None:
-        plan.extra(m and f"{m}.gate_proj.weight", "shared expert (ExpertConfig(shared_ff=...))")
-    elif m is None:
-        plan.problems.append(
-            f"the {layout.name} layout has no shared expert, but the block "
-            "was built with ExpertConfig(shared_ff=...)"
-        )
-    elif not shared.ffn.gated:
-        plan.problems.append(
-            f"the {layout.name} layout's shared expert is gated (gate/up/down_proj), the block's "
-            f"is {shared.ffn.activation!r}"
-        )
-    else:
-        shared_ff = shared.up[...].shape[-1]
-        for var, proj, shape in [
-            (shared.gate, "gate_proj", (shared_ff, d_model)),
-            (shared.up, "up_proj", (shared_ff, d_model)),
-            (shared.down, "down_proj", (d_model, shared_ff)),
-        ]:
-            plan.replicated(var, _linear(f"{m}.{proj}.weight"), shape)
-    gate_var = shared.output_gate if shared is not None else None
-    if gate_var is not None:
-        if layout.shared_gate is None:
-            plan.problems.append(
-                f"the {layout.name} layout has no shared expert gate, but the "
-                "block was built with ExpertConfig(shared_gate=True)"
-            )
-        else:
-            plan.replicated(gate_var, _linear(layout.shared_gate), (1, d_model))
-    else:
-        plan.extra(layout.shared_gate, "shared expert gate (ExpertConfig(shared_gate=True))")
-    return plan
-
-
-def _expert_reader(plan, source, dims):
-    def read(experts):
-        return source.read(plan.get, experts, dims)
-
-    return read
-
-
-def _materialise(var, read, order):
-    """var's value replaced by read's, on var's sharding; expert params read per shard."""
+def _value(var, read, order):
+    """var's new value, read and placed on var's sharding (expert params read per shard)."""
     current = var[...]
     dtype = current.dtype
     if order is None:
         full = np.asarray(read()).astype(dtype)
         if isinstance(current.sharding, jax.sharding.NamedSharding):
-            value = jax.make_array_from_callback(current.shape, current.sharding, lambda i: full[i])
-        else:  # an unplaced (uncommitted) value, as the block made it: jit places it
-            value = jnp.asarray(full)
-    else:
-        cache = {}
+            return jax.make_array_from_callback(current.shape, current.sharding, lambda i: full[i])
+        return jnp.asarray(full)  # an unplaced (uncommitted) value, as the block made it
+    cache = {}
 
-        def shard(index):
-            rows = index[0] if index else slice(None)
-            key = rows.indices(current.shape[0])
-            if key not in cache:
-                cache[key] = np.asarray(read(order[rows])).astype(dtype)
-            return cache[key][(slice(None), *index[1:])]
+    def shard(index):
+        rows = index[0] if index else slice(None)
+        key = rows.indices(current.shape[0])
+        if key not in cache:
+            cache[key] = np.asarray(read(order[rows])).astype(dtype)
+        return cache[key][(slice(None), *index[1:])]
 
-        value = jax.make_array_from_callback(current.shape, current.sharding, shard)
-    var[...] = value
+    return jax.make_array_from_callback(current.shape, current.sharding, shard)
 
 
 def _under(tensors, prefix, limit=24) -> list[str]:
-    head = _join(prefix, "")
+    head = layer_plan.join(prefix, "")
     names = sorted(k[len(head) :] for k in tensors.keys() if k.startswith(head))
     return names[:limit] + ([f"... ({len(names) - limit} more)"] if len(names) > limit else [])
 
@@ -216,10 +71,44 @@ def _family_layouts(model_type):
     return candidates
 
 
+def _check_block(block, name: str = "block"):
+    from jax_hybridep.nn.moe import MoEBlock  # noqa: PLC0415  (nn imports this package)
+
+    if not isinstance(block, MoEBlock):
+        raise TypeError(f"{name} must be an nn.MoEBlock, got {type(block).__name__}")
+
+
+def _check_args(block, tensors, prefix, model_type, fp8_block, ignore_extra) -> tuple[int, int]:
+    """TypeError/ValueError naming the first argument of `load_block` that cannot be used;
+    fp8_block as a tuple."""
+    _check_block(block)
+    if not isinstance(tensors, Mapping):
+        raise TypeError(
+            f"tensors must be a mapping of tensor names to arrays, got {type(tensors).__name__}"
+        )
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str (e.g. 'model.layers.3.mlp'), got {short(prefix)}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise TypeError(f"model_type must be a str or None, got {short(model_type)}")
+    if (
+        isinstance(fp8_block, str | bytes)
+        or not isinstance(fp8_block, Sequence)
+        or len(fp8_block) != 2
+        or not all(is_int(b) and b >= 1 for b in fp8_block)
+    ):
+        raise ValueError(f"fp8_block must be two block sizes (ints >= 1), got {short(fp8_block)}")
+    if not isinstance(ignore_extra, bool):
+        raise TypeError(f"ignore_extra must be a bool, got {short(ignore_extra)}")
+    return int(fp8_block[0]), int(fp8_block[1])
+
+
 def tensor_shapes(block, prefix: str, model_type: str) -> dict[str, tuple[int, ...]]:
     """Every tensor name (under `prefix`) and shape that the family's checkpoint layout holds
     for `block`: what `load_block` reads (e.g. to write a checkpoint of random weights)."""
-    plan = _plan(block, None, prefix, _family_layouts(model_type)[0])
+    _check_block(block)
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {short(prefix)}")
+    plan = layer_plan.plan_layout(block, None, prefix, _family_layouts(model_type)[0])
     if plan.problems:
         raise ValueError(
             f"block does not fit model_type {model_type!r}: " + "; ".join(plan.problems)
@@ -227,38 +116,23 @@ def tensor_shapes(block, prefix: str, model_type: str) -> dict[str, tuple[int, .
     return plan.expected
 
 
-def load_block(
+def plan_block(
     block,
     tensors: Mapping,
     prefix: str,
     *,
     model_type: str | None = None,
     fp8_block: tuple[int, int] = block_fp8.DEFAULT_BLOCK,
-) -> str:
-    """Sets one MoE layer's parameters of `block` from HuggingFace tensors.
-
-    Args:
-      block: an `nn.MoEBlock` built for this family (`hf.block_kwargs`).
-      tensors: tensor name -> array (numpy, jax, or anything with `.shape` that slices to
-        numpy, e.g. `load_checkpoint`'s lazy safetensors tensors).
-      prefix: the layer's MoE module, e.g. "model.layers.3.mlp" (`hf.layer_prefixes`).
-      model_type: the family (config.json's model_type); None finds the layout from the names.
-      fp8_block: the block of block-scaled FP8 weights (a float8 `{name}` with its
-        `{name}_scale_inv`, `nn.hf.block_fp8`): config.json's
-        quantization_config.weight_block_size; they load as their dequantized values.
-
-    Returns:
-      The name of the layout read.
-
-    Raises:
-      ValueError: unknown model_type, no known layout under prefix, or (all at once) missing
-        tensors, wrong shapes and tensors the block cannot hold.
-    """
+    ignore_extra: bool = False,
+):
+    """What `load_block` would set, every check done and nothing read or set (`apply` sets it);
+    ValueError naming every problem."""
+    fp8_block = _check_args(block, tensors, prefix, model_type, fp8_block, ignore_extra)
     candidates = layouts.ALL_LAYOUTS if model_type is None else _family_layouts(model_type)
-    tensors = block_fp8.dequantizing(tensors, fp8_block)
+    raw, tensors = tensors, block_fp8.dequantizing(tensors, fp8_block)
 
     def has(rel):
-        return _join(prefix, rel) in tensors
+        return layer_plan.join(prefix, rel) in tensors
 
     present = [layout for layout in candidates if all(has(n) for n in layout.signature)]
     if not present:
@@ -269,10 +143,23 @@ def load_block(
         )
     specificity = [_specificity(layout, has) for layout in present]
     plans = [
-        _plan(block, tensors, prefix, layout)
+        layer_plan.plan_layout(block, tensors, prefix, layout)
         for layout, n in zip(present, specificity, strict=True)
         if n == max(specificity)
     ]
+    if ignore_extra:  # tensors the block cannot hold are left unread
+        for plan in plans:
+            plan.problems = [p for p in plan.problems if not p.startswith("the checkpoint holds")]
+    else:
+        for plan in plans:
+            extra = layer_plan.extra_tensors(plan, raw)
+            if extra:
+                shown = extra[:8] + ([f"... ({len(extra) - 8} more)"] if len(extra) > 8 else [])
+                plan.problems.append(
+                    f"the checkpoint holds tensors under {prefix!r} that the block cannot hold: "
+                    f"{shown} (another number of experts, biases the block was not built with? "
+                    "ignore_extra=True leaves them unread)"
+                )
     good = [plan for plan in plans if not plan.problems]
     if len(good) > 1 and all(plan.expected == good[0].expected for plan in good):
         good = good[:1]  # layouts that differ only in what this block does not have
@@ -286,9 +173,52 @@ def load_block(
         raise ValueError(
             f"cannot load {prefix!r} as {plan.layout.name}: " + "; ".join(plan.problems)
         )
-    plan = good[0]
-    for var, read, order in plan.sets:
-        _materialise(var, read, order)
-    if hasattr(block, "reset_sr_reference"):
-        block.reset_sr_reference()  # a persistent SR shared expert follows the new experts
+    return good[0]
+
+
+def apply(plan) -> str:
+    """Sets what `plan_block` planned: every value read and built first, then all set (a read
+    that fails leaves the block as it was). Returns the layout's name."""
+    values = [(var, _value(var, read, order)) for var, read, order in plan.sets]
+    for var, value in values:
+        var[...] = value
+    if hasattr(plan.block, "reset_sr_reference"):
+        plan.block.reset_sr_reference()  # a persistent SR shared expert follows the new experts
     return plan.layout.name
+
+
+def load_block(
+    block,
+    tensors: Mapping,
+    prefix: str,
+    *,
+    model_type: str | None = None,
+    fp8_block: tuple[int, int] = block_fp8.DEFAULT_BLOCK,
+    ignore_extra: bool = False,
+) -> str:
+    """Sets one MoE layer's parameters of `block` from HuggingFace tensors.
+
+    Args:
+      block: an `nn.MoEBlock` built for this family (`hf.block_kwargs`).
+      tensors: tensor name -> array (numpy, jax, or anything with `.shape` that slices to
+        numpy, e.g. `load_checkpoint`'s lazy safetensors tensors).
+      prefix: the layer's MoE module, e.g. "model.layers.3.mlp" (`hf.layer_prefixes`).
+      model_type: the family (config.json's model_type); None finds the layout from the names.
+      fp8_block: the block of block-scaled FP8 weights (a float8 `{name}` with its
+        `{name}_scale_inv`, `nn.hf.block_fp8`): config.json's
+        quantization_config.weight_block_size; they load as their dequantized values.
+      ignore_extra: leave tensors under `prefix` that the block cannot hold unread (default: a
+        ValueError naming them; a block must not drop weights of the checkpoint silently).
+
+    Returns:
+      The name of the layout read.
+
+    Raises:
+      TypeError: an argument of the wrong type.
+      ValueError: unknown model_type, no known layout under prefix, or (all at once) missing
+        tensors, wrong shapes or dtypes, scales that do not fit, and tensors the block cannot
+        hold; nothing is set then. A read that fails (OSError) also leaves the block as it was.
+    """
+    plan = plan_block(block, tensors, prefix, model_type=model_type, fp8_block=fp8_block,
+                      ignore_extra=ignore_extra)  # fmt: skip
+    return apply(plan)
