@@ -1,14 +1,29 @@
-// Host-side helpers of the CUDA launchers: a kernel template instantiated per row dtype.
+// Host-side helpers of the CUDA launchers: a kernel launch that both nvcc and the host executor
+// compile (docs/host_executor.md), and a kernel template instantiated per row dtype.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_LAUNCH_SUPPORT_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_LAUNCH_SUPPORT_H_
 
 #include <cuda_runtime_api.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "xla_ffi/numeric.h"
 
 namespace jax_hybridep {
+
+// kernel<<<grid, block, smem, stream>>>(args...), and the launch's status. The host executor
+// (-DJAX_HYBRIDEP_HOST_EXECUTOR) runs the same kernel on its virtual GPUs instead.
+template <typename... Params, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                         cudaStream_t stream, Args&&... args) {
+#if defined(JAX_HYBRIDEP_HOST_EXECUTOR)
+  return host::LaunchKernel(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, smem, stream> > >(std::forward<Args>(args)...);
+  return cudaGetLastError();
+#endif
+}
 
 // Calls launch(std::integral_constant<Dtype, dtype>()) so the launch picks the kernel instance of
 // `dtype`; returns the launch status.

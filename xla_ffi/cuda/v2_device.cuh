@@ -1,5 +1,6 @@
 // Device helpers of transport v2's kernels (v2_transport.h): the window's regions, flag tags and
-// waits, mbarriers and the bulk-copy engine. Included by the .cu files only.
+// waits, mbarriers and the bulk-copy engine, over the PTX layer (ptx.cuh). Included by the .cu
+// files only.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_V2_DEVICE_CUH_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_V2_DEVICE_CUH_
 
@@ -7,6 +8,7 @@
 
 #include <cstdint>
 
+#include "xla_ffi/cuda/ptx.cuh"
 #include "xla_ffi/cuda/v2_transport.h"
 
 namespace jax_hybridep {
@@ -43,20 +45,12 @@ __device__ __forceinline__ uint64_t Tag(uint64_t generation, uint32_t site) {
 
 // ---------------------------------------------------------------------------- flags
 
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
+__device__ __forceinline__ uint64_t GlobalTimerNs() { return ptx::GlobalTimerNs(); }
 __device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* flag) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-  return v;
+  return ptx::LoadAcquireSys(flag);
 }
-
 __device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(flag), "l"(v) : "memory");
+  ptx::StoreReleaseSys(flag, v);
 }
 
 // Records this rank's first failed wait in the mapped host record (system-scope stores, the only
@@ -151,80 +145,48 @@ __device__ inline void SignalPeers(const V2Peers& peers, const V2Exchange& ex, u
 
 // ---------------------------------------------------------------------------- bulk copies
 
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void BarrierInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" : : "r"(SharedAddress(bar)), "r"(count));
+  ptx::MbarrierInit(bar, count);
 }
-
-__device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" : : "r"(SharedAddress(bar)) : "memory");
-}
-
+__device__ __forceinline__ void BarrierArrive(uint64_t* bar) { ptx::MbarrierArrive(bar); }
 __device__ __forceinline__ void BarrierExpectBytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-               :
-               : "r"(SharedAddress(bar)), "r"(bytes)
-               : "memory");
+  ptx::MbarrierArriveExpectTx(bar, bytes);
 }
 
 // Waits for the completion of the barrier's phase of parity `parity`.
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(SharedAddress(bar)), "r"(parity)
-        : "memory");
+  while (!ptx::MbarrierTryWaitParity(bar, parity)) {
   }
 }
 
 // global -> shared, completing `bytes` on the barrier (16-byte aligned, a multiple of 16).
 __device__ __forceinline__ void BulkLoad(void* smem, const void* global, uint32_t bytes,
                                          uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      :
-      : "r"(SharedAddress(smem)), "l"(global), "r"(bytes), "r"(SharedAddress(bar))
-      : "memory");
+  ptx::BulkLoadGlobalToShared(smem, global, bytes, bar);
 }
 
 // shared -> global (16-byte aligned, a multiple of 16), in the thread's current bulk group.
 __device__ __forceinline__ void BulkStore(void* global, const void* smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-               :
-               : "l"(global), "r"(SharedAddress(smem)), "r"(bytes)
-               : "memory");
+  ptx::BulkStoreSharedToGlobal(global, smem, bytes);
 }
 
-__device__ __forceinline__ void BulkCommit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
+__device__ __forceinline__ void BulkCommit() { ptx::BulkCommitGroup(); }
 
 // Every bulk group of this thread but the newest `kPending` has finished reading shared memory.
 template <int kPending>
 __device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" : : "n"(kPending) : "memory");
+  ptx::BulkWaitGroupRead<kPending>();
 }
 
 // Every bulk group of this thread is complete (its writes performed), and visible to the
 // generic proxy (the flag that follows).
 __device__ __forceinline__ void BulkWaitAll() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+  ptx::BulkWaitGroup<0>();
+  ptx::FenceProxyAsyncGlobal();
 }
 
 // Shared memory written by ordinary stores, read next by the bulk-copy engine.
-__device__ __forceinline__ void FenceSharedForBulk() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
+__device__ __forceinline__ void FenceSharedForBulk() { ptx::FenceProxyAsyncShared(); }
 
 }  // namespace v2
 }  // namespace jax_hybridep

@@ -5,8 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cub/block/block_scan.cuh>
 
+#include "xla_ffi/cuda/launch_support.h"
+#include "xla_ffi/cuda/ptx.cuh"
 #include "xla_ffi/cuda/v2_layout.h"
 #include "xla_ffi/limits.h"  // kMaxWindowRanks
 
@@ -46,6 +47,30 @@ __device__ bool Has(const DestMask& mask, int p) {
   return has;
 }
 
+// The exclusive prefix sum of `value` over the block's kScanThreads threads (`before`) and their
+// total: each warp scans by shuffles, then every thread adds the totals of the warps before its
+// own. warp_totals: kScanThreads / 32 shared ints, free again after the caller's next barrier.
+__device__ void BlockExclusiveSum(int32_t value, int32_t* warp_totals, int32_t& before,
+                                  int32_t& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t inclusive = value;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  int32_t warps_before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kScanThreads / 32; ++w) {
+    warps_before += w < warp ? warp_totals[w] : 0;
+    total += warp_totals[w];
+  }
+  before = warps_before + inclusive - value;
+}
+
 int64_t Chunks(const V2LayoutShape& shape) { return V2Padded(shape.items) / kV2Chunk; }
 
 // count[(s * chunks + c) * S + p]: items of chunk c of source s going to p. Grid (chunks, S).
@@ -53,7 +78,7 @@ __global__ void __launch_bounds__(kV2Chunk)
     CountChunksKernel(V2LayoutShape shape, const int32_t* gathered, int32_t* count) {
   const int64_t c = blockIdx.x, s = blockIdx.y, chunks = gridDim.x;
   const DestMask mask = ItemDestinations(shape, gathered, s, c * kV2Chunk + threadIdx.x);
-  __shared__ int32_t first_warp[kMaxWindowRanks];
+  JAX_HYBRIDEP_SHARED_ARRAY(int32_t, first_warp, kMaxWindowRanks, 4);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int p = 0; p < shape.ranks; ++p) {
     const int n = __popc(__ballot_sync(0xffffffffu, Has(mask, p)));
@@ -68,9 +93,8 @@ __global__ void __launch_bounds__(kV2Chunk)
 __global__ void __launch_bounds__(kScanThreads)
     ScanChunksKernel(V2LayoutShape shape, int64_t chunks, const int32_t* rank, const int32_t* count,
                      int32_t* base, int32_t* info) {
-  using Scan = cub::BlockScan<int32_t, kScanThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  __shared__ int32_t carry;
+  JAX_HYBRIDEP_SHARED_ARRAY(int32_t, warp_totals, kScanThreads / 32, 4);
+  JAX_HYBRIDEP_SHARED_VAR(int32_t, carry, 4);
   const int64_t p = blockIdx.x, S = shape.ranks, n = S * chunks;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
@@ -78,9 +102,9 @@ __global__ void __launch_bounds__(kScanThreads)
     const int64_t i = begin + threadIdx.x;
     const int32_t value = i < n ? count[i * S + p] : 0;
     int32_t before = 0, total = 0;
-    Scan(temp).ExclusiveSum(value, before, total);
+    BlockExclusiveSum(value, warp_totals, before, total);
     if (i < n) base[i * S + p] = carry + before;
-    __syncthreads();  // everyone read `carry` and the scan storage
+    __syncthreads();  // everyone read `carry` and the warps' totals
     if (threadIdx.x == 0) carry += total;
     __syncthreads();
   }
@@ -98,7 +122,7 @@ __global__ void __launch_bounds__(kV2Chunk)
   const int32_t rank = *rank_ptr;
   const int64_t m = c * kV2Chunk + threadIdx.x;
   const DestMask mask = ItemDestinations(shape, gathered, s, m);
-  __shared__ uint32_t first_warp[kMaxWindowRanks];
+  JAX_HYBRIDEP_SHARED_ARRAY(uint32_t, first_warp, kMaxWindowRanks, 4);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t below = (1u << lane) - 1u;
   for (int p = 0; p < S; ++p) {
@@ -152,12 +176,13 @@ cudaError_t LaunchV2Layout(const V2LayoutShape& shape, const int32_t* rank, cons
   int32_t* count = static_cast<int32_t*>(workspace);
   int32_t* base = count + S * chunks * S;
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(S));
-  CountChunksKernel<<<grid, kV2Chunk, 0, stream>>>(shape, gathered, count);
-  ScanChunksKernel<<<static_cast<unsigned>(S), kScanThreads, 0, stream>>>(shape, chunks, rank,
-                                                                          count, base, info);
-  AssignSlotsKernel<<<grid, kV2Chunk, 0, stream>>>(
-      shape, rank, gathered, base, send_slot, recv_item, recv_rows, row_weights, row_slot, info);
-  return cudaGetLastError();
+  s = LaunchKernel(&CountChunksKernel, grid, dim3(kV2Chunk), 0, stream, shape, gathered, count);
+  if (s != cudaSuccess) return s;
+  s = LaunchKernel(&ScanChunksKernel, dim3(static_cast<unsigned>(S)), dim3(kScanThreads), 0, stream,
+                   shape, chunks, rank, count, base, info);
+  if (s != cudaSuccess) return s;
+  return LaunchKernel(&AssignSlotsKernel, grid, dim3(kV2Chunk), 0, stream, shape, rank, gathered,
+                      base, send_slot, recv_item, recv_rows, row_weights, row_slot, info);
 }
 
 }  // namespace jax_hybridep

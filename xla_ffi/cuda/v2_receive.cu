@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "xla_ffi/cuda/launch_support.h"
 #include "xla_ffi/cuda/v2_device.cuh"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/fp8.h"
@@ -365,22 +366,6 @@ cudaError_t WideGrid(dim3* grid) {
 }
 
 template <typename Launch>
-cudaError_t ByDtype(Dtype dtype, Launch&& launch) {
-  switch (dtype) {
-    case Dtype::kF32:
-      launch(std::integral_constant<Dtype, Dtype::kF32>());
-      break;
-    case Dtype::kBF16:
-      launch(std::integral_constant<Dtype, Dtype::kBF16>());
-      break;
-    case Dtype::kF16:
-      launch(std::integral_constant<Dtype, Dtype::kF16>());
-      break;
-  }
-  return cudaGetLastError();
-}
-
-template <typename Launch>
 void ByWidth(bool wide, Launch&& launch) {
   if (wide) {
     launch(std::true_type());
@@ -424,8 +409,8 @@ cudaError_t LaunchV2Permute(const V2Exchange& ex, int64_t k, const int32_t* recv
   if (!fp8) {
     const bool wide = out_row_bytes % 16 == 0 && Aligned(out);
     ByWidth(wide, [&](auto w) {
-      PermuteKernel<true, Dtype::kF32, false, false, decltype(w)::value>
-          <<<grid, kThreads, 0, stream>>>(a);
+      LaunchKernel(&PermuteKernel<true, Dtype::kF32, false, false, decltype(w)::value>, grid,
+                   dim3(kThreads), 0, stream, a);
     });
     return cudaGetLastError();
   }
@@ -433,8 +418,8 @@ cudaError_t LaunchV2Permute(const V2Exchange& ex, int64_t k, const int32_t* recv
   const bool wide = fp8_hidden % 8 == 0 && Aligned(out);
   return ByDtype(fp8_dtype, [&](auto d) {
     ByWidth(wide, [&](auto w) {
-      PermuteKernel<false, decltype(d)::value, true, false, decltype(w)::value>
-          <<<grid, kThreads, 0, stream>>>(a);
+      LaunchKernel(&PermuteKernel<false, decltype(d)::value, true, false, decltype(w)::value>, grid,
+                   dim3(kThreads), 0, stream, a);
     });
   });
 }
@@ -453,8 +438,8 @@ cudaError_t LaunchV2PermuteScaled(const V2Exchange& ex, int64_t k, Dtype dtype,
   const bool wide = ex.row_bytes % 16 == 0 && Aligned(out) && Aligned(out_scaled);
   return ByDtype(dtype, [&](auto d) {
     ByWidth(wide, [&](auto w) {
-      PermuteKernel<false, decltype(d)::value, false, true, decltype(w)::value>
-          <<<grid, kThreads, 0, stream>>>(a);
+      LaunchKernel(&PermuteKernel<false, decltype(d)::value, false, true, decltype(w)::value>, grid,
+                   dim3(kThreads), 0, stream, a);
     });
   });
 }
@@ -470,11 +455,11 @@ cudaError_t LaunchV2Unpermute(Dtype dtype, int64_t hidden, int64_t k, const char
   return ByDtype(dtype, [&](auto d) {
     ByWidth(wide, [&](auto w) {
       if (weights != nullptr) {
-        UnpermuteKernel<decltype(d)::value, decltype(w)::value, true>
-            <<<grid, kThreads, 0, stream>>>(hidden, k, y, weights, recv_rows, info, partials);
+        LaunchKernel(&UnpermuteKernel<decltype(d)::value, decltype(w)::value, true>, grid,
+                     dim3(kThreads), 0, stream, hidden, k, y, weights, recv_rows, info, partials);
       } else {
-        UnpermuteKernel<decltype(d)::value, decltype(w)::value, false>
-            <<<grid, kThreads, 0, stream>>>(hidden, k, y, weights, recv_rows, info, partials);
+        LaunchKernel(&UnpermuteKernel<decltype(d)::value, decltype(w)::value, false>, grid,
+                     dim3(kThreads), 0, stream, hidden, k, y, weights, recv_rows, info, partials);
       }
     });
   });
@@ -489,7 +474,8 @@ cudaError_t LaunchV2Reduce(const V2Exchange& ex, Dtype dtype, int64_t k, const i
   const bool wide = ex.row_bytes % 16 == 0 && Aligned(out);
   return ByDtype(dtype, [&](auto d) {
     ByWidth(wide, [&](auto w) {
-      ReduceKernel<decltype(d)::value, decltype(w)::value><<<grid, kThreads, 0, stream>>>(a);
+      LaunchKernel(&ReduceKernel<decltype(d)::value, decltype(w)::value>, grid, dim3(kThreads), 0,
+                   stream, a);
     });
   });
 }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "xla_ffi/cuda/launch_support.h"
 #include "xla_ffi/cuda/v2_device.cuh"
 #include "xla_ffi/cuda/v2_transport.h"
 #include "xla_ffi/fp8.h"
@@ -195,9 +196,11 @@ __device__ void StorePiece(const V2Peers& peers, const SendArgs& a, char* stage,
 template <bool kCombine, Dtype kDtype, bool kQuantize>
 __global__ void __maxnreg__(kV2SendRegisters)
     SendKernel(const __grid_constant__ V2Peers peers, const SendArgs a) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ __align__(8) uint64_t full[kV2MaxStages], empty[kV2MaxStages];
-  __shared__ __align__(8) uint64_t map_full[2], map_empty[2];
+  JAX_HYBRIDEP_DYNAMIC_SHARED(char, smem, 128);
+  JAX_HYBRIDEP_SHARED_ARRAY(uint64_t, full, kV2MaxStages, 8);
+  JAX_HYBRIDEP_SHARED_ARRAY(uint64_t, empty, kV2MaxStages, 8);
+  JAX_HYBRIDEP_SHARED_ARRAY(uint64_t, map_full, 2, 8);
+  JAX_HYBRIDEP_SHARED_ARRAY(uint64_t, map_empty, 2, 8);
   const int warp = threadIdx.x / 32, lane = Lane();
   const int64_t stages = a.plan.stages, pieces = a.plan.pieces;
   int32_t* maps = reinterpret_cast<int32_t*>(smem);
@@ -217,7 +220,7 @@ __global__ void __maxnreg__(kV2SendRegisters)
       BarrierInit(&map_full[s], 1);
       BarrierInit(&map_empty[s], 1 + kV2S2GWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    ptx::FenceMbarrierInit();
   }
   __syncthreads();
   auto load_map = [&](int64_t i, int64_t chunk) {  // the elected lane of the G2S warp
@@ -309,9 +312,8 @@ cudaError_t Launch(const V2Peers& peers, const SendArgs& a, cudaStream_t stream)
   cudaError_t s = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(a.plan.smem_bytes));
   if (s != cudaSuccess) return s;
-  kernel<<<static_cast<unsigned>(a.ex.send_blocks), kV2SendThreads, a.plan.smem_bytes, stream>>>(
-      peers, a);
-  return cudaGetLastError();
+  return LaunchKernel(kernel, dim3(static_cast<unsigned>(a.ex.send_blocks)), dim3(kV2SendThreads),
+                      static_cast<size_t>(a.plan.smem_bytes), stream, peers, a);
 }
 
 // The dynamic shared memory a send block may opt into on this device (at most kV2SharedBudget:

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(32, 1) BulkCopyKernel(const char* src, char* d
   __shared__ __align__(8) uint64_t full[kBulkStages];
   if (threadIdx.x != 0) return;
   for (int s = 0; s < kBulkStages; ++s) BarrierInit(&full[s], 1);
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  ptx::FenceMbarrierInit();
   const int64_t chunks = (bytes + kBulkChunk - 1) / kBulkChunk;
   auto load = [&](int64_t n, int64_t chunk) {
     const int s = n % kBulkStages;
