@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-from cuda_transport_test import Round, got_bits  # noqa: E402
+from transport_helpers import Round, got_bits  # noqa: E402
 
 from jax_hybridep import _native  # noqa: E402
 

@@ -15,98 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_kernels_test import (
-    DTYPES,
-    _bits,
-    _layout_args,
-    _numpy_layout,
-    _routing,
-    _values,
-)
+from transport_helpers import DTYPES, Round, got_bits
+from transport_helpers import bits as _bits
 
 from jax_hybridep import _native
 
 native = _native.testing_module()
-
-
-class Round:
-    """Inputs of one harness round over R ranks, and the numpy model's outputs."""
-
-    def __init__(
-        self, routing: str, dtype: str, hidden: int, R: int, T: int = 24, K: int = 3, seed: int = 0
-    ):
-        rng = np.random.default_rng([R, hidden, seed])
-        E = 2 * R
-        idx = _routing(routing, rng, R=R, T=T, K=K, E=E)
-        args = _layout_args(idx, E, "dropless")
-        row_pos = _numpy_layout(**args)["row_pos"].astype(np.int32)
-        safe = np.clip(idx, 0, E - 1)
-        self.dest = np.where(row_pos >= 0, args["placement_rank"][safe], -1).astype(np.int32)
-        self.row_pos = row_pos
-        self.R, self.T, self.K, self.C = R, T, K, args["rows"]
-        self.dtype, self.hidden = dtype, hidden
-        np_dtype = DTYPES[dtype]
-        self.x = _values(rng, (R, T, hidden), dtype)
-        self.weights = rng.standard_normal((R, T, K)).astype(np.float32)
-        self.y = _values(rng, (R, self.C, hidden), dtype)
-        self.y_weights = rng.standard_normal((R, self.C)).astype(np.float32)
-        self.g = _values(rng, (R, T, hidden), dtype)
-        self.scale = rng.standard_normal((R, self.C)).astype(np.float32)
-        self.scale[:, ::5] *= -1  # negative scales: unfilled rows become -0
-        self.values = rng.standard_normal((R, self.C)).astype(np.float32)
-        self.np_dtype = np_dtype
-
-    def inputs(self, weighted: bool) -> dict:
-        """This round's arguments of cuda_selftest_transport (before stacking rounds)."""
-        as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:2] + (-1,))  # noqa: E731
-        return dict(
-            x=as_bytes(self.x), dest=self.dest, row_pos=self.row_pos, weights=self.weights,
-            y=as_bytes(self.y), y_weights=self.y_weights if weighted else None, g=as_bytes(self.g),
-            scale=self.scale, values=self.values,
-        )  # fmt: skip
-
-    def sends(self):
-        """(src, t, k, d, row) for every kept row."""
-        for src, t, k in zip(*np.nonzero(self.dest >= 0), strict=True):
-            yield src, t, k, int(self.dest[src, t, k]), int(self.row_pos[src, t, k])
-
-    def expected(self, weighted: bool) -> dict:
-        R, T, K, C, H = self.R, self.T, self.K, self.C, self.hidden
-        recv = np.full((R, R * T, K), -1, np.int32)
-        tokens = np.zeros((R, C, H), self.np_dtype)
-        weights = np.zeros((R, C), np.float32)
-        redispatched = np.zeros((R, C, H), self.np_dtype)
-        # Rows nobody fills: 0 * scale, which is -0 for negative scales.
-        zero_scaled = np.float32(0) * self.scale
-        scaled = np.repeat(zero_scaled[:, :, None], H, axis=2).astype(self.np_dtype)
-        row_values = np.zeros((R, T, K), np.float32)
-        partial = np.zeros((R, R, T, H), np.float32)  # [src, d, t]: f32 sum over ascending k
-        for src, t, k, d, row in self.sends():
-            recv[d, src * T + t, k] = row
-            tokens[d, row] = self.x[src, t]
-            weights[d, row] = self.weights[src, t, k]
-            redispatched[d, row] = self.g[src, t]
-            with np.errstate(over="ignore", invalid="ignore"):
-                scaled[d, row] = (self.g[src, t].astype(np.float32) * self.scale[d, row]).astype(
-                    self.np_dtype
-                )
-            row_values[src, t, k] = self.values[d, row]
-            v = self.y[d, row].astype(np.float32)
-            if weighted:
-                v = v * self.y_weights[d, row]
-            partial[src, d, t] = partial[src, d, t] + v
-        combined = np.zeros((R, T, H), np.float32)
-        with np.errstate(over="ignore"):
-            rounded = partial.astype(self.np_dtype).astype(np.float32)  # a partial crosses rounded
-            for src in range(R):
-                for t in range(T):
-                    for d in sorted({int(d) for d in self.dest[src, t] if d >= 0}):
-                        combined[src, t] = combined[src, t] + rounded[src, d, t]
-            combined = combined.astype(self.np_dtype)
-        return dict(
-            tokens=tokens, weights=weights, recv_row_pos=recv, combined=combined,
-            redispatched=redispatched, scaled=scaled, row_values=row_values,
-        )  # fmt: skip
 
 
 def run_rounds(
@@ -130,12 +44,6 @@ def run_rounds(
         )  # fmt: skip
     return [{key: value[n] for key, value in out.items() if key != "blocks_resident"}
             for n in range(len(rounds))]  # fmt: skip
-
-
-def got_bits(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Both arrays' bytes, shaped as the hook's output (which may be raw bytes or typed)."""
-    got_bytes = _bits(got)
-    return got_bytes, _bits(want).reshape(got_bytes.shape)
 
 
 def _assert_round(got: dict, want: dict, what: str):

@@ -16,8 +16,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from cuda_kernels_test import _bits
-from cuda_transport_test import ROUTINGS, Round, on_every_round
+from cuda_transport_test import ROUTINGS, on_every_round
+from transport_helpers import Round
+from transport_helpers import bits as _bits
 
 from jax_hybridep import _native, fp8
 

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_kernels_test import DTYPES, _bits, _layout_args, _numpy_layout, _routing, _values
-from cuda_transport_test import Round
+from transport_helpers import DTYPES, Round
+from transport_helpers import bits as _bits
+from transport_helpers import layout_args as _layout_args
+from transport_helpers import numpy_layout as _numpy_layout
+from transport_helpers import routing as _routing
+from transport_helpers import values as _values
 from transport_v2_twin import (
     numpy_layout,
     numpy_permute,

@@ -76,6 +76,8 @@ NB_MODULE(_hybridep_testing, m) {
   jax_hybridep::RegisterStateProbe(m);
 #ifdef JAX_HYBRIDEP_WITH_CUDA_V2
   jax_hybridep::RegisterCudaV2Hooks(m);
+  jax_hybridep::RegisterCudaV2Harness(m);
+  jax_hybridep::RegisterCudaV2Bench(m);
 #endif
 #else
   m.attr("with_cuda") = false;

@@ -35,26 +35,34 @@ inline void CheckCuda(cudaError_t status, const char* what) {
   }
 }
 
-// One self-test's GPU resources: a stream and every allocation, all released together.
+// One self-test's resources on one GPU (`device`, or the current one): a stream and every
+// allocation, all released together.
 class GpuSession {
  public:
-  GpuSession() {
+  explicit GpuSession(int device = -1) {
     if (CudaDeviceCount() == 0) throw std::runtime_error("no CUDA device available");
+    if (device >= 0) CheckCuda(cudaSetDevice(device), "cudaSetDevice");
+    CheckCuda(cudaGetDevice(&device_), "cudaGetDevice");
     CheckCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
   GpuSession(const GpuSession&) = delete;
   GpuSession& operator=(const GpuSession&) = delete;
   ~GpuSession() {
+    cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     for (void* ptr : allocations_) cudaFree(ptr);
     cudaStreamDestroy(stream_);
   }
 
   cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  // Makes this session's GPU the current one (for launches on its stream).
+  void Use() const { CheckCuda(cudaSetDevice(device_), "cudaSetDevice"); }
 
   // n zero-filled elements.
   template <typename T>
   T* Zeros(size_t n) {
+    Use();
     void* ptr = nullptr;
     CheckCuda(cudaMalloc(&ptr, std::max<size_t>(n * sizeof(T), 1)), "cudaMalloc");
     allocations_.push_back(ptr);
@@ -73,6 +81,7 @@ class GpuSession {
   // Waits for the stream (surfacing any kernel fault) and copies n elements back.
   template <typename T>
   std::vector<T> Download(const T* device, size_t n) {
+    Use();
     std::vector<T> host(n);
     CheckCuda(cudaMemcpyAsync(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost, stream_),
               "cudaMemcpyAsync");
@@ -81,6 +90,7 @@ class GpuSession {
   }
 
  private:
+  int device_ = 0;
   cudaStream_t stream_ = nullptr;
   std::vector<void*> allocations_;
 };

@@ -215,8 +215,6 @@ void RegisterCudaV2Hooks(nb::module_& m) {
         nb::arg("dest"),
         "Host reference of the v2 reduce (partials [S, M, row_bytes] at [source d, item m]). "
         "Returns [M, row_bytes], uint8.");
-  RegisterCudaV2Harness(m);
-  RegisterCudaV2Bench(m);
 }
 
 }  // namespace jax_hybridep

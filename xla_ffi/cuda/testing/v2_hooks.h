@@ -8,7 +8,7 @@
 
 namespace jax_hybridep {
 
-// cuda_v2_plan_send, cuda_v2_layout, cuda_v2_reference_* (v2_hooks.cc), and the two below.
+// cuda_v2_plan_send, cuda_v2_layout, cuda_v2_reference_* (v2_hooks.cc).
 void RegisterCudaV2Hooks(nanobind::module_& m);
 // cuda_selftest_v2_transport (v2_harness.cc).
 void RegisterCudaV2Harness(nanobind::module_& m);

@@ -1,0 +1,80 @@
+"""Builds and loads the host executor's module (docs/host_executor.md) from the kernel sources in
+the working tree, on demand, as scripts/sanitize.sh builds its module: an edited kernel is picked
+up by the next test run without reinstalling the package.
+
+`executor()` is the module of the working tree's kernels; `planted(bugs)` builds one module per
+planted bug (a patched copy of one kernel file, tests/host_executor_planted_test.py) beside it.
+Builds go to build/host_executor (CMake + Ninja from the virtualenv, CUDA off); a lock keeps two
+pytest processes from building at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import importlib.util
+import pathlib
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BUILD = ROOT / "build" / "host_executor"
+PLANTED = BUILD / "planted"
+MODULE = "_hybridep_host_executor"  # every module's init name (module.cc is compiled once)
+
+
+def _tool(name: str) -> str:
+    beside = pathlib.Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"host executor build: no {name} (run scripts/setup.sh)")
+    return found
+
+
+def _run(command: list[str]) -> None:
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        log = (proc.stdout + proc.stderr)[-6000:]
+        raise RuntimeError(f"host executor build failed: {' '.join(command)}\n{log}")
+
+
+def build(targets: list[str]) -> None:
+    """Configures build/host_executor (every planted bug's directory included) and builds."""
+    BUILD.mkdir(parents=True, exist_ok=True)
+    with open(BUILD / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _run([
+            _tool("cmake"), "-S", str(ROOT), "-B", str(BUILD), "-G", "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}", "-DCMAKE_BUILD_TYPE=Release",
+            "-DJAX_HYBRIDEP_CUDA=OFF", "-DJAX_HYBRIDEP_HOST_EXECUTOR=ON",
+            f"-DJAX_HYBRIDEP_PLANTED_DIR={PLANTED}", f"-DPython_EXECUTABLE={sys.executable}",
+        ])  # fmt: skip
+        _run([_tool("cmake"), "--build", str(BUILD), "--target", *targets])
+
+
+def load(target: str):
+    """The built module of `target` (its init name is MODULE whatever the file's name)."""
+    (path,) = BUILD.glob(f"{target}.*.so")
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def executor():
+    """The host executor with the working tree's kernels, built if anything changed."""
+    build([MODULE])
+    return load(MODULE)
+
+
+def planted(bugs: dict[str, tuple[str, str]]) -> dict[str, object]:
+    """One module per bug: {name: (kernel file under xla_ffi/cuda/, its patched text)}."""
+    for name, (kernel, text) in bugs.items():
+        path = PLANTED / name / kernel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:  # unchanged files keep their objects
+            path.write_text(text)
+    build([f"_planted_{name}" for name in bugs])
+    return {name: load(f"_planted_{name}") for name in bugs}

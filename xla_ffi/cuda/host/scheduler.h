@@ -1,0 +1,137 @@
+// The host executor's state and scheduler (executor.h), shared by its parts: the scheduler and
+// reports (executor.cc), the device primitives (primitives.cc) and the CUDA runtime API
+// (runtime_api.cc). Not for kernel code.
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_SCHEDULER_H_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_SCHEDULER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "xla_ffi/cuda/host/executor.h"
+
+namespace jax_hybridep::host {
+
+// The clocks an atomic location (a flag, a counter) carries between releases and acquires.
+struct SyncVar {
+  ClockRef clock, async;
+};
+
+class Executor {
+ public:
+  struct Gpu {
+    std::vector<std::unique_ptr<HostStream>> streams;  // [0]: the default stream
+    int free_slots = 0;
+  };
+
+  Options options;
+  Stats stats;
+  Memory memory;
+  std::mt19937_64 rng;
+  std::vector<Gpu> gpus;
+  int current_gpu = 0;
+  cudaError_t last_error = cudaSuccess;
+  std::unordered_map<const void*, int> max_dynamic_smem;    // cudaFuncSetAttribute
+  std::unordered_map<const void*, void*> host_allocations;  // cudaHostAlloc'd, mapped
+
+  uint64_t now_ns = 0;
+  std::vector<AgentInfo> agents;      // by agent id (0: none)
+  std::vector<LaunchRecord> records;  // by Launch::record (0: none)
+  std::unordered_map<const void*, SyncVar> sync_vars;
+
+  // The scheduler's view of the threads.
+  std::vector<Thread*> runnable;
+  std::vector<Thread*> sleepers;
+  std::vector<Thread*> bulk_waiters;           // blocked in cp.async.bulk.wait_group
+  std::vector<std::unique_ptr<Block>> blocks;  // resident
+  std::vector<BulkOp*> in_flight;              // bulk copies not yet performed
+  Thread* current = nullptr;
+
+  bool failed = false;
+  std::function<std::string()> failure;  // the report, formatted on the scheduler's stack
+  uint64_t progress = 0;                 // writes so far: polling with none in between is idle
+  uint64_t idle_progress = ~0ull;
+  uint64_t idle_stretch_ns = 0;
+
+  Executor();
+  void Reset();
+
+  // Runs the virtual GPUs until done() (or a report, thrown as Report).
+  void RunUntil(const std::function<bool()>& done);
+  bool StreamIdle(const HostStream* stream) const { return stream->ops.empty(); }
+  bool AllIdle() const;
+  HostStream* Stream(cudaStream_t stream);
+  cudaError_t Enqueue(HostStream* stream, StreamOp op);
+
+  // Agents and clocks.
+  uint32_t NewAgent(AgentInfo info);
+  // Whether the event `event` of agent `other` happens before k's next access.
+  bool Knows(const Knowledge& k, uint32_t other, uint32_t event) const {
+    if (other == 0) return true;
+    if (other == k.id) return event <= k.event;
+    if (Lookup(k.known, other) >= event) return true;
+    const uint32_t record = agents[other].record;
+    return record != 0 && records[record].summary != 0 &&
+           Lookup(k.known, records[record].summary) != 0;
+  }
+  // `clock` with the agents of finished launches it knows completely replaced by the launch.
+  ClockRef Compact(const ClockRef& clock) const;
+  // Compact, for a clock large enough that later joins and lookups would pay for its size.
+  ClockRef CompactLarge(const ClockRef& clock) const {
+    return clock && clock->size() > 512 ? Compact(clock) : clock;
+  }
+  bool Chance(double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
+  size_t Pick(size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); }
+
+  // Memory accesses by an agent (a thread, a bulk copy, a stream operation), checked: bounds,
+  // bulk copies in flight, races.
+  void Access(Knowledge& k, const AgentInfo* who, const void* address, size_t bytes, bool write,
+              bool relaxed, const void* pc, const Block* block);
+
+  // Thread scheduling (on the thread's fiber).
+  void Point(Thread* t);  // a scheduling point: another thread may run first
+  void BlockOn(Thread* t, Wait wait);
+  void Wake(Thread* t);
+  void Sleep(Thread* t, uint64_t ns);
+  // Ends the run with a report (on a fiber: never returns to it).
+  void Fail(std::function<std::string()> report);
+
+  // Bulk copies.
+  void PerformStage(BulkOp* op);
+  void RecheckBulkWaiters();
+  static bool GroupsDone(const Thread* t, size_t count, bool read_only);
+
+  // Descriptions for reports.
+  std::string Describe(uint32_t agent) const;
+  std::string DescribeThread(const Thread* t) const;
+
+ private:
+  void StartStreams();
+  void StartBlock(Launch* launch, int gpu);
+  void FinishBlock(Block* block);
+  void MaybeFinishLaunch(Launch* launch);
+  void PerformMemoryOp(HostStream* stream, StreamOp& op);
+  void Resume(Thread* t);
+  void WakeSleepers();
+  std::string DeadlockReport() const;
+  void ResetEpochs();
+};
+
+// Releases the threads waiting at the block's __syncthreads (all live ones arrived).
+void CompleteBlockBarrier(Block* block);
+
+// Set while a kernel thread's fiber runs (the instrumentation's fast path).
+extern Thread* g_thread;
+
+// The source location of a code address: "file:line (function)", inlined frames joined by " <- ".
+std::string Symbolize(const void* pc);
+// A kernel's name from its entry address.
+std::string KernelName(const void* kernel);
+
+}  // namespace jax_hybridep::host
+
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_SCHEDULER_H_
