@@ -255,6 +255,10 @@ __global__ void __maxnreg__(kV2SendRegisters)
               BarrierExpectBytes(&full[s], static_cast<uint32_t>(bytes));
               BulkLoad(stage, row + PieceOffset(a, piece), static_cast<uint32_t>(bytes), &full[s]);
             }
+            // Every lane waited for this stage: none may fall a ring behind lane 0, or its next
+            // parity wait would be for a phase the barrier has passed twice (a lane blocked for
+            // ever; lanes are not in lockstep).
+            __syncwarp();
           } else {
             WarpLoadPiece(stage, row + PieceOffset(a, piece), bytes);
             FenceSharedForBulk();
@@ -293,6 +297,7 @@ __global__ void __maxnreg__(kV2SendRegisters)
             }
             pending = s;
           }
+          __syncwarp();  // no lane a ring behind lane 0 (as in the G2S warp)
         }
       }
       __syncwarp();
