@@ -78,3 +78,52 @@ def planted(bugs: dict[str, tuple[str, str]]) -> dict[str, object]:
             path.write_text(text)
     build([f"_planted_{name}" for name in bugs])
     return {name: load(f"_planted_{name}") for name in bugs}
+
+
+def as_bytes(a):
+    """An array's rows as bytes: [..., H] of any dtype -> [..., H * itemsize] uint8."""
+    import numpy as np
+
+    return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:-1] + (-1,))
+
+
+def run_v2(
+    module,
+    rounds,
+    weighted: bool,
+    send_blocks: int = 2,
+    seed: int = 0,
+    sms: int = 2,
+    optin_smem: int = 232448,
+    copy_probability: float = 0.25,
+    **kw,
+) -> dict:
+    """Transport v2's harness (xla_ffi/cuda/testing/v2_harness.cc) on the executor: rank r of
+    every round on virtual GPU r, its own stream, the host waiting only at the end. `rounds`:
+    tests/transport_helpers.py Rounds, one per exchange round on the same windows."""
+    import numpy as np
+
+    first = rounds[0]
+    stack = lambda f: np.stack([f(r) for r in rounds])  # noqa: E731
+    module.configure(seed=seed, gpus=first.R, sms=sms, optin_smem=optin_smem,
+                     copy_probability=copy_probability)  # fmt: skip
+    return module.cuda_selftest_v2_transport(
+        first.dtype, first.C, x=stack(lambda r: as_bytes(r.x)), dest=stack(lambda r: r.dest),
+        row_pos=stack(lambda r: r.row_pos), weights=stack(lambda r: r.weights),
+        y=stack(lambda r: as_bytes(r.y)),
+        y_weights=stack(lambda r: r.y_weights) if weighted else None,
+        g=stack(lambda r: as_bytes(r.g)), scale=stack(lambda r: r.scale),
+        send_blocks=send_blocks, per_rank_devices=True, sync_each_phase=False, **kw,
+    )  # fmt: skip
+
+
+def seeds(count: int) -> list[int]:
+    """Scheduler seeds for a test: count - 1 fixed ones and one that changes every day, so each
+    day's runs try a schedule no run tried before. A failure's report names its seed;
+    JAX_HYBRIDEP_EXECUTOR_SEED=<seed> makes it the rotating one, to run that schedule again."""
+    import datetime
+    import os
+
+    rotating = os.environ.get("JAX_HYBRIDEP_EXECUTOR_SEED")
+    day = datetime.date.today().toordinal()
+    return list(range(count - 1)) + [int(rotating) if rotating else 1000 + day % 100000]

@@ -61,6 +61,7 @@ void Executor::Reset() {
   max_dynamic_smem.clear();
   agents.assign(1, AgentInfo());
   records.assign(1, LaunchRecord());
+  groups.clear();
   sync_vars.clear();
   now_ns = 0;
   current = nullptr;
@@ -71,7 +72,9 @@ void Executor::Reset() {
   idle_progress = ~0ull;
   idle_stretch_ns = 0;
   stats = Stats();
-  rng.seed(options.seed * 0x9e3779b97f4a7c15ull + 1);
+  rng_state = options.seed * 0x2545f4914f6cdd1dull + 1;
+  sleep_sequence = 0;
+  streams_changed = true;
 }
 
 uint32_t Executor::NewAgent(AgentInfo info) {
@@ -92,6 +95,25 @@ void JoinAgents(const std::vector<const Knowledge*>& agents, ClockRef* clock, Cl
   }
   *clock = JoinAll(known, std::move(own));
   if (async != nullptr) *async = JoinAll(known_async, std::move(own_async));
+}
+
+void Executor::CompleteBarrier(BarrierGroup& group, const std::vector<Knowledge*>& members,
+                               bool block) {
+  ++group.count;
+  std::vector<ClockRef> known, known_async;
+  for (Knowledge* k : members) {
+    known.push_back(k->known);
+    known_async.push_back(k->async_known);
+    AgentInfo& a = agents[k->id];
+    (block ? a.block_events : a.warp_events).emplace_back(k->event, k->async_event);
+  }
+  const ClockRef joined = CompactLarge(JoinAll(known, {{group.id, group.count}}));
+  const ClockRef joined_async = CompactLarge(JoinAll(known_async, {{group.async_id, group.count}}));
+  for (Knowledge* k : members) {
+    k->known = joined;
+    k->async_known = joined_async;
+    ++k->event;
+  }
 }
 
 ClockRef Executor::Compact(const ClockRef& clock) const {
@@ -129,6 +151,7 @@ HostStream* Executor::Stream(cudaStream_t stream) {
 cudaError_t Executor::Enqueue(HostStream* stream, StreamOp op) {
   if (failed) return cudaErrorLaunchFailure;
   stream->ops.push_back(std::move(op));
+  streams_changed = true;
   return cudaSuccess;
 }
 
@@ -147,7 +170,10 @@ bool Executor::AllIdle() const {
 void Executor::RunUntil(const std::function<bool()>& done) {
   if (failed) return;
   while (!done()) {
-    StartStreams();
+    if (streams_changed) {
+      streams_changed = false;
+      StartStreams();
+    }
     if (failed) break;
     if (!runnable.empty()) {
       if (!in_flight.empty() && Chance(options.copy_probability)) {
@@ -160,8 +186,7 @@ void Executor::RunUntil(const std::function<bool()>& done) {
     } else if (!sleepers.empty()) {
       // Everyone polls. With no write since the last time, only time can change anything: let
       // it pass faster and faster (a wait's timeout comes in a few thousand steps, not millions).
-      uint64_t wake = ~0ull;
-      for (Thread* t : sleepers) wake = std::min(wake, t->wake_ns);
+      const uint64_t wake = sleepers.front().wake_ns;
       if (progress == idle_progress) {
         idle_stretch_ns =
             std::min<uint64_t>(std::max<uint64_t>(2 * idle_stretch_ns, 1000), 1000000);
@@ -172,7 +197,10 @@ void Executor::RunUntil(const std::function<bool()>& done) {
       now_ns = std::max(now_ns + idle_stretch_ns, wake);
       WakeSleepers();
     } else if (!blocks.empty()) {
-      Fail([this] { return DeadlockReport(); });
+      Fail([this] {
+        return "deadlock: no thread can run; each blocked thread and what it waits for:" +
+               ThreadsReport();
+      });
     } else {
       break;  // nothing left to run
     }
@@ -182,7 +210,7 @@ void Executor::RunUntil(const std::function<bool()>& done) {
       Fail([this, limit] {
         return "hang: the kernels still run after " + std::to_string(limit) +
                " scheduler steps (virtual time " + std::to_string(now_ns) +
-               " ns); threads still running:\n" + DeadlockReport();
+               " ns); where each thread is:" + ThreadsReport();
       });
       break;
     }
@@ -215,15 +243,11 @@ void Executor::Resume(Thread* t) {
 }
 
 void Executor::WakeSleepers() {
-  for (size_t i = 0; i < sleepers.size();) {
-    Thread* t = sleepers[i];
-    if (t->wake_ns <= now_ns) {
-      sleepers[i] = sleepers.back();
-      sleepers.pop_back();
-      Wake(t);
-    } else {
-      ++i;
-    }
+  while (!sleepers.empty() && sleepers.front().wake_ns <= now_ns) {
+    std::pop_heap(sleepers.begin(), sleepers.end(), std::greater<Sleeper>());
+    Thread* t = sleepers.back().thread;
+    sleepers.pop_back();
+    Wake(t);
   }
 }
 
@@ -256,7 +280,8 @@ void Executor::Sleep(Thread* t, uint64_t ns) {
   runnable[t->runnable_slot] = last;
   last->runnable_slot = t->runnable_slot;
   runnable.pop_back();
-  sleepers.push_back(t);
+  sleepers.push_back(Sleeper{t->wake_ns, sleep_sequence++, t});
+  std::push_heap(sleepers.begin(), sleepers.end(), std::greater<Sleeper>());
   t->fiber.Return();
 }
 
@@ -352,6 +377,19 @@ void Executor::StartBlock(Launch* launch, int gpu) {
   const int n = static_cast<int>(launch->block.x * launch->block.y * launch->block.z);
   b->live = n;
   b->warps.resize((n + 31) / 32);
+  AgentInfo group_info;
+  group_info.kind = AgentInfo::kLaunch;
+  group_info.gpu = gpu;
+  group_info.kernel = launch->kernel;
+  group_info.record = launch->record;
+  auto new_group = [&] {
+    groups.emplace_back();
+    groups.back().id = NewAgent(group_info);
+    groups.back().async_id = NewAgent(group_info);
+    return &groups.back();
+  };
+  b->group = new_group();
+  for (Warp& w : b->warps) w.group = new_group();
   // Zero bytes too: an extern __shared__ array of a launch without dynamic shared memory is
   // then a red zone.
   b->dynamic =
@@ -374,6 +412,8 @@ void Executor::StartBlock(Launch* launch, int gpu) {
     info.warp = t->warp;
     info.lane = t->lane;
     info.record = launch->record;
+    info.block_group = b->group;
+    info.warp_group = b->warps[t->warp].group;
     t->k.id = NewAgent(info);
     t->k.known = launch->base;
     t->k.async_known = launch->base;
@@ -412,6 +452,7 @@ void Executor::FinishBlock(Block* b) {
   memory.Free(b->dynamic->begin);
   ++launch->blocks_done;
   ++gpus[launch->gpu].free_slots;
+  streams_changed = true;
   auto it = std::find_if(blocks.begin(), blocks.end(),
                          [b](const std::unique_ptr<Block>& p) { return p.get() == b; });
   blocks.erase(it);
@@ -435,6 +476,7 @@ void Executor::MaybeFinishLaunch(Launch* launch) {
   s->base = Compact(With(Join(s->base, finished), records[launch->record].summary, 1));
   s->running = false;
   s->ops.pop_front();
+  streams_changed = true;
 }
 
 void Executor::PerformMemoryOp(HostStream* s, StreamOp& op) {
@@ -462,6 +504,7 @@ void Executor::ResetEpochs() {
   memory.ResetEpochs();
   agents.assign(1, AgentInfo());
   records.assign(1, LaunchRecord());
+  groups.clear();
   sync_vars.clear();
   for (Gpu& g : gpus) {
     for (auto& s : g.streams) s->base = nullptr;
@@ -496,9 +539,7 @@ void Executor::Access(Knowledge& k, const AgentInfo* who, const void* address, s
   const uint32_t id = k.id;
   if (r->kind == RegionKind::kRedZone || p + bytes > r->end) {
     const Region* a = r->kind == RegionKind::kRedZone ? r->guarded : r;
-    const bool before = p < a->begin;
-    const size_t past =
-        before ? static_cast<size_t>(a->begin - p) : static_cast<size_t>(p + bytes - a->end);
+    const int64_t offset = p - a->begin;
     const std::string where =
         a->name + " (" + std::to_string(a->end - a->begin) + " bytes" +
         (a->kind == RegionKind::kShared ? "" : ", GPU " + std::to_string(a->gpu)) + ")";
@@ -506,9 +547,7 @@ void Executor::Access(Knowledge& k, const AgentInfo* who, const void* address, s
     Fail([=] {
       return std::string(a->kind == RegionKind::kShared ? "shared" : "global") +
              " memory out of bounds: " + Describe(id) + " " + kind + "s " + std::to_string(bytes) +
-             " bytes " + std::to_string(past) + " bytes " +
-             (before ? "before the start" : "past the end") + " of " + where + " at " +
-             Symbolize(pc);
+             " bytes at offset " + std::to_string(offset) + " of " + where + " at " + Symbolize(pc);
     });
     return;
   }
@@ -659,7 +698,7 @@ std::string Executor::Describe(uint32_t agent) const {
   return s.str();
 }
 
-std::string Executor::DeadlockReport() const {
+std::string Executor::ThreadsReport() const {
   // Threads grouped by (kernel launch, block, warp, what they wait for), lanes listed compactly.
   std::map<std::string, std::vector<int>> groups;
   std::vector<std::string> order;
@@ -680,7 +719,6 @@ std::string Executor::DeadlockReport() const {
     }
   }
   std::ostringstream s;
-  s << "deadlock: no thread can run; each blocked thread and what it waits for:";
   for (const std::string& k : order) {
     const std::vector<int>& lanes = groups.at(k);
     const size_t cut = k.find('\x01');

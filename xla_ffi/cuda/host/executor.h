@@ -93,9 +93,17 @@ struct Knowledge {
   }
 };
 
-// The join of several agents' clocks, generic and async (a barrier's): computed once from their
-// shared knowledge and their own events, not from a copy per agent.
+// The join of several agents' clocks, generic and async: computed once from their shared
+// knowledge and their own events, not from a copy per agent.
 void JoinAgents(const std::vector<const Knowledge*>& agents, ClockRef* clock, ClockRef* async);
+
+// A barrier's group (a block's __syncthreads, a warp's full __syncwarp) in the clocks: after its
+// n-th barrier the group's two ids carry event n instead of an entry per member, and each
+// member's events at its barriers say what that stands for (Executor::Knows).
+struct BarrierGroup {
+  uint32_t id = 0, async_id = 0;  // in generic and in async clocks
+  uint32_t count = 0;             // barriers completed
+};
 
 enum class ThreadState { kRunnable, kBlocked, kSleeping, kDone };
 
@@ -141,6 +149,7 @@ struct WarpCollective {
 struct Warp {
   unsigned live = 0;  // lanes not yet exited
   std::vector<WarpCollective> pending;
+  BarrierGroup* group = nullptr;  // its full __syncwarps (Executor::groups)
 };
 
 struct Mbarrier {
@@ -164,6 +173,7 @@ struct Block {
   int arrived = 0;
   const void* barrier_pc = nullptr;
   std::vector<Thread*> barrier_waiters;
+  BarrierGroup* group = nullptr;  // its __syncthreads (Executor::groups)
   int barrier_and = 1, barrier_or = 0, barrier_count = 0;
   // Shared memory: the static declarations (in order) and the dynamic arena.
   std::vector<Region*> statics;
@@ -224,6 +234,11 @@ struct AgentInfo {
   enum Kind { kThread, kBulkCopy, kStreamOp, kLaunch } kind = kThread;
   uint32_t record = 0;       // the kernel launch it belongs to (Executor::records), 0: none
   uint32_t last_access = 0;  // its event at its last memory access (0: none yet)
+  // A thread: its block's and warp's barrier groups, and its events (generic, async) when it
+  // reached each of their barriers.
+  const BarrierGroup* block_group = nullptr;
+  const BarrierGroup* warp_group = nullptr;
+  std::vector<std::pair<uint32_t, uint32_t>> block_events, warp_events;
   int gpu = 0;
   const void* kernel = nullptr;
   uint3 block{}, thread{};

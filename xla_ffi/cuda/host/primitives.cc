@@ -48,19 +48,13 @@ dim3 GridDim() { return Self("gridDim")->block->launch->grid; }
 
 void CompleteBlockBarrier(Block* b) {
   Executor& e = TheExecutor();
-  std::vector<const Knowledge*> agents;
-  for (Thread* o : b->barrier_waiters) agents.push_back(&o->k);
-  ClockRef joined, joined_async;
-  JoinAgents(agents, &joined, &joined_async);
-  joined = e.CompactLarge(joined);
-  joined_async = e.CompactLarge(joined_async);
+  std::vector<Knowledge*> members;
+  for (Thread* o : b->barrier_waiters) members.push_back(&o->k);
+  e.CompleteBarrier(*b->group, members, true);
   const uint64_t result = static_cast<uint64_t>(b->barrier_and) |
                           static_cast<uint64_t>(b->barrier_or) << 1 |
                           static_cast<uint64_t>(b->barrier_count) << 2;
   for (Thread* o : b->barrier_waiters) {
-    o->k.known = joined;
-    o->k.async_known = joined_async;
-    ++o->k.event;
     o->collective_result = result;
     e.Wake(o);
   }
@@ -156,17 +150,21 @@ int SourceLane(const WarpCollective& c, int lane) {
 
 void Complete(Executor& e, WarpCollective& c) {
   if (c.kind == WarpCollective::kSync) {
-    std::vector<const Knowledge*> agents;
+    std::vector<Knowledge*> members;
     for (int l = 0; l < 32; ++l) {
-      if (c.mask >> l & 1) agents.push_back(&c.lanes[l]->k);
+      if (c.mask >> l & 1) members.push_back(&c.lanes[l]->k);
     }
-    ClockRef joined, joined_async;
-    JoinAgents(agents, &joined, &joined_async);
-    for (int l = 0; l < 32; ++l) {
-      if (c.mask >> l & 1) {
-        c.lanes[l]->k.known = joined;
-        c.lanes[l]->k.async_known = joined_async;
-        ++c.lanes[l]->k.event;
+    Warp& w = c.lanes[__builtin_ctz(c.mask)]->block->warps[c.lanes[__builtin_ctz(c.mask)]->warp];
+    if (c.mask == w.live) {
+      e.CompleteBarrier(*w.group, members, false);
+    } else {  // a partial __syncwarp: every member's own event
+      std::vector<const Knowledge*> agents(members.begin(), members.end());
+      ClockRef joined, joined_async;
+      JoinAgents(agents, &joined, &joined_async);
+      for (Knowledge* k : members) {
+        k->known = joined;
+        k->async_known = joined_async;
+        ++k->event;
       }
     }
   }

@@ -199,14 +199,16 @@ __global__ void SharedOverrun(int* out) {
   out[threadIdx.x] = a[0];
 }
 
-// Reads a bulk load's destination without waiting for its barrier.
-__global__ void ReadBeforeWait(const int* in, int* out) {
+// Reads a bulk load's destination without waiting for its barrier (`sleep`: after a pause in
+// which the copy engine performs it).
+__global__ void ReadBeforeWait(const int* in, int* out, bool sleep) {
   JAX_HYBRIDEP_SHARED_ARRAY(uint64_t, bar, 1, 8);
   JAX_HYBRIDEP_DYNAMIC_SHARED(int, stage, 128);
   ptx::MbarrierInit(bar, 1);
   ptx::FenceMbarrierInit();
   ptx::MbarrierArriveExpectTx(bar, 64);
   ptx::BulkLoadGlobalToShared(stage, in, 64, bar);
+  if (sleep) __nanosleep(1000);
   out[0] = stage[3];
   while (!ptx::MbarrierTryWaitParity(bar, 0)) {
   }
@@ -371,7 +373,8 @@ std::vector<int64_t> Run(const std::string& name, int64_t arg) {
   } else if (name == "shared_overrun") {
     Check(LaunchKernel(&SharedOverrun, one, dim3(33), 0, nullptr, Device<int>(33)), "launch");
   } else if (name == "read_before_wait") {
-    Check(LaunchKernel(&ReadBeforeWait, one, one, 64, nullptr, Device<int>(16), Device<int>(1)),
+    Check(LaunchKernel(&ReadBeforeWait, one, one, 64, nullptr, Device<int>(16), Device<int>(1),
+                       arg != 0),
           "launch");
   } else if (name == "plain_race") {
     Check(LaunchKernel(&PlainRace, dim3(2), dim3(1), 0, nullptr, Device<int>(1)), "launch");

@@ -5,6 +5,7 @@
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_SCHEDULER_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <random>
@@ -31,7 +32,7 @@ class Executor {
   Options options;
   Stats stats;
   Memory memory;
-  std::mt19937_64 rng;
+  uint64_t rng_state = 1;  // splitmix64: the seed's whole schedule
   std::vector<Gpu> gpus;
   int current_gpu = 0;
   cudaError_t last_error = cudaSuccess;
@@ -41,11 +42,22 @@ class Executor {
   uint64_t now_ns = 0;
   std::vector<AgentInfo> agents;      // by agent id (0: none)
   std::vector<LaunchRecord> records;  // by Launch::record (0: none)
+  std::deque<BarrierGroup> groups;    // barrier groups of this epoch's blocks and warps
   std::unordered_map<const void*, SyncVar> sync_vars;
 
   // The scheduler's view of the threads.
   std::vector<Thread*> runnable;
-  std::vector<Thread*> sleepers;
+  // Sleeping threads, a min-heap by (wake time, sequence): the earliest first, ties in order.
+  struct Sleeper {
+    uint64_t wake_ns, sequence;
+    Thread* thread;
+    bool operator>(const Sleeper& o) const {
+      return wake_ns != o.wake_ns ? wake_ns > o.wake_ns : sequence > o.sequence;
+    }
+  };
+  std::vector<Sleeper> sleepers;
+  uint64_t sleep_sequence = 0;
+  bool streams_changed = true;                 // a stream may have work to start
   std::vector<Thread*> bulk_waiters;           // blocked in cp.async.bulk.wait_group
   std::vector<std::unique_ptr<Block>> blocks;  // resident
   std::vector<BulkOp*> in_flight;              // bulk copies not yet performed
@@ -74,18 +86,43 @@ class Executor {
     if (other == 0) return true;
     if (other == k.id) return event <= k.event;
     if (Lookup(k.known, other) >= event) return true;
-    const uint32_t record = agents[other].record;
-    return record != 0 && records[record].summary != 0 &&
-           Lookup(k.known, records[record].summary) != 0;
+    const AgentInfo& a = agents[other];
+    if (a.block_group != nullptr && (ThroughBarriers(k, *a.block_group, a.block_events, event) ||
+                                     ThroughBarriers(k, *a.warp_group, a.warp_events, event))) {
+      return true;
+    }
+    return a.record != 0 && records[a.record].summary != 0 &&
+           Lookup(k.known, records[a.record].summary) != 0;
   }
+  // Whether k knows a barrier of `group` that the agent reached at or after `event`.
+  static bool ThroughBarriers(const Knowledge& k, const BarrierGroup& group,
+                              const std::vector<std::pair<uint32_t, uint32_t>>& events,
+                              uint32_t event) {
+    if (events.empty()) return false;
+    for (int async = 0; async < 2; ++async) {
+      const uint32_t n = Lookup(k.known, async ? group.async_id : group.id);
+      if (n == 0) continue;
+      const auto& at = events[std::min<size_t>(n, events.size()) - 1];
+      if ((async ? at.second : at.first) >= event) return true;
+    }
+    return false;
+  }
+  // Completes a barrier of `group` for `members` (each arrived with its current events).
+  void CompleteBarrier(BarrierGroup& group, const std::vector<Knowledge*>& members, bool block);
   // `clock` with the agents of finished launches it knows completely replaced by the launch.
   ClockRef Compact(const ClockRef& clock) const;
   // Compact, for a clock large enough that later joins and lookups would pay for its size.
   ClockRef CompactLarge(const ClockRef& clock) const {
     return clock && clock->size() > 512 ? Compact(clock) : clock;
   }
-  bool Chance(double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
-  size_t Pick(size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); }
+  uint64_t Next() {
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  bool Chance(double p) { return static_cast<double>(Next() >> 11) * 0x1.0p-53 < p; }
+  size_t Pick(size_t n) { return static_cast<size_t>((Next() >> 32) * n >> 32); }
 
   // Memory accesses by an agent (a thread, a bulk copy, a stream operation), checked: bounds,
   // bulk copies in flight, races.
@@ -117,7 +154,8 @@ class Executor {
   void PerformMemoryOp(HostStream* stream, StreamOp& op);
   void Resume(Thread* t);
   void WakeSleepers();
-  std::string DeadlockReport() const;
+  // Every live thread, a line per group of lanes waiting alike: what it waits for, where.
+  std::string ThreadsReport() const;
   void ResetEpochs();
 };
 
