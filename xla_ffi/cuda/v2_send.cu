@@ -124,8 +124,9 @@ __device__ void WarpLoadPiece(char* stage, const char* src, int64_t bytes) {
 
 // A staged token of kDtype [hidden] quantised in place into its wire row (payload, then block
 // scales; fp8.h) by the lanes of a warp. Block b's payload lands on bytes the token's blocks
-// before b occupied (read already) or, for b = 0, on its own, read into registers before the
-// amax shuffles; the scales wait in `scales` until every block was read.
+// before b occupied or, for b = 0, on its own: every lane has read those into registers before
+// the __syncwarp that precedes the stores (the amax shuffles order no memory); the scales wait
+// in `scales` until every block was read.
 constexpr int kFp8PerLane = kFp8Block / 32;
 static_assert(kFp8PerLane * 32 == kFp8Block);
 
@@ -154,6 +155,7 @@ __device__ void QuantizeStage(char* stage, int64_t hidden, float* scales) {
     for (int i = 0; i < kFp8PerLane; ++i) {
       packed |= static_cast<uint32_t>(QuantizeE4m3fn(v[i], s.inv)) << (8 * i);
     }
+    __syncwarp();
     if (n == kFp8Block) {
       reinterpret_cast<uint32_t*>(stage + begin)[Lane()] = packed;
     } else {
