@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from cuda_transport_test import ROUTINGS, on_every_round
-from transport_helpers import Round
+from transport_helpers import Round, check_v2_round, gathered
 from transport_helpers import bits as _bits
 
 from jax_hybridep import _native, fp8
@@ -42,28 +42,12 @@ def _run(rounds: list[Round], weighted: bool, send_blocks: int, **kw) -> dict:
     )  # fmt: skip
 
 
-def _gathered(case: Round) -> np.ndarray:
-    return np.stack([case.dest, case.row_pos, case.weights.view(np.int32)], axis=-1)
-
-
-def _check(got: dict, n: int, case: Round, weighted: bool, what: str):
-    want = case.expected(weighted)
-    for key in ("tokens", "weights", "combined", "redispatched", "scaled"):
-        value = got[key][n]
-        np.testing.assert_array_equal(_bits(value), _bits(want[key]).reshape(_bits(value).shape),
-                                      err_msg=f"{what}: {key}")  # fmt: skip
-    for r in range(case.R):
-        ref = native.cuda_v2_layout(_gathered(case), r, case.C, reference=True)
-        for key in ("send_slot", "recv_item", "recv_rows", "row_slot", "info"):
-            np.testing.assert_array_equal(got[key][n, r], ref[key], err_msg=f"{what}: {key} {r}")
-
-
 @on_every_round
 def test_v2_transport_matches_the_model(gpu, ranks, routing, dtype, hidden):
     case = Round(routing, dtype, hidden, R=ranks, T=70)  # T = 70: two chunks, the second partial
     for weighted in (False, True):
         got = _run([case], weighted, send_blocks=3)
-        _check(got, 0, case, weighted, f"weighted={weighted}")
+        check_v2_round(native, got, 0, case, weighted, f"weighted={weighted}")
 
 
 @pytest.mark.gpu
@@ -76,7 +60,7 @@ def test_v2_transport_reuses_windows(gpu, send_blocks, hidden):
     rounds = [Round(r, "float16", hidden, R=4, seed=n) for n, r in enumerate(routings)]
     got = _run(rounds, True, send_blocks)
     for n, case in enumerate(rounds):
-        _check(got, n, case, True, f"round {n} ({routings[n]})")
+        check_v2_round(native, got, n, case, True, f"round {n} ({routings[n]})")
 
 
 @pytest.mark.gpu
@@ -122,8 +106,8 @@ def test_v2_silent_rank_times_out(gpu):
 def test_v2_layout_kernels_match_host_reference(gpu, routing):
     case = Round(routing, "float32", 4, R=8, T=200, seed=3)
     for r in range(case.R):
-        got = native.cuda_v2_layout(_gathered(case), r, case.C, reference=False)
-        want = native.cuda_v2_layout(_gathered(case), r, case.C, reference=True)
+        got = native.cuda_v2_layout(gathered(case), r, case.C, reference=False)
+        want = native.cuda_v2_layout(gathered(case), r, case.C, reference=True)
         for key, value in want.items():
             np.testing.assert_array_equal(_bits(got[key]), _bits(value), err_msg=f"{key} {r}")
 

@@ -248,3 +248,23 @@ def got_bits(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     """Both arrays' bytes, shaped as the hook's output (which may be raw bytes or typed)."""
     got_bytes = bits(got)
     return got_bytes, bits(want).reshape(got_bytes.shape)
+
+
+def gathered(case: Round) -> np.ndarray:
+    """The level's routing as transport v2's layout gets it all-gathered: [R, T, K, 3] of
+    (destination, row, weight bits)."""
+    return np.stack([case.dest, case.row_pos, case.weights.view(np.int32)], axis=-1)
+
+
+def check_v2_round(module, got: dict, n: int, case: Round, weighted: bool, what: str):
+    """Round n of transport v2's harness against the model, bit for bit, and every rank's layout
+    against the host reference (`module`'s cuda_v2_layout)."""
+    want = case.expected(weighted)
+    for key in ("tokens", "weights", "combined", "redispatched", "scaled"):
+        value = got[key][n]
+        np.testing.assert_array_equal(bits(value), bits(want[key]).reshape(bits(value).shape),
+                                      err_msg=f"{what}: {key}")  # fmt: skip
+    for r in range(case.R):
+        ref = module.cuda_v2_layout(gathered(case), r, case.C, reference=True)
+        for key in ("send_slot", "recv_item", "recv_rows", "row_slot", "info"):
+            np.testing.assert_array_equal(got[key][n, r], ref[key], err_msg=f"{what}: {key} {r}")
