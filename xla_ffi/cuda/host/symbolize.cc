@@ -32,9 +32,13 @@ std::string ShortName(std::string name) {
   return name;
 }
 
+// Paths from the repository: xla_ffi/..., or a planted bug's planted/<bug>/<file>.
 std::string ShortPath(const std::string& path) {
-  const size_t at = path.rfind("xla_ffi/");
-  return at == std::string::npos ? path : path.substr(at);
+  for (const char* root : {"xla_ffi/", "planted/"}) {
+    const size_t at = path.rfind(root);
+    if (at != std::string::npos) return path.substr(at);
+  }
+  return path;
 }
 
 // addr2line's (function, file:line) pairs for an address, innermost inlined frame first.
