@@ -487,10 +487,10 @@ void Executor::PerformMemoryOp(HostStream* s, StreamOp& op) {
   Knowledge k;
   k.id = NewAgent(info);
   k.known = s->base;
-  const AgentInfo* who = &agents[k.id];
-  if (op.kind == StreamOp::kMemcpy)
-    Access(k, who, op.src, op.bytes, false, false, nullptr, nullptr);
-  Access(k, who, op.dst, op.bytes, true, false, nullptr, nullptr);
+  if (op.kind == StreamOp::kMemcpy) {
+    Access(k, nullptr, op.src, op.bytes, false, false, nullptr, nullptr);
+  }
+  Access(k, nullptr, op.dst, op.bytes, true, false, nullptr, nullptr);
   if (failed) return;
   if (op.kind == StreamOp::kMemset) {
     std::memset(op.dst, op.value, op.bytes);
@@ -529,7 +529,7 @@ const char* AccessName(bool write, bool relaxed) {
 
 }  // namespace
 
-void Executor::Access(Knowledge& k, const AgentInfo* who, const void* address, size_t bytes,
+void Executor::Access(Knowledge& k, const Knowledge* read_view, const void* address, size_t bytes,
                       bool write, bool relaxed, const void* pc, const Block* block) {
   if (bytes == 0 || failed) return;
   ++stats.accesses;
@@ -573,6 +573,10 @@ void Executor::Access(Knowledge& k, const AgentInfo* who, const void* address, s
     }
     return memo_known;
   };
+  const Knowledge& reader_view = read_view != nullptr ? *read_view : k;
+  auto knows_read = [&](uint32_t other, uint32_t event) {
+    return read_view == nullptr ? knows(other, event) : Knows(reader_view, other, event);
+  };
   for (size_t i = 0; i < bytes; ++i) {
     ByteShadow& s = r->shadow[at + i];
     if (s.pending != 0 && s.pending != id) {
@@ -611,14 +615,14 @@ void Executor::Access(Knowledge& k, const AgentInfo* who, const void* address, s
     if (write) {
       if (s.flags & kMoreReaders) {
         for (const Reader& reader : memory.readers[byte]) {
-          if (!(relaxed && reader.relaxed) && !knows(reader.id, reader.event)) {
+          if (!(relaxed && reader.relaxed) && !knows_read(reader.id, reader.event)) {
             race(reader.id, reader.pc, false, reader.relaxed);
             return;
           }
         }
         memory.readers.erase(byte);
       } else if (s.r_id != 0 && !(relaxed && (s.flags & kReadRelaxed)) &&
-                 !knows(s.r_id, s.r_event)) {
+                 !knows_read(s.r_id, s.r_event)) {
         race(s.r_id, s.r_pc, false, (s.flags & kReadRelaxed) != 0);
         return;
       }

@@ -201,7 +201,8 @@ struct Launch {
 
 // One cp.async.bulk: an agent of its own, reading at event 1 and writing at event 2.
 struct BulkOp {
-  Knowledge k;
+  Knowledge k;        // the async view: what its accesses are ordered after
+  Knowledge generic;  // what its writes are checked against earlier reads with
   bool load = false;  // global -> shared (completes on an mbarrier), else shared -> global
   char* dst = nullptr;
   const char* src = nullptr;

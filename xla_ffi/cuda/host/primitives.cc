@@ -639,6 +639,11 @@ BulkOp* NewOp(Thread* t, bool load, char* dst, const char* src, uint32_t bytes, 
   op->k.id = e.NewAgent(info);
   op->k.known = t->k.AsyncSnapshot();
   op->k.async_known = op->k.known;
+  // Its writes need not be async-visible over reads ordered before its issue (a consumer's reads
+  // of a stage, then an mbarrier, then the producer's bulk load into it: no proxy fence).
+  op->generic.id = op->k.id;
+  op->generic.event = 2;
+  op->generic.known = t->k.Snapshot();
   ++t->k.event;
   // Its destination is undefined until the copy lands: poisoned, and any access before then
   // a report.
@@ -774,7 +779,8 @@ void Executor::PerformStage(BulkOp* op) {
     return;
   }
   op->k.event = 2;
-  Access(op->k, nullptr, op->dst, op->bytes, true, false, op->pc, op->load ? op->block : nullptr);
+  Access(op->k, &op->generic, op->dst, op->bytes, true, false, op->pc,
+         op->load ? op->block : nullptr);
   if (failed) return;
   std::memcpy(op->dst, op->data.data(), op->bytes);
   Region* r = memory.Find(op->dst);

@@ -125,9 +125,11 @@ class Executor {
   size_t Pick(size_t n) { return static_cast<size_t>((Next() >> 32) * n >> 32); }
 
   // Memory accesses by an agent (a thread, a bulk copy, a stream operation), checked: bounds,
-  // bulk copies in flight, races.
-  void Access(Knowledge& k, const AgentInfo* who, const void* address, size_t bytes, bool write,
-              bool relaxed, const void* pc, const Block* block);
+  // bulk copies in flight, races. A write is checked against earlier reads with `read_view`
+  // when given (a bulk copy's generic view: a read ordered before the copy's issue needs no
+  // proxy fence), else with k.
+  void Access(Knowledge& k, const Knowledge* read_view, const void* address, size_t bytes,
+              bool write, bool relaxed, const void* pc, const Block* block);
 
   // Thread scheduling (on the thread's fiber).
   void Point(Thread* t);  // a scheduling point: another thread may run first
