@@ -73,6 +73,18 @@ def test_bulk_copies_round_trip(hx, words, copy_probability):
     np.testing.assert_array_equal(out, 2 * (3 * np.arange(words) - 40))
 
 
+def test_a_bulk_store_of_unfenced_writes_is_a_race(hx):
+    """Lanes' ordinary stores into shared memory reach a bulk store issued after them only
+    through fence.proxy.async: without it, the copy's read races with the stores."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"data race on dynamic shared memory \+\d+: the "
+        r"cp\.async\.bulk shared->global .* reads it.*"
+        r"BulkRoundTrip.* writes it at .*probes\.cu:\d+",
+    ):
+        probe(hx, "bulk_store_without_proxy_fence", 64, seed=2)
+
+
 def test_globaltimer_counts_nanosleep(hx):
     assert probe(hx, "timer", 1000)[0] >= 1000
     assert probe(hx, "timer", 50000)[0] >= 50000
@@ -102,7 +114,8 @@ def test_relaxed_flag_is_a_race(hx):
 # Misused primitives: each is reported, naming the kernel, the thread and the source line.
 MISUSE = [
     ("divergent_barrier", r"divergent __syncthreads: GPU 0 DivergentBarrier block \(0,0,0\) "
-                          r"thread \d+ \(warp 0 lane \d+\) reaches the barrier at .*probes\.cu:\d+"),
+                          r"thread \d+ \(warp 0 lane \d+\) reaches the barrier at "
+                          r".*probes\.cu:\d+"),
     ("shuffle_leaves_out_own_lane", r"shuffle mask: .*lane 5\) calls __shfl_sync at "
                                     r".*probes\.cu:\d+.* with mask 0xffffffdf, which leaves out"),
     ("shuffle_reads_outside_mask", r"shuffle mask: .* reads lane 1\d in __shfl_sync .*outside "

@@ -86,8 +86,9 @@ __global__ void MbarrierPhases(int* out) {
 }
 
 // A bulk load global -> shared completing on an mbarrier, every lane doubling its words, then a
-// bulk store shared -> global: out = 2 * in (`words` int32, a multiple of 4).
-__global__ void BulkRoundTrip(const int* in, int* out, int words) {
+// bulk store shared -> global: out = 2 * in (`words` int32, a multiple of 4). Without `fence`
+// the lanes' doubled words are not made visible to the bulk store (no fence.proxy.async).
+__global__ void BulkRoundTrip(const int* in, int* out, int words, bool fence) {
   JAX_HYBRIDEP_SHARED_ARRAY(uint64_t, bar, 1, 8);
   JAX_HYBRIDEP_DYNAMIC_SHARED(int, stage, 128);
   const int lane = threadIdx.x;
@@ -104,7 +105,7 @@ __global__ void BulkRoundTrip(const int* in, int* out, int words) {
   while (!ptx::MbarrierTryWaitParity(bar, 0)) {
   }
   for (int i = lane; i < words; i += 32) stage[i] *= 2;
-  ptx::FenceProxyAsyncShared();
+  if (fence) ptx::FenceProxyAsyncShared();
   __syncwarp();
   if (lane == 0) {
     ptx::BulkStoreSharedToGlobal(out, stage, bytes);
@@ -312,7 +313,7 @@ std::vector<int64_t> Run(const std::string& name, int64_t arg) {
     Sync();
     return Fetch(out, 128);
   }
-  if (name == "bulk_round_trip") {
+  if (name == "bulk_round_trip" || name == "bulk_store_without_proxy_fence") {
     const int words = static_cast<int>(arg);
     std::vector<int> host(words);
     for (int i = 0; i < words; ++i) host[i] = 3 * i - 40;
@@ -320,7 +321,7 @@ std::vector<int64_t> Run(const std::string& name, int64_t arg) {
     int* out = Device<int>(words);
     cudaMemcpy(in, host.data(), words * 4, cudaMemcpyHostToDevice);
     Check(LaunchKernel(&BulkRoundTrip, one, dim3(32), static_cast<size_t>(words) * 4, nullptr, in,
-                       out, words),
+                       out, words, name == "bulk_round_trip"),
           "launch");
     Sync();
     return Fetch(out, words);
