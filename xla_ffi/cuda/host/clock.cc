@@ -2,7 +2,6 @@
 #include "xla_ffi/cuda/host/clock.h"
 
 #include <algorithm>
-#include <queue>
 #include <utility>
 
 namespace jax_hybridep::host {
@@ -83,42 +82,34 @@ ClockRef With(const ClockRef& clock, uint32_t id, uint32_t event) {
 }
 
 ClockRef JoinAll(const std::vector<ClockRef>& clocks, std::vector<ClockEntry> extra) {
-  // Distinct clocks only (threads after a barrier share theirs), merged by a heap.
-  std::vector<const Clock*> distinct;
-  ClockRef first;
+  // Distinct clocks only (threads after a barrier share theirs), merged pairwise as a tree:
+  // linear merges beat a heap for the few, long clocks a barrier joins.
+  std::vector<ClockRef> level;
   for (const ClockRef& c : clocks) {
     if (!c || c->empty()) continue;
-    if (std::find(distinct.begin(), distinct.end(), c.get()) == distinct.end()) {
-      distinct.push_back(c.get());
-      if (!first) first = c;
+    if (std::find(level.begin(), level.end(), c) == level.end()) level.push_back(c);
+  }
+  if (!extra.empty()) {
+    std::sort(extra.begin(), extra.end(),
+              [](const ClockEntry& a, const ClockEntry& b) { return a.id < b.id; });
+    auto own = std::make_shared<Clock>();
+    for (const ClockEntry& e : extra) {
+      if (e.event == 0) continue;
+      if (!own->empty() && own->back().id == e.id) {
+        own->back().event = std::max(own->back().event, e.event);
+      } else {
+        own->push_back(e);
+      }
     }
+    if (!own->empty()) level.push_back(std::move(own));
   }
-  std::sort(extra.begin(), extra.end(),
-            [](const ClockEntry& a, const ClockEntry& b) { return a.id < b.id; });
-  if (distinct.size() <= 1 && extra.empty()) return first;
-  if (!extra.empty()) distinct.push_back(&extra);
-  using Cursor = std::pair<const ClockEntry*, const ClockEntry*>;
-  auto later = [](const Cursor& x, const Cursor& y) { return x.first->id > y.first->id; };
-  std::priority_queue<Cursor, std::vector<Cursor>, decltype(later)> heap(later);
-  size_t total = 0;
-  for (const Clock* c : distinct) {
-    if (c->empty()) continue;
-    heap.push({c->data(), c->data() + c->size()});
-    total += c->size();
+  while (level.size() > 1) {
+    std::vector<ClockRef> next;
+    for (size_t i = 0; i + 1 < level.size(); i += 2) next.push_back(Merge(level[i], level[i + 1]));
+    if (level.size() % 2 == 1) next.push_back(level.back());
+    level.swap(next);
   }
-  auto out = std::make_shared<Clock>();
-  out->reserve(total);
-  while (!heap.empty()) {
-    Cursor top = heap.top();
-    heap.pop();
-    if (!out->empty() && out->back().id == top.first->id) {
-      out->back().event = std::max(out->back().event, top.first->event);
-    } else if (top.first->event > 0) {
-      out->push_back(*top.first);
-    }
-    if (++top.first != top.second) heap.push(top);
-  }
-  return out;
+  return level.empty() ? nullptr : level.front();
 }
 
 }  // namespace jax_hybridep::host
