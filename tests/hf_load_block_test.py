@@ -82,7 +82,7 @@ def test_a_tensor_the_block_cannot_hold_is_named_unless_ignored(what, tmp_path):
 
 
 def test_the_next_layer_is_not_extra():
-    """"model.layers.1" is not under "model.layers.1x" nor "model.layers.10" under
+    """ "model.layers.1" is not under "model.layers.1x" nor "model.layers.10" under
     "model.layers.1": only names under the prefix and a dot count."""
     b = block()
     prefix = "model.layers.1.block_sparse_moe"

@@ -135,8 +135,10 @@ def _index(directory: str) -> tuple[list[str], dict[str, str]]:
     path = os.path.join(directory, INDEX)
     index = read_json(path, "index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
     ):
         raise ValueError(
             f"index {path}: its weight_map must be an object of tensor names to shard file "
@@ -211,9 +213,7 @@ def _blocks(blocks, config, model_type) -> dict:
     items = named.items() if named is not None else enumerate(blocks)
     for key, block in items:
         if not isinstance(block, MoEBlock):
-            raise TypeError(
-                f"blocks[{key!r}] must be an nn.MoEBlock, got {type(block).__name__}"
-            )
+            raise TypeError(f"blocks[{key!r}] must be an nn.MoEBlock, got {type(block).__name__}")
     if named is not None:
         return named
     if config is None:
@@ -273,4 +273,3 @@ def load_checkpoint(path, blocks, *, config: Mapping | None = None,
         if problems:
             raise ValueError("; ".join(problems))
         return {prefix: loader.apply(plan) for prefix, plan in plans.items()}
-

@@ -11,6 +11,7 @@ import numpy as np
 
 from jax_hybridep.nn.hf import block_fp8, layouts
 
+
 def join(prefix: str, rel: str) -> str:
     prefix = prefix.rstrip(".")
     return f"{prefix}.{rel}" if prefix else rel
@@ -29,7 +30,7 @@ def _vector(rel):
 
 
 def dtype_kind(dtype) -> str | None:
-    """"float" (a weight: float16/32/64, bfloat16, or float8 read with its scales), "uint8"
+    """ "float" (a weight: float16/32/64, bfloat16, or float8 read with its scales), "uint8"
     (MXFP4 blocks and scales), else the dtype's name; None when unknown (no dtype attribute)."""
     if dtype is None:
         return None
