@@ -33,6 +33,7 @@ import os
 
 import numpy as np
 import train_processes
+import train_startup
 from absl import app, flags, logging
 from cross_dc_bytes import first_step, measure, predict, program_bytes
 from cross_dc_settings import MESH, RANKS, Settings, define_flags, describe_cluster, links_spec
@@ -43,8 +44,9 @@ from rich.console import Console
 from rich.table import Table
 from train_config import migration_flags
 from train_flags import migration_from_flags
-from train_moe import TrainConfig, model_config, run_job, train
-from train_processes import global_devices
+from train_job import run_job
+from train_moe import TrainConfig, model_config, train
+from train_startup import global_devices
 
 from jax_hybridep import xdc
 
@@ -139,7 +141,7 @@ def run(s: Settings, console: Console, first=None) -> dict:
         summary = run_sr_table(s, base, dense, routing, console)
     else:
         summary = run_plan(s, base, dense, routing, console)
-    if train_processes.current().is_main:
+    if train_startup.current().is_main:
         path = os.path.join(s.output_dir, "summary.json")
         os.makedirs(s.output_dir, exist_ok=True)
         with open(path, "w") as f:
@@ -291,5 +293,5 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    train_processes.define_flags()
+    train_startup.define_flags()
     app.run(main)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from lm_data import ByteData, ShardFeeder
 from lm_model import MoETransformer, dense_param_bytes, make_mesh
 from train_moe import TrainConfig, model_config
-from train_processes import global_devices
+from train_startup import global_devices
 
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc

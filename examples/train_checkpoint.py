@@ -134,10 +134,15 @@ def read_saved(ckpt_dir: str, step: int) -> Saved:
     step_dir = os.path.join(ckpt_dir, str(step))
     with _manager(ckpt_dir, create=False) as mgr:
         try:
-            _check_state_index(os.path.join(step_dir, "state"))
+            _check_state(os.path.join(step_dir, "state"))
             meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             meta = meta["meta"]
             shapes = mgr.item_metadata(step)["state"]
+        except _Missing as err:
+            raise ResumeError(
+                f"--resume: the checkpoint {step_dir} is corrupt: {err} (files were removed?)"
+                f"{_fix(_steps(ckpt_dir))}"
+            ) from None
         except Exception as err:  # orbax raises many types for unreadable files
             raise ResumeError(
                 f"--resume: the checkpoint {step_dir} is corrupt: its metadata cannot be read"
@@ -151,14 +156,34 @@ def read_saved(ckpt_dir: str, step: int) -> Saved:
     return Saved(meta, shapes)
 
 
-def _check_state_index(state_dir: str) -> None:
-    """Reads the state's OCDBT index (the key list of its arrays) in one blocking call; raises
-    when it is corrupt. Orbax reads it again once per array, concurrently, and a failure there
-    leaves its other reads to fail later on a closed event loop, each printing a traceback from
-    its thread (after the run's own last line): checked here first, quietly."""
-    if os.path.exists(os.path.join(state_dir, "manifest.ocdbt")):
-        spec = {"driver": "ocdbt", "base": f"file://{os.path.abspath(state_dir)}"}
-        ts.KvStore.open(spec).result().list().result()
+# Files of the state item without which orbax's concurrent readers fail on a closed event loop,
+# each printing a traceback from its thread (or the item reads as another model's).
+STATE_FILES = ("_METADATA", "manifest.ocdbt")
+
+
+class _Missing(ValueError):
+    """A file of the checkpoint is gone."""
+
+
+def _check_state(state_dir: str) -> None:
+    """Checks, in blocking calls that print nothing, what orbax would otherwise find broken in
+    concurrent reads (whose failures leave its other reads to fail later on a closed event loop,
+    each printing a traceback from its thread, after the run's own last line): the state's
+    metadata and manifest exist, and every OCDBT database of it (the job's and each process's)
+    lists its keys and reads the first byte of each value (so a removed data file is found
+    without reading the arrays)."""
+    for name in STATE_FILES:
+        if not os.path.isfile(os.path.join(state_dir, name)):
+            raise _Missing(f"its state has no {name}")
+    bases = [state_dir] + sorted(
+        os.path.join(state_dir, n) for n in os.listdir(state_dir) if n.startswith("ocdbt.process_")
+    )
+    for base in bases:
+        spec = {"driver": "ocdbt", "base": f"file://{os.path.abspath(base)}"}
+        store = ts.KvStore.open(spec).result()
+        reads = [store.read(key, byte_range=slice(0, 1)) for key in store.list().result()]
+        for read in reads:
+            read.result()
 
 
 def _spell(value) -> str:

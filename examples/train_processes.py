@@ -1,14 +1,9 @@
-"""The processes of one training job on `jax.distributed`: start-up, agreement, liveness, output.
+"""The processes of one training job on `jax.distributed`: agreement, liveness, output.
 
 `train_moe.py` and `cross_dc.py` run as one process (all local devices) or as several, one per
-host or per local group of devices, joined by JAX's own distributed runtime:
+host or per local group of devices, joined by JAX's own distributed runtime (`train_startup.py`
+starts and joins them):
 
-* `start` joins the job named by `--coordinator_address`, `--num_processes` and `--process_id`,
-  or, when those are unset and the environment describes a cluster (SLURM, Open MPI, ... as
-  `jax.distributed.initialize()` detects them), the job the environment describes. On CPU each
-  process gets `--cpu_devices` fake devices (default 8 / processes when whole), collectives over
-  gloo. The global device list is ordered by process, so a mesh's first axis of size
-  `processes` (e.g. "node" in `--mesh=node=2,local=4`) is the process.
 * `Processes.agree_on_flags` refuses, on every process and before any model is built, a job whose
   processes were started with different flags (naming the flag and both values).
 * `Processes.decide` runs a decision (re-balancing, re-planning) on process 0 only and hands its
@@ -24,117 +19,26 @@ host or per local group of devices, joined by JAX's own distributed runtime:
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging as py_logging
 import os
 import re
 import sys
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
-from numbers import Integral
 
 import jax
-from absl import flags, logging
 from rich.console import Console
 from train_config import FlagError
 
 from jax_hybridep import compat
 
-DEFAULT_CPU_DEVICES = 8  # fake CPU devices of the whole job (8 / processes each)
 KEY = "train_moe"  # prefix of this job's keys in the runtime's key-value store
-INIT_TIMEOUT_S = 120  # how long a process waits for the others to join
-SHUTDOWN_TIMEOUT_S = 30  # how long a finished process waits for the others at exit
 DECIDE_TIMEOUT_MS = 600_000  # a decision waits for process 0 (dead peers: the watchdog's job)
 LEAVE_WAIT_S = 10  # how long a failing process 0 waits for the others to leave first
-RUNTIME_HEARTBEAT_FACTOR = 3  # the runtime's heartbeat timeout: 3 x ours + 10 s (`start`)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProcessConfig:
-    """The process flags (as one value tests can build directly).
-
-    Attributes:
-      coordinator_address: "host:port" of process 0's coordination service; None: one process,
-        or the cluster the environment describes.
-      num_processes, process_id: the job's process count and this process's index.
-      cpu_devices: fake CPU devices of this process (None: 8 / num_processes when that is whole,
-        else JAX's default); ignored on GPUs.
-      heartbeat_timeout_s: a peer silent for this long is declared gone and this process exits.
-    """
-
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    cpu_devices: int | None = None
-    heartbeat_timeout_s: int = 30
-
-    def check(self) -> None:
-        """FlagError naming the first process flag that cannot be used."""
-        given = [
-            n for n in ("coordinator_address", "num_processes", "process_id")
-            if getattr(self, n) is not None
-        ]  # fmt: skip
-        if given and len(given) < 3:
-            missing = sorted({"coordinator_address", "num_processes", "process_id"} - set(given))
-            raise FlagError(
-                f"--{given[0]}={getattr(self, given[0])} needs --{' and --'.join(missing)} too "
-                "(or none of them, to run one process or the cluster the environment describes)"
-            )
-        for name, low in (("num_processes", 1), ("process_id", 0), ("cpu_devices", 1),
-                          ("heartbeat_timeout_s", 2)):  # fmt: skip
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, Integral) or isinstance(value, bool) or value < low
-            ):
-                raise FlagError(f"--{name}={value!r} must be an integer >= {low}")
-        if given and self.process_id >= self.num_processes:
-            raise FlagError(
-                f"--process_id={self.process_id} must be below --num_processes={self.num_processes}"
-            )
-        address = self.coordinator_address
-        if address is not None:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise FlagError(f"--coordinator_address={address} must look like 'host:port'")
-
-
-def define_flags() -> None:
-    """The process flags (only when run as a script)."""
-    d = ProcessConfig()
-    flags.DEFINE_string(
-        "coordinator_address", None,
-        "host:port of process 0 when running several processes (unset: one process, or the "
-        "cluster the environment describes: SLURM, Open MPI, ...)",
-    )  # fmt: skip
-    flags.DEFINE_integer("num_processes", None, "processes of the job (with --coordinator_address)")
-    flags.DEFINE_integer("process_id", None, "this process's index, 0 .. num_processes - 1")
-    flags.DEFINE_integer(
-        "cpu_devices", None, "fake CPU devices per process (default 8 / processes when whole)"
-    )
-    flags.DEFINE_integer(
-        "heartbeat_timeout_s", d.heartbeat_timeout_s,
-        "a process exits when another has shown no sign of life for this long",
-    )  # fmt: skip
-
-
-def config_from_flags() -> ProcessConfig:
-    return ProcessConfig(
-        **{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(ProcessConfig)}
-    )
-
-
-# The process flags every process must share (all but --process_id).
-SHARED_FLAGS = ("num_processes", "cpu_devices", "coordinator_address", "heartbeat_timeout_s")
-
-
-def command_line_values(names) -> dict:
-    """The parsed command-line values of `names` (those defined), for
-    `Processes.agree_on_flags`."""
-    return {n: flags.FLAGS[n].value for n in names if n in flags.FLAGS}
+COORDINATOR_WAIT_MS = 3_600_000  # one wait of `Processes._watch_coordinator`
+FINISH_WAIT_S = 10  # how long `finish` waits for that watch to end
 
 
 class Processes:
@@ -149,6 +53,7 @@ class Processes:
         self._timeout = heartbeat_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._coordinator_watch: threading.Thread | None = None
         self._decisions = 0  # decisions, exchanges and barriers so far: each key is new
 
     @property
@@ -213,6 +118,16 @@ class Processes:
                         f"has {theirs.get(name)}; start every process with the same flags"
                     )
 
+    def publish_stop(self) -> None:
+        """Tells the job that this process got SIGTERM (`train_stop.due`)."""
+        self._publish("stop", "1")
+
+    def stop_published(self) -> bool:
+        """Whether any process published a SIGTERM (on process 0, for `train_stop.due`)."""
+        if self.count == 1:
+            return False
+        return bool(self._client.key_value_dir_get(f"{KEY}/stop/"))
+
     # -- liveness -------------------------------------------------------------------------------
 
     def watch(self, script: str) -> None:
@@ -224,6 +139,30 @@ class Processes:
             target=self._watch, args=(self.error_prefix(script),), daemon=True
         )
         self._thread.start()
+        if not self.is_main:
+            self._coordinator_watch = threading.Thread(
+                target=self._watch_coordinator, args=(self.error_prefix(script),), daemon=True
+            )
+            self._coordinator_watch.start()
+
+    def _watch_coordinator(self, prefix: str) -> None:
+        """Waits on a key that only `finish` sets: the wait fails the moment the coordinator's
+        connection breaks, so that this process names the lost coordinator at once (the
+        runtime's own error poll aborts the process natively a fraction of a second later)."""
+        while not self._stop.is_set():
+            try:
+                self._client.blocking_key_value_get(
+                    f"{KEY}/finished/{self.index}", COORDINATOR_WAIT_MS
+                )
+                return
+            except Exception as err:  # noqa: BLE001  (the runtime raises its own types)
+                if self._stop.is_set():
+                    return
+                if "DEADLINE_EXCEEDED" in str(err):
+                    continue
+                self.die(f"{prefix}: lost the coordinator (process 0): {first_line(err)}; "
+                         "stopping this process too. --resume continues from the last committed "
+                         "checkpoint")  # fmt: skip
 
     def _watch(self, prefix: str) -> None:
         last_seen = {i: (None, time.monotonic()) for i in range(self.count) if i != self.index}
@@ -236,7 +175,7 @@ class Processes:
             except Exception as err:  # noqa: BLE001  (the runtime raises its own types)
                 if self._stop.is_set():
                     return
-                self.die(f"{prefix}: lost the coordinator (process 0): {_first_line(err)}; "
+                self.die(f"{prefix}: lost the coordinator (process 0): {first_line(err)}; "
                          "stopping this process too")  # fmt: skip
             now = time.monotonic()
             for peer, (value, since) in list(last_seen.items()):
@@ -266,10 +205,15 @@ class Processes:
             self._thread.join(self._timeout + 5)
 
     def finish(self) -> None:
-        """This process finished its part: peers stop watching it."""
+        """This process finished its part: peers stop watching it, and its watch of the
+        coordinator ends (before the runtime's client goes: a thread still waiting in it at
+        exit aborts the process)."""
         self._stop.set()
         if self.count > 1:
             self._client.key_value_set(f"{KEY}/done/{self.index}", "1", True)
+            self._client.key_value_set(f"{KEY}/finished/{self.index}", "1", True)
+            if self._coordinator_watch is not None:
+                self._coordinator_watch.join(FINISH_WAIT_S)
 
     def fail(self, message: str) -> None:
         """Tells the peers (best effort) that this process failed and why, so that they exit
@@ -320,7 +264,8 @@ class Processes:
             pass
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: BaseException) -> str:
+    """The error's type and the first line of its message."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
@@ -349,87 +294,4 @@ def end_unexpected(processes: Processes, script: str, err: BaseException) -> Non
     prefix = processes.error_prefix(script)
     for line in "".join(traceback.format_exception(err)).rstrip().splitlines():
         print(f"{prefix}: {line}", file=sys.stderr)
-    processes.die(f"{prefix}: {_first_line(err)}")
-
-
-_current: Processes | None = None  # this process's job, once `start` joined it
-
-
-def current() -> Processes:
-    """The job `start` joined (one process alone when it was not called): what `train` and the
-    examples use unless given another."""
-    return _current or Processes()
-
-
-def start(pc: ProcessConfig) -> Processes:
-    """Joins the job `pc` (or the environment) describes, or runs alone; the result is also
-    `current()`. Call before anything touches a jax backend. FlagError naming a process flag
-    that cannot be used."""
-    global _current
-    pc.check()
-    detected = None
-    if pc.num_processes is None:
-        try:
-            detected = compat.detected_cluster()
-        except Exception as err:  # noqa: BLE001  (a cluster module's own error)
-            raise FlagError(
-                f"cannot read the cluster environment: {_first_line(err)}; give "
-                "--coordinator_address, --num_processes and --process_id"
-            ) from None
-    count = pc.num_processes or (detected[1] if detected else 1)
-    devices = pc.cpu_devices
-    if devices is None and DEFAULT_CPU_DEVICES % count == 0:
-        devices = DEFAULT_CPU_DEVICES // count
-    # Fake CPU devices when there is no GPU; must precede any backend use (ignored on GPUs).
-    # Otherwise (a count that does not divide 8) JAX's default: the mesh check names the gap.
-    if devices is not None:
-        jax.config.update("jax_num_cpu_devices", devices)
-    if pc.coordinator_address is None and detected is None:
-        _current = Processes()
-        return _current
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(
-            pc.coordinator_address,
-            num_processes=pc.num_processes,
-            process_id=pc.process_id,
-            initialization_timeout=INIT_TIMEOUT_S,
-            # The runtime's own check is the fallback: the watchdog (`Processes.watch`) names the
-            # missing process first. The runtime counts from the peer's last heartbeat, not its
-            # death: at twice ours (20 s) it once aborted a process 10.9 s after a kill, before
-            # our 10 s watchdog spoke.
-            heartbeat_timeout_seconds=RUNTIME_HEARTBEAT_FACTOR * pc.heartbeat_timeout_s + 10,
-            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
-        )
-    except Exception as err:  # the runtime raises its own types
-        where = pc.coordinator_address or f"the {detected[0]} environment"
-        me = "" if pc.process_id is None else f" as process {pc.process_id}"
-        raise FlagError(f"cannot join the job at {where}{me}: {_first_line(err)}") from None
-    _quiet_native_stdout()
-    processes = Processes(
-        jax.process_index(), jax.process_count(), compat.distributed_client(),
-        pc.heartbeat_timeout_s,
-    )  # fmt: skip
-    if not processes.is_main:  # the others print nothing but errors
-        logging.set_verbosity(logging.ERROR)
-        py_logging.getLogger("jax").setLevel(py_logging.ERROR)
-        warnings.simplefilter("ignore")
-    _current = processes
-    return processes
-
-
-def _quiet_native_stdout() -> None:
-    """Python keeps the terminal; native code's stdout (gloo prints a line per connection it
-    opens, on every process) goes to /dev/null. Errors go to stderr, untouched."""
-    sys.stdout.flush()
-    terminal = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    sys.stdout = os.fdopen(terminal, "w", buffering=1)
-
-
-def global_devices():
-    """Every device of the job, ordered by process, then id (a mesh's first axis of size
-    `processes` is then the process)."""
-    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    processes.die(f"{prefix}: {first_line(err)}")

@@ -86,6 +86,31 @@ def detected_cluster() -> tuple[str, int] | None:
     return None
 
 
+def detected_coordinator(timeout_s: int) -> tuple[str, int] | None:
+    """(coordinator address, this process's index) of the cluster environment that
+    `detected_cluster` finds, as `jax.distributed.initialize()` would derive them (the address
+    honours JAX_COORDINATOR_ADDRESS and JAX_COORDINATOR_PORT), or None when there is none or it
+    cannot say. Private JAX API."""
+    import os  # noqa: PLC0415
+
+    from jax._src import clusters  # noqa: PLC0415
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method or not env.is_env_present():
+            continue
+        address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+        if address is None:
+            port = os.environ.get("JAX_COORDINATOR_PORT")
+            try:
+                address = env.get_coordinator_address(
+                    timeout_secs=timeout_s, override_coordinator_port=port
+                )
+            except TypeError:  # a jax without the port override
+                address = env.get_coordinator_address(timeout_secs=timeout_s)
+        return address, env.get_process_id()
+    return None
+
+
 def on_gpu_stream(fn, stream):
     """fn() traced onto GPU stream `stream` ("collective" or an int >= 1) with XLA's stream
     annotation (`jax.experimental.compute_on`), its results in device memory."""
