@@ -8,7 +8,11 @@
   sharded as the block's are (`nn.hf.loader`, `nn.hf.checkpoint`).
 * `load_balancing_loss(auxes, top_k)`: HF's auxiliary loss, pooled over layers.
 
-docs/families.md lists the families and what each maps to.
+A downloaded model's config.json, index and shards are untrusted input: fields are read by type
+and range under every alias HF's config classes accept (`config_fields`), shards only from the
+checkpoint's own directory and checked against their headers (`safetensors_file`), and a block is
+loaded whole or not at all, tensors it cannot hold named (`ignore_extra=True` leaves them).
+docs/families.md lists the families and what each maps to; docs/errors.md what is checked.
 """
 
 from __future__ import annotations
