@@ -51,13 +51,6 @@ def platforms() -> tuple[str, ...]:
     return ("cpu", "gpu") if _hybridep.with_cuda else ("cpu",)
 
 
-@functools.cache
-def has_cuda_v2() -> bool:
-    """Whether the build has CUDA transport v2's handlers (CMake JAX_HYBRIDEP_CUDA_V2)."""
-    return (_hybridep is not None and _hybridep.with_cuda
-            and "jax_hybridep_cuda_v2_dispatch" in _hybridep.cuda_registrations())  # fmt: skip
-
-
 def module():
     """The native module; raises ImportError with the build hint when it is missing."""
     if _hybridep is None:
@@ -66,6 +59,15 @@ def module():
             f"needs it. {_BUILD_HINT}, or use backend='xla'. Import error: {IMPORT_ERROR}"
         )
     return _hybridep
+
+
+@functools.cache
+def limits() -> dict:
+    """The kernels' limits as the native module states them (xla_ffi/limits.h,
+    kernels/send_plan.h): max_send_blocks, max_top_k, max_window_ranks, send_chunk (items per
+    send chunk; the slot maps are padded to it), shared_budget (the send kernel's dynamic shared
+    memory). Python asks for them rather than copying them."""
+    return dict(module().limits())
 
 
 @functools.cache

@@ -15,19 +15,17 @@ import warnings
 
 import numpy as np
 
+from jax_hybridep import _native
 from jax_hybridep.fp8 import wire_dtype_name
 from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_bool, check_int, is_real
 
 BACKENDS = ("auto", "xla", "ffi")
-GPU_TRANSPORTS = ("v1", "v2")
-GPU_TRANSPORT_ENV = "JAX_HYBRIDEP_GPU_TRANSPORT"
 BACKEND_ENV = "JAX_HYBRIDEP_BACKEND"
 TIMEOUT_ENV = "JAX_HYBRIDEP_TIMEOUT_S"
 # Test switch: with zero_padding=False, rows past sum(group_sizes) are filled with NaN (in the
 # dispatched rows and in combine's row cotangents), so a consumer that reads them fails loudly.
 POISON_ENV = "JAX_HYBRIDEP_POISON_PADDING"
-MAX_SMS = 256  # xla_ffi/limits.h: kMaxSendBlocks (tests/native_test.py checks it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +73,6 @@ class DispatchConfig:
         needs x's cotangent through them raises TypeError while tracing, while gradients with
         respect to `topk_weights` work and equal the dequantised path's bit for bit
         (docs/errors.md).
-      gpu_transport: GPUs only: which CUDA transport the ffi backend runs over the fastest
-        level: "v1" (default) or "v2", built on Hybrid-EP's structure (persistent bulk-copy send
-        blocks on num_sms SMs, wide permute and unpermute on every SM; docs/gpu.md). Both
-        compute the same bits (docs/design.md §2.1); v1 stays the default until an H200 has
-        measured v2. The env var JAX_HYBRIDEP_GPU_TRANSPORT overrides it.
       gpu_stream: GPUs only: the stream the transport's custom calls run on. None: XLA's compute
         stream; "collective": XLA's collective stream, scheduled like its own collectives so
         compute overlaps them (needs an XLA that knows the annotation); an int n >= 1: XLA's
@@ -97,7 +90,6 @@ class DispatchConfig:
     timeout_s: float = 120.0
     row_budget: int | None = None
     num_sms: int = 16
-    gpu_transport: str = "v1"
     gpu_stream: str | int | None = None
     zero_padding: bool = True
     wire_dtype: str | None = None
@@ -131,11 +123,7 @@ class DispatchConfig:
                     f"combined with capacity_factor={self.capacity_factor} (a capacity already "
                     "bounds the buffer)"
                 )
-        self._set("num_sms", check_int("num_sms", self.num_sms, 1, MAX_SMS))
-        if not isinstance(self.gpu_transport, str) or self.gpu_transport not in GPU_TRANSPORTS:
-            raise ValueError(
-                f"gpu_transport must be one of {GPU_TRANSPORTS}, got {self.gpu_transport!r}"
-            )
+        self._set("num_sms", check_int("num_sms", self.num_sms, 1, _max_send_blocks()))
         stream = self.gpu_stream
         if not (stream is None or stream == "collective" or (
             isinstance(stream, int | np.integer) and not isinstance(stream, bool) and stream >= 1
@@ -150,14 +138,6 @@ class DispatchConfig:
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
-
-    @property
-    def resolved_gpu_transport(self) -> str:
-        """gpu_transport, or the env var JAX_HYBRIDEP_GPU_TRANSPORT when it is set."""
-        value = os.environ.get(GPU_TRANSPORT_ENV, self.gpu_transport)
-        if value not in GPU_TRANSPORTS:
-            raise ValueError(f"{GPU_TRANSPORT_ENV}={value!r}; expected one of {GPU_TRANSPORTS}")
-        return value
 
     @property
     def poison_padding(self) -> bool:
@@ -185,6 +165,12 @@ class DispatchConfig:
 
 # Longest wait a config or JAX_HYBRIDEP_TIMEOUT_S may set (its milliseconds must fit an int64).
 MAX_TIMEOUT_S = 1e7
+
+
+def _max_send_blocks() -> int | None:
+    """The transport's block limit (num_sms) as the native module states it; None without the
+    module (nothing native then runs, so num_sms only has to be >= 1)."""
+    return _native.limits()["max_send_blocks"] if _native.available() else None
 
 
 def _timeout(name: str, value) -> float:

@@ -136,7 +136,7 @@ regs = mod.cpu_registrations()
 assert regs and all(name.startswith("jax_hybridep_") for name in regs), regs
 assert mod.with_cuda is False and testing.with_cuda is False, "host-only build reports CUDA"
 assert {n for n in dir(mod) if not n.startswith("__")} == {
-    "cpu_registrations", "take_recorded_errors", "with_cuda"}, dir(mod)
+    "cpu_registrations", "limits", "send_plan", "take_recorded_errors", "with_cuda"}, dir(mod)
 assert testing.open_exchange_count() == 0
 testing.record_transport_error("bazel_check")
 assert mod.take_recorded_errors() == [("transport", "bazel_check")], "the modules share no runtime"

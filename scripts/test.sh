@@ -13,7 +13,7 @@ if [ $# -eq 0 ]; then
   mkdir -p build
   sweep_log=build/host_executor_sweep.log
   nice -n 19 .venv/bin/python -m pytest -q -p no:cacheprovider -m "host_executor and sweep" \
-    tests/host_executor_v2_test.py >"$sweep_log" 2>&1 &
+    tests/host_executor_transport_test.py >"$sweep_log" 2>&1 &
   sweep=$!
 fi
 .venv/bin/python -m pytest -q "$@" || status=$?

@@ -325,27 +325,53 @@ def test_layer_reference_model_is_the_layer():
     assert layer.reference_loss(x, idx, w, experts, proj, ct) == pytest.approx(direct, rel=1e-5)
 
 
-def test_gpu_transport_bandwidths_from_the_hook(monkeypatch):
-    """The GPU transport bench's arithmetic (the hook itself needs a GPU): payload GB/s for
-    16-bit and FP8 dispatch, and FP8 send in wire bytes."""
-    tokens, hidden, k = 1000, 256, 2
-    raw = dict(
-        sms=[4], dispatch_send_us=[10.0], dispatch_receive_us=[30.0], combine_send_us=[20.0],
-        combine_reduce_us=[20.0], fp8_send_us=[8.0], fp8_receive_us=[24.0], fp8_row_bytes=264,
-        layout_us=5.0, copy_us=100.0, copy_bytes=1 << 20, rows=tokens * k, row_bytes=2 * hidden,
-        tokens=tokens,
-    )  # fmt: skip
+def test_gpu_transport_bandwidths_from_the_hook(monkeypatch, tmp_path):
+    """The GPU transport bench's arithmetic (the hook itself needs a GPU; the timings are owed to
+    scripts/gpu_check.sh), through its command line: payload GB/s of the send, dispatch and
+    combine, HBM GB/s of the wide kernels, FP8 send in wire bytes."""
+    raw = dict(sms=[1, 8], send_us=[1000.0, 125.0], permute_us=[50.0, 50.0],
+               fp8_send_us=[800.0, 100.0], fp8_permute_us=[60.0, 60.0],
+               unpermute_us=[70.0, 70.0], combine_send_us=[1000.0, 125.0],
+               reduce_us=[30.0, 30.0], layout_us=20.0, copy_us=500.0, copy_bytes=1 << 30,
+               rows=4096 * 8, row_bytes=7168 * 2, fp8_row_bytes=7392, tokens=4096, stages=12,
+               smem_bytes=176128)  # fmt: skip
 
     class Hook:
         def cuda_bench_transport(self, *args, **kwargs):
             return raw
 
     monkeypatch.setattr(_native, "testing_module", lambda: Hook())
-    result = gpu_transport.measure(tokens=tokens, hidden=hidden, k=k, experts=4, sms=(4,))
-    (row,) = result["per_sms"]
-    payload = tokens * hidden * 2
-    assert math.isclose(row["dispatch_gbps"], payload / 40e3)
-    assert math.isclose(row["fp8_dispatch_gbps"], payload / 32e3)
-    assert math.isclose(row["fp8_send_gbps"], payload / 8e3)
-    assert math.isclose(row["fp8_send_wire_gbps"], tokens * 264 / 8e3)
-    assert "fp8 send (wire)" in gpu_transport.table(result)
+    result = gpu_transport.main(["--sms", "1,8", "--json", str(tmp_path / "t.json")])
+    payload = 4096 * 7168 * 2
+    one, eight = result["per_sms"]
+    assert math.isclose(one["send_gbps"], payload / 1000 / 1e3)
+    assert math.isclose(eight["send_gbps"], 8 * one["send_gbps"])
+    assert math.isclose(eight["dispatch_gbps"], payload / 175 / 1e3)
+    assert math.isclose(eight["permute_hbm_gbps"], 9 * payload / 50 / 1e3)
+    assert math.isclose(eight["fp8_send_wire_gbps"], 4096 * 7392 / 100 / 1e3)
+    assert math.isclose(result["copy_hbm_gbps"], 2 * (1 << 30) / 500 / 1e3)
+    text = gpu_transport.table(result)
+    assert "12 stages" in text and len(text.splitlines()) == 6
+    assert (tmp_path / "t.json").exists()
+
+
+def test_copy_ceiling_per_sm(monkeypatch):
+    raw = dict(blocks=[1, 8], lsu_us=[4000.0, 500.0], bulk_us=[2000.0, 250.0], bytes=1 << 28)
+
+    class Hook:
+        def cuda_bench_copy_ceiling(self, *args, **kwargs):
+            return raw
+
+    monkeypatch.setattr(_native, "testing_module", lambda: Hook())
+    result = gpu_transport.main(["--copy_ceiling", "--sms", "1,8", "--json", ""])
+    lsu1, lsu8 = (row["lsu_gbps_per_sm"] for row in result["per_blocks"])
+    assert math.isclose(lsu1, (1 << 28) / 4000 / 1e3) and math.isclose(lsu8, lsu1)
+    assert math.isclose(result["per_blocks"][0]["bulk_gbps_per_sm"], 2 * lsu1)
+    assert "16-byte LSU" in gpu_transport.table_copy_ceiling(result)
+
+
+def test_bench_backends_are_the_configs():
+    args = bench_main.parser().parse_args(["--backends", "ffi,xla"])
+    assert args.backends == ["ffi", "xla"]
+    with pytest.raises(SystemExit):
+        bench_main.parser().parse_args(["--backends", "ffi-v2"])

@@ -40,7 +40,6 @@ from route_kinds import ROUTES, bits, on_mesh
 
 import jax_hybridep as hep
 from jax_hybridep import fp8, traffic
-from jax_hybridep.config import GPU_TRANSPORTS
 from jax_hybridep.exchange import routes
 from jax_hybridep.ops import dispatch_with_route
 from jax_hybridep.reference import dense_moe
@@ -162,7 +161,7 @@ def test_contract(kind, case_name):
 
 def test_every_routing_and_step_kind_is_used():
     """Every routing runs in some case, and every level step and bottom that backend selection
-    can return (any backend, platform, transport, processes) runs in some route kind."""
+    can return (any backend, platform, processes) runs in some route kind."""
     assert {r for case in CASES.values() for r in case.routings} == set(ROUTINGS)
     meshes = [hep.Topology.from_mesh(make_mesh(*m), m[1]) for m in (FLAT8, NODE2_LOCAL4)]
     views = [
@@ -175,8 +174,7 @@ def test_every_routing_and_step_kind_is_used():
         type(step)
         for t in views
         for backend in ("xla", "ffi")
-        for transport in GPU_TRANSPORTS
-        for route in [routes.route_for(backend, t, transport)]
+        for route in [routes.route_for(backend, t)]
         for step in (*route.levels, route.bottom)
     }
     run = {type(step) for kind in ROUTES.values() for t in meshes

@@ -1,11 +1,13 @@
 """The ffi backend's CUDA lowering, checked on any machine (docs/design.md §5).
 
 Lowers dispatch/combine and their VJPs for an abstract CUDA mesh (no GPU needed) and asserts on
-the custom-call targets: with backend="ffi", a one-level EP group in one process runs the CUDA
-handlers of xla_ffi/cuda/*_handlers.cc and nothing of the host's (whether its GPUs share a
-process or not); under slower levels the transport spans the fastest level and the others go
-through XLA all-to-alls. "auto" keeps to the xla backend on GPUs until the CUDA path has been
-verified on hardware.
+the custom-call targets: with backend="ffi", a one-level EP group runs the CUDA handlers of
+xla_ffi/cuda/handlers/ and nothing of the host's (whether its GPUs share a process or not); under
+slower levels the transport spans the fastest level and the others go through XLA all-to-alls.
+The routing reaches the slot-map kernel through an XLA all-gather over the fastest level, the
+unpermute is a local call before the combine's exchange, and the routing-weight gradient returns
+by an XLA all-to-all. "auto" keeps to the xla backend on GPUs until a GPU measures the CUDA path
+faster (routes.GPU_AUTO). The attributes Python emits decode with the handlers' own decoders.
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ pytestmark = pytest.mark.skipif(
 
 T, H, K, E = 8, 64, 2, 8
 CUDA_TARGETS = {
-    "jax_hybridep_cuda_layout",
+    "jax_hybridep_cuda_layout",  # the EP group's rows
+    "jax_hybridep_cuda_slot_map",
+    "jax_hybridep_cuda_dispatch",
+    "jax_hybridep_cuda_unpermute",
+    "jax_hybridep_cuda_combine",
+    "jax_hybridep_cuda_redispatch_scaled",
+}
+# The calls that exchange over the level (the others are local).
+EXCHANGES = {
     "jax_hybridep_cuda_dispatch",
     "jax_hybridep_cuda_combine",
     "jax_hybridep_cuda_redispatch_scaled",
-    "jax_hybridep_cuda_return_row_values",
 }
 
 
@@ -87,8 +96,11 @@ def test_one_level_lowers_to_cuda_handlers(weighted):
     hybridep = {t for t in targets if t.startswith("jax_hybridep_")}
     assert hybridep == want
     assert "num_sms = 8" in text
-    # The counts travel through an XLA all-gather (NCCL on GPUs), not a host rendezvous.
-    assert "all_gather" in text
+    # The counts and the level's routing (dest, row, weight bits per (item, k): [4, T, K, 3]
+    # int32) travel through XLA all-gathers (NCCL on GPUs), not a host rendezvous; the weight
+    # gradient goes back by an all-to-all.
+    assert re.search(rf"all_gather.*tensor<4x{T}x2x3xi32>", text)
+    assert "all_to_all" in text
 
 
 def test_auto_keeps_xla_on_gpus_until_verified(monkeypatch):
@@ -97,7 +109,8 @@ def test_auto_keeps_xla_on_gpus_until_verified(monkeypatch):
     assert not any(t.startswith("jax_hybridep_") for t in targets)
     monkeypatch.setattr(routes, "GPU_AUTO", True)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
-    assert {"jax_hybridep_cuda_layout", "jax_hybridep_cuda_dispatch"} <= targets
+    assert {"jax_hybridep_cuda_layout", "jax_hybridep_cuda_slot_map",
+            "jax_hybridep_cuda_dispatch"} <= targets  # fmt: skip
     assert not any(t.startswith("jax_hybridep_") and "cuda" not in t for t in targets)
 
 
@@ -131,8 +144,8 @@ def test_transport_on_configured_stream(stream, annotation):
     text = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi", gpu_stream=stream))
     pattern = r"custom_call @(jax_hybridep_cuda_\w+)\(.*_xla_stream_annotation = \"(\w+)\""
     calls = re.findall(pattern, text)
-    exchanges = {name for name, _ in calls}
-    assert exchanges == CUDA_TARGETS - {"jax_hybridep_cuda_layout"}
+    # The exchanges run on the stream; the local layout, slot map and unpermute stay on XLA's.
+    assert {name for name, _ in calls} == EXCHANGES
     assert {a for _, a in calls} == {annotation}
 
 
@@ -154,6 +167,15 @@ def _dispatch_call(text: str) -> str:
     return line
 
 
+def test_zero_padding_off_leaves_rows_past_the_groups():
+    topo = _gpu_topology({"ep": 4}, ["ep"])
+    on = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi", pad_multiple=4),
+                  grad=False)  # fmt: skip
+    off = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi", pad_multiple=4,
+                                            zero_padding=False), grad=False)  # fmt: skip
+    assert "sparse_pad_multiple = 0" in on and "sparse_pad_multiple = 4" in off
+
+
 @pytest.mark.parametrize("levels", [1, 2])
 def test_fp8_dispatch_quantises_in_the_send_kernel_on_one_level(levels):
     """wire_dtype=float8_e4m3fn: on one level the transport gets the bf16 tokens and quantises
@@ -168,29 +190,30 @@ def test_fp8_dispatch_quantises_in_the_send_kernel_on_one_level(levels):
     operands, results = call.rsplit(": (", 1)[1].split(") -> ")
     x_type = operands.split(",")[0]
     assert x_type == (f"tensor<{T}x{H}xbf16>" if levels == 1 else x_type.split("x")[0] + "x68xui8>")
-    assert f"x{H}xbf16>" in results.split(",")[0]  # dequantised by the receive kernel
+    assert f"x{H}xbf16>" in results.split(",")[0]  # dequantised by the permute
     assert ("f8E4M3FN" in text) == (levels > 1)
     # 16-bit dispatch leaves the attribute 0.
     plain = _dispatch_call(_lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi")))
     assert "fp8_hidden = 0" in plain
 
 
-# Each CUDA target's attribute struct (xla_ffi/cuda/cuda_attrs.h; the layout takes the host's
-# LayoutAttrsView, as layout_gathered does) and the test module's CPU probe decoding it with the
-# same decoder.
+# Each CUDA target's attribute struct (xla_ffi/cuda/handlers/attrs.h; the layout takes the host's
+# LayoutAttrsView, as layout_gathered does; the slot map none) and the test module's CPU probe
+# decoding it with the same decoder.
 PROBES = {
     "jax_hybridep_cuda_layout": "layout",
-    "jax_hybridep_cuda_dispatch": "transport_dispatch",
-    "jax_hybridep_cuda_combine": "transport_combine",
-    "jax_hybridep_cuda_redispatch": "transport",
-    "jax_hybridep_cuda_redispatch_scaled": "transport",
-    "jax_hybridep_cuda_return_row_values": "transport",
+    "jax_hybridep_cuda_dispatch": "dispatch",
+    "jax_hybridep_cuda_redispatch": "rows",
+    "jax_hybridep_cuda_redispatch_scaled": "rows",
+    "jax_hybridep_cuda_unpermute": "unpermute",
+    "jax_hybridep_cuda_combine": "transport",
 }
 _TRANSPORT = ("site", "num_ranks", "timeout_ms", "num_sms", "multi_process")
 _MEMBERS = {
     "transport": _TRANSPORT,
-    "transport_dispatch": _TRANSPORT + ("fp8_hidden",),
-    "transport_combine": _TRANSPORT + ("weighted",),
+    "rows": _TRANSPORT + ("sparse_pad_multiple",),
+    "dispatch": _TRANSPORT + ("sparse_pad_multiple", "fp8_hidden"),
+    "unpermute": ("weighted",),
     "layout": (
         "num_ranks",
         "num_slots",
@@ -212,7 +235,7 @@ def _cuda_call_attrs(monkeypatch, topo, config, weighted) -> list[tuple[str, dic
         issue = real(target, *args, **kwargs)
 
         def call(*operands, **attrs):
-            if target.startswith("jax_hybridep_cuda_"):
+            if target in PROBES:
                 calls.append((target, attrs))
             return issue(*operands, **attrs)
 
@@ -257,5 +280,5 @@ def test_attribute_bundles_decode_into_the_handlers_structs(monkeypatch):
         decoded = jax.jit(probe_all)()  # one program for every call
     for (target, attrs), got in zip(calls, decoded, strict=True):
         assert np.asarray(got).tolist() == expected(target, attrs), (target, attrs)
-    multi = {bool(attrs["multi_process"]) for t, attrs in calls if "layout" not in t}
+    multi = {bool(attrs["multi_process"]) for t, attrs in calls if "multi_process" in attrs}
     assert multi == {True, False}

@@ -15,8 +15,7 @@ training losses of both backends; whether the FP8 element step (`fp8.cast`, comp
 platform) gives ml_dtypes' bits over every bfloat16 pattern; and whether FP8 dispatch of every
 bfloat16 pattern (on GPUs quantised and dequantised by the CUDA transport's kernels) gives the
 xla backend's bits; and how many per-site states of the CUDA handlers the re-jitted block
-holds (one per CUDA call site of the program alive, none once it is gone). `--gpu_transport=v2`
-runs every ffi case over transport v2 instead of v1.
+holds (one per CUDA call site of the program alive, none once it is gone).
 """
 
 from __future__ import annotations
@@ -64,14 +63,7 @@ def _run(mesh, topo, backend, dtype, capacity, weighted, args, wire_dtype=None):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, idx, experts)
     hlo = fn.lower(x, idx, w, experts).as_text()
     gathered = multihost_utils.process_allgather((out, stacked, grads), tiled=True)
-    return jax.device_get(gathered), _cuda_transport(hlo)
-
-
-def _cuda_transport(hlo: str) -> str | None:
-    """Which CUDA transport's dispatch the program runs ("v1", "v2"), or None."""
-    if "jax_hybridep_cuda_v2_dispatch" in hlo:
-        return "v2"
-    return "v1" if "jax_hybridep_cuda_dispatch" in hlo else None
+    return jax.device_get(gathered), "jax_hybridep_cuda_dispatch" in hlo
 
 
 def _bitwise(a, b) -> bool:
@@ -197,16 +189,12 @@ def main():
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--levels", choices=("flat", "hier"), default="flat")
     p.add_argument("--train", action="store_true")
-    # The CUDA transport every ffi run uses (DispatchConfig.gpu_transport, by its env var so the
-    # training example follows too).
-    p.add_argument("--gpu_transport", choices=("v1", "v2"), default="v1")
     # smoke: one variant per code path (CPU runs of the worker itself); all: every variant.
     p.add_argument("--variants", choices=("all", "smoke"), default="all")
     p.add_argument("--process_id", type=int, default=None)
     p.add_argument("--num_processes", type=int, default=1)
     p.add_argument("--port", type=int, default=None)
     args = p.parse_args()
-    os.environ["JAX_HYBRIDEP_GPU_TRANSPORT"] = args.gpu_transport
     if args.process_id is not None:  # one GPU per process
         jax.distributed.initialize(
             f"127.0.0.1:{args.port}", num_processes=args.num_processes,
@@ -243,15 +231,14 @@ def main():
         name += "_fp8" if wire else ""
         run = (dtype, capacity, weighted, args, wire)
         state = rng.bit_generator.state
-        ffi, transport = _run(mesh, topo, "ffi", *run)
+        ffi, ran_cuda = _run(mesh, topo, "ffi", *run)
         rng.bit_generator.state = state
         again, _ = _run(mesh, topo, "ffi", *run)
         rng.bit_generator.state = state
         ref, _ = _run(mesh, topo, "xla", *run)
         (out, stacked, grads), (ref_out, ref_stacked, ref_grads) = ffi, ref
         cases[name] = dict(
-            ran_cuda=transport is not None,
-            transport=transport,
+            ran_cuda=ran_cuda,
             dispatch_bitwise=_bitwise(stacked, ref_stacked),
             rerun_bitwise=_bitwise(ffi, again),
             out_bitwise=_bitwise(out, ref_out),
@@ -265,7 +252,6 @@ def main():
     hep.check_errors()
     report = dict(
         devices=n, processes=jax.process_count(), single_process=topo.single_process,
-        gpu_transport=args.gpu_transport,
         platform=jax.devices()[0].platform, levels=names, cases=cases, train=train,
         fp8_element_bitwise=_fp8_element_bitwise(),
         fp8_every_pattern=_fp8_rows_of_every_pattern(mesh, topo),

@@ -80,14 +80,7 @@ def planted(bugs: dict[str, tuple[str, str]]) -> dict[str, object]:
     return {name: load(f"_planted_{name}") for name in bugs}
 
 
-def as_bytes(a):
-    """An array's rows as bytes: [..., H] of any dtype -> [..., H * itemsize] uint8."""
-    import numpy as np
-
-    return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:-1] + (-1,))
-
-
-def run_v2(
+def run_transport(
     module,
     rounds,
     weighted: bool,
@@ -98,23 +91,15 @@ def run_v2(
     copy_probability: float = 0.25,
     **kw,
 ) -> dict:
-    """Transport v2's harness (xla_ffi/cuda/testing/v2_harness.cc) on the executor: rank r of
+    """The transport's harness (xla_ffi/cuda/testing/harness.cc) on the executor: rank r of
     every round on virtual GPU r, its own stream, the host waiting only at the end. `rounds`:
     tests/transport_helpers.py Rounds, one per exchange round on the same windows."""
-    import numpy as np
+    from transport_helpers import run_harness
 
-    first = rounds[0]
-    stack = lambda f: np.stack([f(r) for r in rounds])  # noqa: E731
-    module.configure(seed=seed, gpus=first.R, sms=sms, optin_smem=optin_smem,
+    module.configure(seed=seed, gpus=rounds[0].R, sms=sms, optin_smem=optin_smem,
                      copy_probability=copy_probability)  # fmt: skip
-    return module.cuda_selftest_v2_transport(
-        first.dtype, first.C, x=stack(lambda r: as_bytes(r.x)), dest=stack(lambda r: r.dest),
-        row_pos=stack(lambda r: r.row_pos), weights=stack(lambda r: r.weights),
-        y=stack(lambda r: as_bytes(r.y)),
-        y_weights=stack(lambda r: r.y_weights) if weighted else None,
-        g=stack(lambda r: as_bytes(r.g)), scale=stack(lambda r: r.scale),
-        send_blocks=send_blocks, per_rank_devices=True, sync_each_phase=False, **kw,
-    )  # fmt: skip
+    return run_harness(module, rounds, weighted, send_blocks=send_blocks, per_rank_devices=True,
+                       sync_each_phase=False, **kw)  # fmt: skip
 
 
 def seeds(count: int) -> list[int]:

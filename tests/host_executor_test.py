@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from host_executor_helpers import executor, run_v2, seeds
+from host_executor_helpers import executor, run_transport, seeds
 from transport_helpers import Round
 
 pytestmark = pytest.mark.host_executor
@@ -181,7 +181,7 @@ def test_same_seed_same_run_another_seed_another(hx):
     case = Round("random", "bfloat16", 30, R=2, T=70)
     runs = []
     for seed in (5, 5, 6):
-        out = run_v2(hx, [case], weighted=True, seed=seed)
+        out = run_transport(hx, [case], weighted=True, seed=seed)
         runs.append((hx.stats(), {k: np.asarray(v).tobytes() for k, v in out.items()}))
     assert runs[0] == runs[1]
     assert runs[2][0] != runs[0][0] and runs[2][1] == runs[0][1]

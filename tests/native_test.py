@@ -5,8 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_hybridep import _native, config
-from jax_hybridep.exchange import cuda_transport
+import jax_hybridep as hep
+from jax_hybridep import _native
+from jax_hybridep.exchange import cuda
 
 
 def test_handlers_registered():
@@ -28,6 +29,8 @@ PRODUCTION_SERVICES = {
     "cuda_window_error": "hep.check_errors() raises a GPU transport's device-side failure",
     "set_kv_exchange": "window handles of multi-process EP groups travel through jax.distributed",
     "release_cuda_windows": "the windows are freed at exit, before the CUDA runtime goes",
+    "limits": "the kernels' limits (num_sms, top-k, chunk), asked for rather than copied",
+    "send_plan": "the send kernel's shared-memory plan (whether FP8 tokens fit), asked for",
 }
 
 
@@ -43,9 +46,7 @@ def test_production_module_registers_handlers_only():
     # The test hooks are in the test module, on the same runtime.
     testing = _native.testing_module()
     assert testing.with_cuda == production.with_cuda
-    assert {"round_trip", "limits", "open_exchange_count", "transport_reference"} <= set(
-        dir(testing)
-    )
+    assert {"round_trip", "open_exchange_count", "transport_reference"} <= set(dir(testing))
     if production.with_cuda:
         assert {"cuda_selftest_transport", "cuda_bench_transport"} <= set(dir(testing))
 
@@ -59,11 +60,20 @@ def test_both_modules_share_one_runtime():
     ]
 
 
-def test_python_mirrors_the_native_limits():
-    """Constants checked on the Python side equal the kernels' own (xla_ffi/limits.h)."""
-    limits = _native.testing_module().limits()
-    assert config.MAX_SMS == limits["max_send_blocks"]
-    assert cuda_transport.MAX_TOP_K == limits["max_top_k"]
+def test_python_asks_the_native_module_for_its_limits():
+    """No kernel constant is copied in Python: the config's num_sms bound, the transport's top-k
+    limit and chunk padding come from the production module (the send plan:
+    tests/send_plan_test.py)."""
+    limits = _native.module().limits()
+    assert _native.limits() == limits
+    most = limits["max_send_blocks"]
+    assert hep.DispatchConfig(num_experts=8, num_sms=most).num_sms == most
+    with pytest.raises(ValueError, match=rf"num_sms must be an int in \[1, {most}\]"):
+        hep.DispatchConfig(num_experts=8, num_sms=most + 1)
+    chunk = limits["send_chunk"]
+    assert cuda.padded(1) == chunk and cuda.padded(chunk + 1) == 2 * chunk
+    with pytest.raises(ValueError, match="send_plan: need"):
+        _native.module().send_plan(0, 8)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -11,17 +11,16 @@ lacks the real one. On CPU that gives every step kind of jax_hybridep/exchange/r
 | `ffi_packed` | HostGatheredLayout | HostPackedLevel x L, or x (L - 1) and | HostRows            |
 |              |                    | HostDirectLevel on the fastest        |                     |
 | `gpu_twin`   | JnpLayout          | XlaLevel x (L - 1)                    | CudaBottom (twin)   |
-| `gpu_v2_twin`| JnpLayout          | XlaLevel x (L - 1)                    | CudaV2Bottom (twin) |
 
 `ffi_packed` is the host route as a run with one process per node sees it (every level but the
 fastest crosses processes; a single level does): the packed levels exchange through XLA
 all-to-alls, so it runs in this one process. `gpu_twin` is the GPU route with the CUDA bottom's
 exchanges issued by their pure-JAX twin (tests/transport_twin.py) and the jnp layout: everything
 else runs as on GPUs (slow levels by XLA all-to-alls, the bottom spanning the fastest level, the
-handle's receive map, combine and both VJPs); the kernels themselves are checked against the same
-order on a GPU (tests/cuda_transport_test.py). `gpu_v2_twin` is the same over transport v2
-(`gpu_transport="v2"`, its custom calls issued by tests/transport_v2_twin.py). The twins keep the
-CPU topology, so their routing-weight gradient takes the CPU's fixed summation order, as the
+record, combine and both VJPs); the kernels themselves are held to the same §2.1 model on a GPU
+(tests/cuda_transport_test.py) and on the CPU under the host executor
+(tests/host_executor_transport_test.py). The twin keeps the CPU topology, so its routing-weight
+gradient takes the CPU's fixed summation order, as the
 reference does (on GPUs both backends take XLA's reduction there: jax_hybridep/weight_grad.py).
 A new level kind or bottom is one more entry here.
 
@@ -38,10 +37,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from transport_twin import JaxExchanges
-from transport_v2_twin import JaxV2Exchanges
 
 import jax_hybridep as hep
-from jax_hybridep.exchange import cuda_bottom, cuda_v2, layouts, routes
+from jax_hybridep.exchange import cuda, layouts, routes
 from jax_hybridep.ops import dispatch_with_route
 
 
@@ -56,20 +54,11 @@ def _across_processes(topo: hep.Topology) -> hep.Topology:
 
 
 def gpu_twin_route(topo: hep.Topology, exchanges=None) -> routes.Route:
-    """The GPU route, its CUDA bottom's exchanges (`exchanges`, default the pure-JAX twin) and
+    """The GPU route, its CUDA bottom's custom calls (`exchanges`, default the pure-JAX twin) and
     layout swapped for pure-JAX ones."""
     gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
-    assert isinstance(gpu.bottom, cuda_bottom.CudaBottom)
-    twin = cuda_bottom.CudaBottom(exchanges=exchanges or JaxExchanges())
-    return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
-
-
-def gpu_v2_twin_route(topo: hep.Topology, exchanges=None) -> routes.Route:
-    """The GPU route over transport v2, its custom calls (`exchanges`, default the pure-JAX
-    twin) and layout swapped for pure-JAX ones."""
-    gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"), gpu_transport="v2")
-    assert isinstance(gpu.bottom, cuda_v2.CudaV2Bottom)
-    twin = cuda_v2.CudaV2Bottom(exchanges=exchanges or JaxV2Exchanges())
+    assert isinstance(gpu.bottom, cuda.CudaBottom)
+    twin = cuda.CudaBottom(exchanges=exchanges or JaxExchanges())
     return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
 
 
@@ -118,9 +107,6 @@ ROUTES = {
         RouteKind("ffi", "ffi"),
         RouteKind("ffi_packed", "ffi", sees=_across_processes),
         RouteKind("gpu_twin", "ffi", explicit=gpu_twin_route),
-        RouteKind(
-            "gpu_v2_twin", "ffi", explicit=gpu_v2_twin_route, config=(("gpu_transport", "v2"),)
-        ),  # fmt: skip
     )
 }
 

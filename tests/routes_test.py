@@ -13,7 +13,7 @@ from route_kinds import ROUTES, same_bits_on
 
 import jax_hybridep as hep
 from jax_hybridep import _native
-from jax_hybridep.exchange import cuda_bottom, host_fused, host_steps, layouts, routes, xla_steps
+from jax_hybridep.exchange import cuda, host_fused, host_steps, layouts, routes, xla_steps
 
 
 def _topology(levels, local, single_process=True, platform="cpu") -> hep.Topology:
@@ -48,7 +48,7 @@ def test_xla_route_walks_every_level_and_gpu_route_spans_the_fastest():
     xla = routes.route_for("xla", topo)
     assert _kinds(xla) == (layouts.JnpLayout, (xla_steps.XlaLevel,) * 3, xla_steps.XlaRows)
     gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
-    assert _kinds(gpu) == (layouts.CudaLayout, (xla_steps.XlaLevel,) * 2, cuda_bottom.CudaBottom)
+    assert _kinds(gpu) == (layouts.CudaLayout, (xla_steps.XlaLevel,) * 2, cuda.CudaBottom)
     gpu.check(topo)
     xla.check(topo)
 

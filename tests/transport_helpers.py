@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 from contract_cases import ROUTINGS as CONTRACT_ROUTINGS
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -39,6 +40,7 @@ def routing(name: str, rng: np.random.Generator, R=4, T=24, K=3, E=8) -> np.ndar
     return idx.astype(np.int32)
 
 
+# The layout kernels' routings; exchanges take all but many_chunks (which has its own shape).
 ROUTINGS = (
     "random",
     "all_minus_one",
@@ -48,17 +50,23 @@ ROUTINGS = (
     "empty_rank",
     "many_chunks",
 )
+EXCHANGE_ROUTINGS = ROUTINGS[:-1]
+# The rows the GPU transport tests send: 2052 float32 = 8208 bytes (two bulk chunks on Hopper,
+# whole 16-byte words) and 300 bfloat16 = 600 bytes (not whole 16-byte words: the G2S lanes load
+# them, stores stay bulk).
+ROWS = (("float32", 2052), ("bfloat16", 300))
 
 
-ROUTINGS = (
-    "random",
-    "all_minus_one",
-    "one_expert",
-    "duplicates",
-    "invalid",
-    "empty_rank",
-    "many_chunks",
-)
+def on_every_round(test):
+    """A GPU test over 2, 4 and 8 ranks, every exchange routing and both kinds of `ROWS`."""
+    for mark in (
+        pytest.mark.parametrize("dtype, hidden", ROWS),
+        pytest.mark.parametrize("routing", EXCHANGE_ROUTINGS),
+        pytest.mark.parametrize("ranks", [2, 4, 8]),
+        pytest.mark.gpu,
+    ):
+        test = mark(test)
+    return test
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -192,7 +200,8 @@ class Round:
         self.np_dtype = np_dtype
 
     def inputs(self, weighted: bool) -> dict:
-        """This round's arguments of cuda_selftest_transport (before stacking rounds)."""
+        """This round's arguments of the host reference `transport_reference` (before stacking
+        rounds)."""
         as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:2] + (-1,))  # noqa: E731
         return dict(
             x=as_bytes(self.x), dest=self.dest, row_pos=self.row_pos, weights=self.weights,
@@ -244,6 +253,24 @@ class Round:
         )  # fmt: skip
 
 
+def stacked_inputs(rounds: list[Round], weighted: bool) -> dict:
+    """The rounds' inputs (`Round.inputs`) stacked on a leading round axis, as the hooks take them
+    (None stays None)."""
+    per_round = [r.inputs(weighted) for r in rounds]
+    return {
+        key: None if per_round[0][key] is None else np.stack([p[key] for p in per_round])
+        for key in per_round[0]
+    }
+
+
+def run_harness(module, rounds: list[Round], weighted: bool, **kw) -> dict:
+    """The transport's virtual-rank harness (`module.cuda_selftest_transport`, the GPU's or the
+    host executor's) over the rounds in order on one set of windows; [N, R, ...] outputs."""
+    inputs = stacked_inputs(rounds, weighted)
+    del inputs["values"]  # the routing-weight gradient returns by XLA, not by the transport
+    return module.cuda_selftest_transport(rounds[0].dtype, rounds[0].C, **inputs, **kw)
+
+
 def got_bits(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Both arrays' bytes, shaped as the hook's output (which may be raw bytes or typed)."""
     got_bytes = bits(got)
@@ -251,20 +278,20 @@ def got_bits(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 
 def gathered(case: Round) -> np.ndarray:
-    """The level's routing as transport v2's layout gets it all-gathered: [R, T, K, 3] of
+    """The level's routing as the slot map gets it all-gathered: [R, T, K, 3] of
     (destination, row, weight bits)."""
     return np.stack([case.dest, case.row_pos, case.weights.view(np.int32)], axis=-1)
 
 
-def check_v2_round(module, got: dict, n: int, case: Round, weighted: bool, what: str):
-    """Round n of transport v2's harness against the model, bit for bit, and every rank's layout
-    against the host reference (`module`'s cuda_v2_layout)."""
+def check_round(module, got: dict, n: int, case: Round, weighted: bool, what: str):
+    """Round n of the transport's harness against the model, bit for bit, and every rank's layout
+    against the host reference (`module`'s cuda_slot_map)."""
     want = case.expected(weighted)
     for key in ("tokens", "weights", "combined", "redispatched", "scaled"):
         value = got[key][n]
         np.testing.assert_array_equal(bits(value), bits(want[key]).reshape(bits(value).shape),
                                       err_msg=f"{what}: {key}")  # fmt: skip
     for r in range(case.R):
-        ref = module.cuda_v2_layout(gathered(case), r, case.C, reference=True)
+        ref = module.cuda_slot_map(gathered(case), r, case.C, reference=True)
         for key in ("send_slot", "recv_item", "recv_rows", "row_slot", "info"):
             np.testing.assert_array_equal(got[key][n, r], ref[key], err_msg=f"{what}: {key} {r}")

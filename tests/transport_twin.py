@@ -1,96 +1,224 @@
-"""A pure-JAX twin of the CUDA transport's exchanges (exchange.cuda_bottom.CudaExchanges).
+"""Twins of the CUDA transport (xla_ffi/cuda/kernels/transport.h): numpy for its steps, pure JAX
+for its exchanges.
 
-Same inputs, outputs and §2.1 order as the CUDA handlers, built from masks and `all_to_all` over
-the fast level's axes, so tests can run the GPU path's composition (slow levels through XLA
-collectives, the transport on the fastest level, the handle's receive map, the VJPs) on fake CPU
-devices against the xla backend. Slot (source, item) of the receive map is t-indexed like the
-CUDA windows: recv_row_pos[src * M + t].
+The numpy twins compute what the slot-map kernels, the permute, the unpermute and the reduce
+compute, written differently (whole-array prefix sums and masks where the host reference walks
+loops), so tests/cuda_twin_test.py can hold them against the host references bit for bit and
+against the §2.1 model. `JaxExchanges` has the methods of exchange.cuda.CudaExchanges, built from
+the same steps in jnp with `all_to_all` over the fast level's axes, so the GPU route (its bottom,
+record and VJPs) runs on fake CPU devices against the xla backend.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_hybridep import fp8
+from jax_hybridep.exchange.cuda import SlotMap, padded
+
+# ----------------------------------------------------------------------------- numpy
+
+
+def numpy_slot_map(gathered: np.ndarray, rank: int, rows: int) -> dict:
+    """The slot map of `rank` from the gathered routing [S, M, K, 3] (kernels/slot_map.h)."""
+    S, M, K, _ = gathered.shape
+    dest, pos = gathered[..., 0], gathered[..., 1]
+    weights = gathered[..., 2].copy().view(np.float32)
+    goes = np.any(dest[:, :, :, None] == np.arange(S), axis=2).reshape(S * M, S)  # [(s, m), p]
+    slot = np.where(goes, np.cumsum(goes, axis=0) - goes, -1)  # dense per p, (s, m) order
+    send_slot = np.full((padded(M), S), -1, np.int32)
+    send_slot[:M] = slot[rank * M : (rank + 1) * M]
+    received = np.flatnonzero(goes[:, rank])  # (s, m) flat, in slot order
+    n = received.size
+    recv_item = np.full(padded(S * M), -1, np.int32)
+    recv_item[:n] = received
+    # As the kernels: an entry for this rank at row -1 or >= rows (capacity) has no row.
+    row_of = pos.reshape(S * M, K)[received]
+    here = (dest.reshape(S * M, K)[received] == rank) & (row_of >= 0) & (row_of < rows)
+    recv_rows = np.full((padded(S * M), K), -1, np.int32)
+    recv_rows[:n] = np.where(here, pos.reshape(S * M, K)[received], -1)
+    row_weights = np.zeros(rows, np.float32)
+    row_slot = np.full(rows, -1, np.int32)
+    filled = recv_rows[:n] >= 0
+    row_weights[recv_rows[:n][filled]] = weights.reshape(S * M, K)[received][filled]
+    row_slot[recv_rows[:n][filled]] = np.nonzero(filled)[0]
+    last = int(recv_rows[:n][filled].max()) + 1 if filled.any() else 0
+    return dict(send_slot=send_slot, recv_item=recv_item, recv_rows=recv_rows,
+                row_weights=row_weights, row_slot=row_slot,
+                info=np.array([n, last], np.int32))  # fmt: skip
+
+
+def zero_line(lay: dict, rows: int, zero_pad_multiple: int) -> int:
+    """Rows below it that nobody fills are zeroed (LaunchPermute's PaddingFill)."""
+    if zero_pad_multiple == 0:
+        return rows
+    return min(rows, -(-int(lay["info"][1]) // zero_pad_multiple) * zero_pad_multiple)
+
+
+def numpy_permute(slots: np.ndarray, lay: dict, rows: int, zero_pad_multiple: int = 0,
+                  scale=None, fp8_hidden: int = 0, dtype=None):  # fmt: skip
+    """(rows [C, ...], scaled or None) from the receive buffer `slots` [n, row] (typed rows, or
+    with fp8_hidden uint8 FP8 wire rows dequantised to `dtype`); untouched rows are 0xab bytes,
+    as the host reference leaves them."""
+    n = int(lay["info"][0])
+    payload = slots[:n]
+    if fp8_hidden:
+        q, scales = fp8.from_wire(jnp.asarray(payload), fp8_hidden)
+        payload = np.asarray(fp8.dequantize(q, scales, jnp.dtype(dtype)))
+    width = payload.shape[1:]
+    out = np.frombuffer(b"\xab" * (rows * payload.dtype.itemsize * int(np.prod(width))),
+                        payload.dtype).reshape((rows,) + width).copy()  # fmt: skip
+    rows_of = lay["recv_rows"][:n]
+    slot_of, k_of = np.nonzero(rows_of >= 0)
+    out[rows_of[slot_of, k_of]] = payload[slot_of]
+    padding = np.flatnonzero(lay["row_slot"][: zero_line(lay, rows, zero_pad_multiple)] < 0)
+    out[padding] = 0
+    if scale is None:
+        return out, None
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = (out.astype(np.float32) * scale.reshape((-1,) + (1,) * len(width))).astype(
+            out.dtype
+        )
+        scaled[padding] = (np.float32(0) * scale[padding])[:, None].astype(out.dtype)
+    untouched = np.ones(rows, bool)
+    untouched[rows_of[slot_of, k_of]] = False
+    untouched[padding] = False
+    scaled[untouched] = out[untouched]  # both 0xab
+    return out, scaled
+
+
+def numpy_unpermute(y: np.ndarray, weights, lay: dict) -> np.ndarray:
+    """[n, H] in y's dtype: per received slot its rows of y (times weights) summed in ascending
+    k in float32 from +0, rounded once."""
+    n = int(lay["info"][0])
+    rows_of = lay["recv_rows"][:n]
+    acc = np.zeros((n, y.shape[1]), np.float32)
+    for k in range(rows_of.shape[1]):
+        r = rows_of[:, k]
+        v = y[np.maximum(r, 0)].astype(np.float32)
+        if weights is not None:
+            v = v * weights[np.maximum(r, 0)][:, None]
+        acc = np.where((r >= 0)[:, None], acc + v, acc)
+    with np.errstate(over="ignore"):
+        return acc.astype(y.dtype)
+
+
+def numpy_reduce(partials: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    """[M, H]: per item the partials [S, M, H] of its distinct destinations added in ascending
+    order in float32 from +0, rounded once."""
+    S, M = partials.shape[:2]
+    acc = np.zeros(partials.shape[1:], np.float32)
+    for d in range(S):
+        here = np.any(dest == d, axis=1)
+        acc = np.where(here[:, None], acc + partials[d].astype(np.float32), acc)
+    with np.errstate(over="ignore"):
+        return acc.astype(partials.dtype)
+
+
+# ----------------------------------------------------------------------------- JAX
 
 
 def _all_to_all(plan, fast, a):
     return jax.lax.all_to_all(a, plan.topology.levels[fast.level], 0, 0, tiled=True)
 
 
-def _per_peer(fast, dest, values, fill, per_k):
-    """[S * M, ...]: for peer p, each item's values where it goes to p (per (item, k) when
-    per_k, else per item: the item's row), else fill."""
-    peers = jnp.arange(fast.size)
-    here = dest[None] == peers[:, None, None]  # [S, M, K]
-    if per_k:
-        out = jnp.where(here, values[None], fill)
-    else:
-        out = jnp.where(jnp.any(here, axis=2)[:, :, None], values[None], fill)
-    return out.reshape((-1,) + values.shape[1:])
-
-
-def _rows_from(plan, recv_row_pos, per_slot):
-    """Expert-major [C, ...]: per_slot[slot] in every row recv_row_pos gives it, zero elsewhere."""
-    flat = recv_row_pos.reshape(-1)
-    target = jnp.where(flat >= 0, flat, plan.rows)
-    values = jnp.repeat(per_slot, plan.k, axis=0)
-    out = jnp.zeros((plan.rows + 1,) + per_slot.shape[1:], per_slot.dtype)
-    return out.at[target].set(values)[: plan.rows]
+def _padded_rows(a):
+    """a with one extra zero row at the end: index -1 reads it."""
+    return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])
 
 
 class JaxExchanges:
-    def dispatch(self, plan, fast, x, weights, row_pos, dest):
-        # FP8 on the wire: tokens are quantised as the send kernel does, wire rows moved as bytes
-        # and dequantised as the receive kernel does (fp8_rows: delivered as they are).
-        fp8_wire = plan.config.wire_dtype is not None
-        if fp8_wire and x.dtype != jnp.uint8:
-            x = fp8.to_wire(*fp8.quantize(x))
-        rows, row_weights, recv_row_pos = self._dispatch(plan, fast, x, weights, row_pos, dest)
-        if fp8_wire and not plan.config.fp8_rows:
-            rows = fp8.dequantize(*fp8.from_wire(rows, plan.hidden), plan.row_dtype)
-        return rows, row_weights, recv_row_pos
+    """CudaExchanges in jnp: the slot map as numpy_slot_map, each exchange an all_to_all into the
+    receivers' dense slots (or the sources' partial slots), the row steps as the kernels'."""
 
-    def _dispatch(self, plan, fast, x, weights, row_pos, dest):
-        recv_x = _all_to_all(plan, fast, _per_peer(fast, dest, x, 0, per_k=False))
-        recv_row_pos = _all_to_all(plan, fast, _per_peer(fast, dest, row_pos, -1, per_k=True))
-        recv_w = _all_to_all(plan, fast, _per_peer(fast, dest, weights, 0.0, per_k=True))
-        rows = _rows_from(plan, recv_row_pos, recv_x)
-        flat = recv_row_pos.reshape(-1)
-        target = jnp.where(flat >= 0, flat, plan.rows)
-        row_weights = jnp.zeros(plan.rows + 1, jnp.float32).at[target].set(recv_w.reshape(-1))
-        return rows, row_weights[: plan.rows], recv_row_pos
+    def slot_map(self, plan, fast, gathered):
+        size, items, k = gathered.shape[:3]
+        rank = fast.coord
+        dest, pos = gathered[..., 0], gathered[..., 1]
+        weights = jax.lax.bitcast_convert_type(gathered[..., 2], jnp.float32)
+        goes = jnp.any(dest[:, :, :, None] == jnp.arange(size), axis=2).reshape(size * items, size)
+        slot = jnp.where(goes, jnp.cumsum(goes, axis=0, dtype=jnp.int32) - goes, -1)
+        mine = jax.lax.dynamic_slice_in_dim(slot, rank * items, items)
+        send_slot = jnp.full((padded(items), size), -1, jnp.int32).at[:items].set(mine)
+        to_me = goes[:, rank]
+        j = jnp.where(to_me, jnp.cumsum(to_me, dtype=jnp.int32) - 1, padded(size * items))
+        n = jnp.sum(to_me, dtype=jnp.int32)
+        flat = jnp.arange(size * items, dtype=jnp.int32)
+        recv_item = jnp.full(padded(size * items) + 1, -1, jnp.int32).at[j].set(flat)[:-1]
+        # As the kernels: an entry for this rank at row -1 or >= rows (capacity) has no row.
+        row_of = pos.reshape(-1, k)
+        here = (dest.reshape(-1, k) == rank) & (row_of >= 0) & (row_of < plan.rows)
+        rows_here = jnp.where(here, row_of, -1)
+        recv_rows = jnp.full((padded(size * items) + 1, k), -1, jnp.int32).at[j].set(rows_here)
+        recv_rows = recv_rows[:-1]
+        target = jnp.where(rows_here >= 0, rows_here, plan.rows).reshape(-1)
+        row_weights = jnp.zeros(plan.rows + 1, jnp.float32).at[target].set(
+            weights.reshape(-1))[: plan.rows]  # fmt: skip
+        row_slot = jnp.full(plan.rows + 1, -1, jnp.int32).at[target].set(
+            jnp.repeat(j, k))[: plan.rows]  # fmt: skip
+        last = jnp.max(jnp.where(rows_here >= 0, rows_here + 1, 0), initial=0)
+        info = jnp.stack([n, last]).astype(jnp.int32)
+        return SlotMap(send_slot, recv_item, recv_rows, row_slot, info), row_weights
 
-    def redispatch(self, plan, fast, g, dest, recv_row_pos, scale=None):
-        rows = _rows_from(
-            plan, recv_row_pos, _all_to_all(plan, fast, _per_peer(fast, dest, g, 0, per_k=False))
-        )
+    def _receive(self, plan, fast, x, lay):
+        """[padded(S * M), ...]: this GPU's dense receive buffer after every source's send."""
+        size, items = lay.send_slot.shape[1], x.shape[0]
+        slots = lay.recv_rows.shape[0]
+        # Source side: per peer p, x's rows at their slots there (the rest zero).
+        at = jnp.where(lay.send_slot[:items] >= 0, lay.send_slot[:items], slots).T  # [S, M]
+        outgoing = jax.vmap(lambda a: jnp.zeros((slots + 1,) + x.shape[1:], x.dtype).at[a].set(x))(
+            at
+        )[:, :slots]
+        incoming = _all_to_all(plan, fast, outgoing).reshape((size, slots) + x.shape[1:])
+        # Each slot is written by one source: select it (sums would turn -0 into +0).
+        source = jnp.where(lay.recv_item >= 0, lay.recv_item // items, 0)
+        return incoming[source, jnp.arange(slots)]
+
+    def _permute(self, plan, lay, payload, scale=None):
+        rows_of = lay.recv_rows
+        target = jnp.where(rows_of >= 0, rows_of, plan.rows).reshape(-1)
+        values = jnp.repeat(payload, rows_of.shape[1], axis=0)
+        out = jnp.zeros((plan.rows + 1,) + payload.shape[1:], payload.dtype)
+        out = out.at[target].set(values)[: plan.rows]
         if scale is None:
-            return rows
-        return rows, (rows.astype(jnp.float32) * scale[:, None]).astype(rows.dtype)
+            return out
+        scaled = (out.astype(jnp.float32) * scale[:, None]).astype(out.dtype)
+        return out, scaled
 
-    def combine(self, plan, fast, y, weights, dest, recv_row_pos):
+    def dispatch(self, plan, fast, x, lay):
+        fp8_wire = plan.config.wire_dtype is not None
+        if fp8_wire and x.dtype != jnp.uint8:  # the send kernel quantises
+            x = fp8.to_wire(*fp8.quantize(x))
+        rows = self._permute(plan, lay, self._receive(plan, fast, x, lay))
+        if fp8_wire and not plan.config.fp8_rows:  # the permute dequantises
+            rows = fp8.dequantize(*fp8.from_wire(rows, plan.hidden), plan.row_dtype)
+        return rows
+
+    def redispatch(self, plan, fast, g, lay, scale=None):
+        return self._permute(plan, lay, self._receive(plan, fast, g, lay), scale)
+
+    def unpermute(self, plan, fast, y, weights, lay):
         rows = y.astype(jnp.float32)
         if weights is not None:  # no FMA with the adds below, as in the kernels
             rows = jax.lax.optimization_barrier(rows * weights[:, None])
-        rows = jnp.concatenate([rows, jnp.zeros((1, y.shape[1]), jnp.float32)])
-        acc = jnp.zeros((recv_row_pos.shape[0], y.shape[1]), jnp.float32)
-        for kk in range(plan.k):  # the destination's rows of each received item, k ascending
-            pos = recv_row_pos[:, kk]
-            acc = jnp.where((pos >= 0)[:, None], acc + rows[jnp.where(pos >= 0, pos, -1)], acc)
-        back = _all_to_all(plan, fast, acc.astype(y.dtype)).reshape(fast.size, -1, y.shape[1])
-        out = jnp.zeros((dest.shape[0], y.shape[1]), jnp.float32)
-        for p in range(fast.size):  # partials of the distinct destinations, ascending
-            to_p = jnp.any(dest == p, axis=1)
-            out = jnp.where(to_p[:, None], out + back[p].astype(jnp.float32), out)
-        return out.astype(y.dtype)
+        rows = _padded_rows(rows)
+        acc = jnp.zeros((lay.recv_rows.shape[0], y.shape[1]), jnp.float32)
+        for kk in range(lay.recv_rows.shape[1]):  # ascending k
+            r = lay.recv_rows[:, kk]
+            acc = jnp.where((r >= 0)[:, None], acc + rows[r], acc)
+        return acc.astype(y.dtype)
 
-    def return_row_values(self, plan, fast, values, dest, recv_row_pos):
-        padded = jnp.concatenate([values, jnp.zeros(1, jnp.float32)])
-        sent = jnp.where(recv_row_pos >= 0, padded[jnp.where(recv_row_pos >= 0, recv_row_pos, -1)],
-                         0.0)  # fmt: skip
-        back = _all_to_all(plan, fast, sent).reshape(fast.size, -1, plan.k)
-        items = jnp.arange(dest.shape[0])[:, None]
-        picked = back[jnp.maximum(dest, 0), items, jnp.arange(plan.k)[None, :]]
-        return jnp.where(dest >= 0, picked, 0.0)
+    def combine(self, plan, fast, partials, lay, dest):
+        size, items = fast.size, dest.shape[0]
+        # Destination side: slot j's partial to its source at [this GPU, item].
+        target = jnp.where(lay.recv_item >= 0, lay.recv_item, size * items)
+        outgoing = jnp.zeros((size * items + 1, partials.shape[1]), partials.dtype)
+        outgoing = outgoing.at[target].set(partials)[: size * items]
+        back = _all_to_all(plan, fast, outgoing).reshape(size, items, -1)  # [d, m]
+        out = jnp.zeros((items, partials.shape[1]), jnp.float32)
+        for d in range(size):  # the distinct destinations in ascending order
+            here = jnp.any(dest == d, axis=1)
+            out = jnp.where(here[:, None], out + back[d].astype(jnp.float32), out)
+        return out.astype(partials.dtype)

@@ -6,8 +6,9 @@
 // partials from the destinations' rows, each partial rounded to the row dtype before the source
 // adds it (the order of docs/design.md §2.1.4: ascending k within a destination, ascending
 // destination).
-// The GPU transport (xla_ffi/cuda/transport.h) writes the same rows and sums by writing into its
-// peers instead, bit for bit (tests/cuda_transport_test.py checks both against one numpy model).
+// The GPU transport (xla_ffi/cuda/kernels/transport.h) writes the same rows and sums by writing
+// into its peers instead, bit for bit (tests/cuda_transport_test.py checks both against one numpy
+// model).
 //
 // Framework-free: raw pointers only. The caller provides the peers' buffers (shared process memory)
 // and the barriers between the write and read steps.

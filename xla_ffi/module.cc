@@ -1,8 +1,9 @@
 // The production native module, _hybridep: the FFI handlers' capsules for registration at import,
 // and the few runtime services the package's Python needs (with_cuda; the failures the handlers
-// recorded, for hep.check_errors(); for the CUDA transport, the key-value exchange of window
-// handles between processes and the release of the windows at exit). The CUDA handlers come with
-// their state type (the per-site state each executable owns, xla_ffi/cuda/site_state.h).
+// recorded, for hep.check_errors(); the GPU transport's limits and send plan, which Python asks
+// for instead of copying them; for the CUDA transport, the key-value exchange of window handles
+// between processes and the release of the windows at exit). The CUDA handlers come with their
+// state type (the per-site state each executable owns, xla_ffi/cuda/state/site_state.h).
 // Self-tests, the virtual-rank harness, benchmark hooks and introspection live in the test module
 // built beside it (xla_ffi/testing/module.cc); both run on the one runtime library.
 #include <cstdint>
@@ -14,11 +15,13 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cuda/kernels/send_plan.h"
 #include "xla_ffi/error_log.h"
+#include "xla_ffi/limits.h"
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
-#include "xla_ffi/cuda/cuda_handlers.h"
-#include "xla_ffi/cuda/windows.h"
+#include "xla_ffi/cuda/handlers/registry.h"
+#include "xla_ffi/cuda/state/windows.h"
 #endif
 
 namespace nb = nanobind;
@@ -40,6 +43,34 @@ nb::list TakeErrors() {
     out.append(
         nb::make_tuple(kind == ErrorKind::kStrictMode ? "strict_mode" : "transport", message));
   }
+  return out;
+}
+
+nb::dict Limits() {
+  nb::dict out;
+  out["max_send_blocks"] = kMaxSendBlocks;
+  out["max_top_k"] = kMaxTopK;
+  out["max_window_ranks"] = kMaxWindowRanks;
+  out["send_chunk"] = kSendChunk;
+  out["shared_budget"] = kSharedBudget;
+  return out;
+}
+
+nb::dict SendPlanOf(int64_t staged_bytes, int64_t map_words, int64_t fp8_hidden, int64_t budget) {
+  if (staged_bytes <= 0 || map_words <= 0 || fp8_hidden < 0 || budget <= 0) {
+    throw nb::value_error(
+        "send_plan: need staged_bytes, map_words, budget > 0 and fp8_hidden >= 0");
+  }
+  const SendPlan p = PlanSend(staged_bytes, map_words, fp8_hidden, budget);
+  nb::dict out;
+  out["stage_bytes"] = p.stage_bytes;
+  out["pieces"] = p.pieces;
+  out["stages"] = p.stages;
+  out["map_bytes"] = p.map_bytes;
+  out["scale_bytes"] = p.scale_bytes;
+  out["smem_bytes"] = p.smem_bytes;
+  out["threads"] = kSendThreads;
+  out["s2g_warps"] = kS2GWarps;
   return out;
 }
 
@@ -103,6 +134,13 @@ NB_MODULE(_hybridep, m) {
   m.def(
       "cpu_registrations", [] { return jax_hybridep::Registrations(jax_hybridep::CpuHandlers()); },
       "FFI target name -> handler capsule, for platform 'cpu'.");
+  m.def("limits", &jax_hybridep::Limits,
+        "The GPU transport's limits (xla_ffi/limits.h, kernels/send_plan.h): max_send_blocks, "
+        "max_top_k, max_window_ranks, send_chunk (items per send chunk), shared_budget.");
+  m.def("send_plan", &jax_hybridep::SendPlanOf, nb::arg("staged_bytes"), nb::arg("map_words"),
+        nb::arg("fp8_hidden") = 0, nb::arg("budget") = jax_hybridep::kSharedBudget,
+        "How the send kernel stages rows of staged_bytes (kernels/send_plan.h PlanSend): stages "
+        "(0: nothing fits), pieces per row, stage, map and shared-memory bytes, threads.");
   m.def("take_recorded_errors", &jax_hybridep::TakeErrors,
         "Handler failures recorded since the last call, oldest first: [(kind, message)] with kind "
         "'strict_mode' or 'transport'; the log is empty afterwards.");

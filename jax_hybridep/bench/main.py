@@ -68,8 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", type=cli.choice_list(METHODS), default=list(METHODS),
                    help=f"subset of {METHODS}")  # fmt: skip
     p.add_argument("--backends", type=cli.choice_list(runner.HYBRIDEP_BACKENDS),
-                   default=["ffi", "xla"], help="hybridep backends (ffi-v1/ffi-v2: ffi over that "
-                   "GPU transport)")  # fmt: skip
+                   default=["ffi", "xla"], help="hybridep backends")  # fmt: skip
     p.add_argument("--topologies", type=cli.choice_list(runner.TOPOLOGIES),
                    default=list(runner.TOPOLOGIES))  # fmt: skip
     p.add_argument("--directions", type=cli.choice_list(runner.DIRECTIONS),

@@ -160,15 +160,8 @@ def make_meshes(devices, nodes: int):
     return meshes
 
 
-# hybridep's backends: "ffi" with the default GPU transport, "ffi-v1" / "ffi-v2" naming it
-# (DispatchConfig.gpu_transport; the same program off GPUs), "xla".
-HYBRIDEP_BACKENDS = ("ffi", "ffi-v1", "ffi-v2", "xla")
-
-
-def backend_config(name: str) -> dict:
-    """The DispatchConfig fields of a hybridep backend name."""
-    backend, _, transport = name.partition("-")
-    return dict(backend=backend) | (dict(gpu_transport=transport) if transport else {})
+# hybridep's backends (DispatchConfig.backend).
+HYBRIDEP_BACKENDS = ("ffi", "xla")
 
 
 def _shard_fn(case: Case, mesh, axes, experts: int):
@@ -182,7 +175,7 @@ def _shard_fn(case: Case, mesh, axes, experts: int):
             cfg = hep.DispatchConfig(
                 num_experts=experts,
                 capacity_factor=case.capacity_factor,
-                **backend_config(case.backend),
+                backend=case.backend,
                 row_budget=budget,
                 zero_padding=case.zero_padding,
                 wire_dtype=case.wire_dtype,

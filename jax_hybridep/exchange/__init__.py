@@ -12,8 +12,6 @@ walks levels; each kind of step lives in one module:
   host_steps.py   host custom calls: direct-write levels in one process, packed levels across
                   processes (around an XLA all-to-all), host rows
   host_fused.py   the one-call-per-direction host bottom spanning one in-process level
-  cuda_bottom.py  the CUDA transport as the bottom spanning the fastest level
-  cuda_v2.py      transport v2 (Hybrid-EP's structure) as that bottom
-  cuda_transport.py  what both CUDA transports' bottoms share: top-k limit, issuing, structure
+  cuda.py         the CUDA transport as the bottom spanning the fastest GPU level
   ffi_call.py     emitting the custom calls and their attribute bundles
 """

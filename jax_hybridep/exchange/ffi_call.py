@@ -3,7 +3,7 @@
 Two attribute bundles recur across handlers: the exchange's (where a call meets its peers: call
 site, ranks, timeout) and the layout's (the EP group's static plan); the CUDA transport's
 exchanges add how the transport runs. Every handler, host or CUDA, decodes a call's attributes as
-one struct built from these bundles (xla_ffi/ffi_support.h, xla_ffi/cuda/cuda_attrs.h).
+one struct built from these bundles (xla_ffi/ffi_support.h, xla_ffi/cuda/handlers/attrs.h).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def exchange_attrs(plan: DispatchPlan, num_ranks: int) -> dict:
 
 
 def transport_attrs(plan: DispatchPlan, num_ranks: int, multi_process: bool) -> dict:
-    """A CUDA transport exchange (xla_ffi/cuda/cuda_attrs.h, TransportAttrs): the exchange's
+    """A CUDA transport exchange (xla_ffi/cuda/handlers/attrs.h, TransportAttrs): the exchange's
     meeting point, the blocks each of its phases runs on (DispatchConfig.num_sms), and whether
     some of the `num_ranks` GPUs live in other processes (their windows come by CUDA IPC)."""
     return exchange_attrs(plan, num_ranks) | dict(

@@ -6,15 +6,13 @@
 | `ffi`, CPU, 1 in-process level| Host(Gathered)     | none                     | HostFused   |
 | `ffi`, CPU, otherwise         | Host(Gathered)     | HostDirect/HostPacked x L| HostRows    |
 | `ffi`, GPU                    | CudaLayout         | XlaLevel x (L - 1)       | CudaBottom  |
-| `ffi`, GPU, gpu_transport="v2"| CudaLayout         | XlaLevel x (L - 1)       | CudaV2Bottom|
 
 (Host layouts gather through the rendezvous when the EP group is in this process, through XLA
 otherwise; a host level is direct-write when its ranks share the process, packed otherwise.)
 
 `xla` runs everywhere; `ffi` where its handlers are built and every mesh axis is manual. `auto`
-picks `ffi` when it can run the call and `xla` otherwise, except on GPUs, where the CUDA
-handlers run only when asked for (`backend="ffi"`) until they beat the `xla` backend
-(docs/benchmarks.md); the env var JAX_HYBRIDEP_BACKEND overrides the config.
+picks `ffi` when it can run the call and `xla` otherwise, except on GPUs (`GPU_AUTO` below); the
+env var JAX_HYBRIDEP_BACKEND overrides the config.
 """
 
 from __future__ import annotations
@@ -23,12 +21,14 @@ import dataclasses
 import os
 
 from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig
-from jax_hybridep.exchange import cuda_bottom, cuda_v2, host_fused, host_steps, layouts, xla_steps
+from jax_hybridep.exchange import cuda, host_fused, host_steps, layouts, xla_steps
 from jax_hybridep.exchange.steps import Bottom, LayoutStep, LevelStep
 from jax_hybridep.topology import Topology
 
-# Whether `auto` picks the CUDA handlers on GPUs. Off: on one H200 they are exact but take 4x the
-# `xla` backend's time (docs/benchmarks.md, 2026-11-29); backend="ffi" opts in.
+# Whether `auto` picks the CUDA handlers on GPUs: the one place that says so. Off until a lent GPU
+# measures `ffi` faster than `xla` (docs/benchmarks.md): the transport that ran on an H200
+# (2026-11-29, since retired) was exact but 4x slower, and today's has not run on a GPU yet.
+# backend="ffi" opts in.
 GPU_AUTO = False
 
 
@@ -103,17 +103,15 @@ def backend_name(config: DispatchConfig, topology: Topology, manual_axes) -> str
     return "xla"
 
 
-def route_for(backend: str, topology: Topology, gpu_transport: str = "v1") -> Route:
-    """The route of `backend` ("xla" or "ffi") on `topology`; on GPUs over `gpu_transport`
-    (DispatchConfig.gpu_transport)."""
+def route_for(backend: str, topology: Topology) -> Route:
+    """The route of `backend` ("xla" or "ffi") on `topology`."""
     num_levels = len(topology.levels)
     if backend == "xla":
         return Route("xla", layouts.JnpLayout(), (xla_steps.XlaLevel(),) * num_levels,
                      xla_steps.XlaRows(), fp8_wire="split")  # fmt: skip
     if topology.platform == "gpu":
         slow = (xla_steps.XlaLevel(),) * (num_levels - 1)
-        bottom = cuda_v2.CudaV2Bottom() if gpu_transport == "v2" else cuda_bottom.CudaBottom()
-        return Route("ffi", layouts.CudaLayout(), slow, bottom, fp8_wire="fused")
+        return Route("ffi", layouts.CudaLayout(), slow, cuda.CudaBottom(), fp8_wire="fused")
     layout = layouts.HostLayout() if topology.single_process else layouts.HostGatheredLayout()
     if num_levels == 1 and topology.level_local[0]:
         return Route("ffi", layout, (), host_fused.HostFused(), fp8_wire="bytes")
@@ -126,14 +124,4 @@ def route_for(backend: str, topology: Topology, gpu_transport: str = "v1") -> Ro
 
 def route(config: DispatchConfig, topology: Topology, manual_axes) -> Route:
     """The route this call runs (backend selection included)."""
-    backend = backend_name(config, topology, manual_axes)
-    transport = config.resolved_gpu_transport
-    if backend == "ffi" and topology.platform == "gpu" and transport == "v2":
-        from jax_hybridep import _native  # noqa: PLC0415  (import registers the targets)
-
-        if not _native.has_cuda_v2():
-            raise ValueError(
-                "gpu_transport='v2' but this build has no CUDA transport v2 (built with "
-                "JAX_HYBRIDEP_CUDA_V2=OFF); use gpu_transport='v1'"
-            )
-    return route_for(backend, topology, transport)
+    return route_for(backend_name(config, topology, manual_axes), topology)

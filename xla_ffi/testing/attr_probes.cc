@@ -1,4 +1,4 @@
-// CPU handlers that decode the CUDA handlers' attribute structs (xla_ffi/cuda/cuda_attrs.h, and
+// CPU handlers that decode the CUDA handlers' attribute structs (xla_ffi/cuda/handlers/attrs.h, and
 // the host layout bundle the CUDA layout takes, LayoutAttrsView) with the very decoders the CUDA
 // handlers use, and write back what they decoded: a test emits them with the attributes the Python
 // side builds for each CUDA custom call, so a bundle that drifts from its struct (a member missing,
@@ -12,7 +12,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_handlers.h"
-#include "xla_ffi/cuda/cuda_attrs.h"
+#include "xla_ffi/cuda/handlers/attrs.h"
 #include "xla_ffi/ffi_support.h"
 
 namespace jax_hybridep {
@@ -36,16 +36,21 @@ ffi::Error Transport(TransportAttrs a, ffi::ResultBuffer<ffi::S32> out) {
   return Write(TransportValues(a), out);
 }
 
-ffi::Error TransportDispatch(TransportDispatchAttrs a, ffi::ResultBuffer<ffi::S32> out) {
+ffi::Error Rows(RowsAttrs a, ffi::ResultBuffer<ffi::S32> out) {
   std::vector<int64_t> v = TransportValues(a);
+  v.push_back(a.sparse_pad_multiple);
+  return Write(v, out);
+}
+
+ffi::Error Dispatch(DispatchAttrs a, ffi::ResultBuffer<ffi::S32> out) {
+  std::vector<int64_t> v = TransportValues(a);
+  v.push_back(a.sparse_pad_multiple);
   v.push_back(a.fp8_hidden);
   return Write(v, out);
 }
 
-ffi::Error TransportCombine(TransportCombineAttrs a, ffi::ResultBuffer<ffi::S32> out) {
-  std::vector<int64_t> v = TransportValues(a);
-  v.push_back(a.weighted);
-  return Write(v, out);
+ffi::Error Unpermute(UnpermuteAttrs a, ffi::ResultBuffer<ffi::S32> out) {
+  return Write({a.weighted}, out);
 }
 
 ffi::Error Layout(LayoutAttrsView a, ffi::ResultBuffer<ffi::S32> out) {
@@ -59,20 +64,21 @@ ffi::Error Layout(LayoutAttrsView a, ffi::ResultBuffer<ffi::S32> out) {
 
 XLA_FFI_DEFINE_HANDLER(kProbeTransport, Transport,
                        ffi::Ffi::Bind().Attrs<TransportAttrs>().Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER(
-    kProbeTransportDispatch, TransportDispatch,
-    ffi::Ffi::Bind().Attrs<TransportDispatchAttrs>().Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER(
-    kProbeTransportCombine, TransportCombine,
-    ffi::Ffi::Bind().Attrs<TransportCombineAttrs>().Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER(kProbeRows, Rows,
+                       ffi::Ffi::Bind().Attrs<RowsAttrs>().Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER(kProbeDispatch, Dispatch,
+                       ffi::Ffi::Bind().Attrs<DispatchAttrs>().Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER(kProbeUnpermute, Unpermute,
+                       ffi::Ffi::Bind().Attrs<UnpermuteAttrs>().Ret<ffi::Buffer<ffi::S32>>());
 XLA_FFI_DEFINE_HANDLER(kProbeLayout, Layout,
                        ffi::Ffi::Bind().Attrs<LayoutAttrsView>().Ret<ffi::Buffer<ffi::S32>>());
 
 std::vector<HandlerEntry> AttrProbeHandlers() {
   return {
       {"jax_hybridep_testing_decode_transport", kProbeTransport},
-      {"jax_hybridep_testing_decode_transport_dispatch", kProbeTransportDispatch},
-      {"jax_hybridep_testing_decode_transport_combine", kProbeTransportCombine},
+      {"jax_hybridep_testing_decode_rows", kProbeRows},
+      {"jax_hybridep_testing_decode_dispatch", kProbeDispatch},
+      {"jax_hybridep_testing_decode_unpermute", kProbeUnpermute},
       {"jax_hybridep_testing_decode_layout", kProbeLayout},
   };
 }

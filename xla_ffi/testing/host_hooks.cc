@@ -92,15 +92,6 @@ void RegisterHostHooks(nb::module_& m) {
   m.def("fp8_dequantize_rows", &Fp8DequantizeRows, nb::arg("dtype"), nb::arg("wire"),
         nb::arg("hidden"), "Tokens from FP8 wire rows (DequantizeRow).");
   m.def(
-      "limits",
-      [] {
-        nb::dict out;
-        out["max_send_blocks"] = kMaxSendBlocks;
-        out["max_top_k"] = kMaxTopK;
-        return out;
-      },
-      "The transport's limits that the Python side mirrors (xla_ffi/limits.h).");
-  m.def(
       "record_transport_error",
       [](const std::string& message) { RecordError(ErrorKind::kTransport, message); },
       nb::arg("message"),

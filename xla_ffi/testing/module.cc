@@ -1,9 +1,9 @@
 // The test module, _hybridep_testing, built beside the production module _hybridep on the same
 // runtime library (so it sees the same process-wide state): hooks on the host kernels, the
 // transport's host reference, CPU handlers probing the CUDA handlers' attribute decoding and, in
-// CUDA builds, the kernels' self-tests, the virtual-rank harness, the transport benchmark and a CPU
-// probe of the CUDA handlers' per-site state; with transport v2, its references, harness and
-// benches (xla_ffi/cuda/testing/v2_hooks.h).
+// CUDA builds, the layout kernels' self-test, the transport's references, virtual-rank harness
+// and benches (xla_ffi/cuda/testing/hooks.h) and a CPU probe of the CUDA handlers' per-site
+// state.
 // Tests and jax_hybridep.bench.gpu_transport use it (jax_hybridep._native.testing_module()).
 #include <vector>
 
@@ -14,12 +14,9 @@
 #include "xla_ffi/testing/transport_reference.h"
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
-#include "xla_ffi/cuda/testing/bench_hooks.h"
-#include "xla_ffi/cuda/testing/selftest_hooks.h"
+#include "xla_ffi/cuda/testing/hooks.h"
+#include "xla_ffi/cuda/testing/layout_hooks.h"
 #include "xla_ffi/cuda/testing/state_probe.h"
-#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
-#include "xla_ffi/cuda/testing/v2_hooks.h"
-#endif
 #endif
 
 namespace nb = nanobind;
@@ -71,14 +68,11 @@ NB_MODULE(_hybridep_testing, m) {
   jax_hybridep::RegisterTransportReference(m);
 #ifdef JAX_HYBRIDEP_WITH_CUDA
   m.attr("with_cuda") = true;
-  jax_hybridep::RegisterCudaSelftests(m);
-  jax_hybridep::RegisterCudaBench(m);
+  jax_hybridep::RegisterLayoutHooks(m);
   jax_hybridep::RegisterStateProbe(m);
-#ifdef JAX_HYBRIDEP_WITH_CUDA_V2
-  jax_hybridep::RegisterCudaV2Hooks(m);
-  jax_hybridep::RegisterCudaV2Harness(m);
-  jax_hybridep::RegisterCudaV2Bench(m);
-#endif
+  jax_hybridep::RegisterTransportHooks(m);
+  jax_hybridep::RegisterTransportHarness(m);
+  jax_hybridep::RegisterTransportBench(m);
 #else
   m.attr("with_cuda") = false;
 #endif

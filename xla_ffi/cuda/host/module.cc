@@ -1,6 +1,6 @@
 // The host executor's Python module (docs/host_executor.md), built on demand by the tests from
-// the kernel sources in the working tree (tests/host_executor_build.py): the executor's
-// settings and counters, its probe kernels, and transport v2's hooks and virtual-rank harness
+// the kernel sources in the working tree (tests/host_executor_helpers.py): the executor's
+// settings and counters, its probe kernels, and the transport's hooks and virtual-rank harness
 // (xla_ffi/cuda/testing/, the same sources a GPU build compiles) on its virtual GPUs.
 #include <cstdint>
 #include <string>
@@ -10,7 +10,7 @@
 #include "nanobind/stl/vector.h"
 #include "xla_ffi/cuda/host/executor.h"
 #include "xla_ffi/cuda/host/probes.h"
-#include "xla_ffi/cuda/testing/v2_hooks.h"
+#include "xla_ffi/cuda/testing/hooks.h"
 
 #ifndef JAX_HYBRIDEP_HOST_MODULE
 #define JAX_HYBRIDEP_HOST_MODULE _hybridep_host_executor
@@ -66,6 +66,6 @@ NB_MODULE(JAX_HYBRIDEP_HOST_MODULE, m) {
       PyErr_SetString(PyExc_RuntimeError, r.what());
     }
   });
-  jax_hybridep::RegisterCudaV2Hooks(m);
-  jax_hybridep::RegisterCudaV2Harness(m);
+  jax_hybridep::RegisterTransportHooks(m);
+  jax_hybridep::RegisterTransportHarness(m);
 }

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "xla_ffi/cuda/device/launch.h"
+#include "xla_ffi/cuda/device/ptx.cuh"
 #include "xla_ffi/cuda/host/probes.h"
-#include "xla_ffi/cuda/launch_support.h"
-#include "xla_ffi/cuda/ptx.cuh"
 
 namespace jax_hybridep::host {
 namespace {

@@ -16,7 +16,7 @@ namespace {
 // -> "SendKernel<false, (Dtype)0, false>".
 std::string ShortName(std::string name) {
   for (const char* noise :
-       {"(anonymous namespace)::", "jax_hybridep::v2::", "jax_hybridep::", "host::"}) {
+       {"(anonymous namespace)::", "jax_hybridep::device::", "jax_hybridep::", "host::"}) {
     for (size_t at; (at = name.find(noise)) != std::string::npos;) {
       name.erase(at, std::string(noise).size());
     }

@@ -1,17 +1,17 @@
-// The per-SM copy ceilings transport v2 is built against (docs/gpu.md "What a lease measures"):
-// a copy of `bytes` through `blocks` blocks, either by 16-byte LSU loads and stores (transport
-// v1's store path) or by the bulk-copy engine (global -> shared -> global, v2's path), so one
-// lease measures C_sm of both at 1 and 8 SMs.
+// The per-SM copy ceilings the transport is built against (docs/gpu.md "What a lease measures"):
+// a copy of `bytes` through `blocks` blocks, either by 16-byte LSU loads and stores or by the
+// bulk-copy engine (global -> shared -> global, the transport's path), so one lease measures C_sm
+// of both at 1 and 8 SMs.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "xla_ffi/cuda/device/bulk.cuh"
 #include "xla_ffi/cuda/testing/copy_ceiling.h"
-#include "xla_ffi/cuda/v2_device.cuh"
 
 namespace jax_hybridep {
 namespace {
-using namespace v2;  // NOLINT: the kernels' device helpers
+using namespace device;  // NOLINT: the kernels' device helpers
 
 constexpr int kLsuThreads = 256;
 constexpr int kLsuInFlight = 8;

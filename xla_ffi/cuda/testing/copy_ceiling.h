@@ -1,5 +1,5 @@
-// The copy-ceiling kernels of the GPU checks (v2_bench_kernels.cu): what one SM moves by 16-byte
-// LSU loads and stores against the bulk-copy engine, measured beside transport v2 in one lease.
+// The copy-ceiling kernels of the GPU checks (copy_ceiling.cu): what one SM moves by 16-byte LSU
+// loads and stores against the bulk-copy engine, measured beside the transport in one lease.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_COPY_CEILING_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_COPY_CEILING_H_
 

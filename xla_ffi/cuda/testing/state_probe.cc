@@ -7,7 +7,7 @@
 
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cuda/site_state.h"
+#include "xla_ffi/cuda/state/site_state.h"
 
 namespace nb = nanobind;
 

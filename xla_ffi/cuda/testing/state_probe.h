@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "nanobind/nanobind.h"
-#include "xla_ffi/cuda/site_state.h"
+#include "xla_ffi/cuda/state/site_state.h"
 
 namespace jax_hybridep {
 
