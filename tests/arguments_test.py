@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import balance, fp8, sim, traffic, values, xdc
 from jax_hybridep import nn as hnn
-from jax_hybridep.balance import moves, workloads
+from jax_hybridep.balance import moves, skews
 from jax_hybridep.xdc import cost, planner, replanning, volumes
 
 NAN = math.nan
@@ -161,7 +161,7 @@ SILENTLY_WRONG = {
         "perm must be a permutation",
     ),
     "fractional ids counted": (
-        lambda: workloads.counts(np.array([1.5, 2.7]), 8),
+        lambda: skews.counts(np.array([1.5, 2.7]), 8),
         TypeError,
         "topk_idx must hold integ",
     ),

@@ -30,8 +30,8 @@ from nn_test import _block_params, dense_block
 import jax_hybridep as hep
 from jax_hybridep import balance, xdc
 from jax_hybridep import nn as hnn
-from jax_hybridep.balance import planner
-from jax_hybridep.balance.workloads import Skew, counts
+from jax_hybridep.balance import balancer
+from jax_hybridep.balance.skews import Skew, counts
 from jax_hybridep.reference import dense_moe
 
 # ----------------------------------------------------------------------------- the balancer
@@ -92,17 +92,17 @@ def test_every_plan_is_a_valid_placement(shape, per_node, charge, data):
     )
     assert kept.placement == plan.placement and not kept.changed  # no gain, no change
     assert balance.Placement.from_json(plan.placement.to_json()) == plan.placement
-    assert _rule_breaks(plan.placement) == [] == planner.spread_violations(plan.placement)
+    assert _rule_breaks(plan.placement) == [] == balancer.spread_violations(plan.placement)
 
 
 def test_rule_checks_name_what_a_placement_breaks():
     # Expert 0's copy beside its primary on rank 0 while rank 1 has a free redundant slot.
     doubled = balance.Placement(((0, 0), (1, balance.EMPTY)), 1)
-    assert planner.spread_violations(doubled) == ["rank 0 holds expert 0 2 times"]
+    assert balancer.spread_violations(doubled) == ["rank 0 holds expert 0 2 times"]
     assert len(_rule_breaks(doubled)) == 1
     # Nodes of two ranks: expert 0 twice on node 0, never on node 1, whose rank 3 has room.
     crowded = balance.Placement(((0, 3), (1, 0), (2, 1), (3, balance.EMPTY)), 1, 2)
-    assert planner.spread_violations(crowded) == [
+    assert balancer.spread_violations(crowded) == [
         "node 0 holds 2 instances of expert 0, node 1 0 with a free redundant slot on a rank "
         "without it"
     ]
@@ -114,14 +114,14 @@ def test_near_equal_plans_prefer_more_copies(monkeypatch):
     fills every redundant slot (within NEAR_EQUAL of the lowest cost) rather than the fewest."""
     skew = Skew.make("zipf", TABLE_E, TABLE_K, 1.0, seed=0)
     load = counts(skew.sample(TABLE_RANKS * TABLE_TOKENS, 1), TABLE_E)
-    near = planner.NEAR_EQUAL
+    near = balancer.NEAR_EQUAL
 
     def plan():
         placement = balance.plan_placement(load, TABLE_RANKS, TABLE_E // TABLE_RANKS, 1)
         return placement, int(np.sum(placement.placement.table[:, TABLE_E // TABLE_RANKS :] >= 0))
 
     most, most_copies = plan()
-    monkeypatch.setattr(planner, "NEAR_EQUAL", 0.0)
+    monkeypatch.setattr(balancer, "NEAR_EQUAL", 0.0)
     lowest, fewest_copies = plan()
     assert most_copies == TABLE_RANKS > fewest_copies
     assert lowest.after <= most.after <= lowest.after * (1 + near)

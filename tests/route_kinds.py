@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from transport_twin import JaxExchanges
 
 import jax_hybridep as hep
-from jax_hybridep.exchange import cuda, layouts, routes
+from jax_hybridep.exchange import cuda, layout_steps, routes
 from jax_hybridep.ops import dispatch_with_route
 
 
@@ -59,7 +59,7 @@ def gpu_twin_route(topo: hep.Topology, exchanges=None) -> routes.Route:
     gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
     assert isinstance(gpu.bottom, cuda.CudaBottom)
     twin = cuda.CudaBottom(exchanges=exchanges or JaxExchanges())
-    return dataclasses.replace(gpu, layout=layouts.JnpLayout(), bottom=twin)
+    return dataclasses.replace(gpu, layout=layout_steps.JnpLayout(), bottom=twin)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from route_kinds import ROUTES, same_bits_on
 
 import jax_hybridep as hep
 from jax_hybridep import _native
-from jax_hybridep.exchange import cuda, host_fused, host_steps, layouts, routes, xla_steps
+from jax_hybridep.exchange import cuda, host_fused, host_steps, layout_steps, routes, xla_steps
 
 
 def _topology(levels, local, single_process=True, platform="cpu") -> hep.Topology:
@@ -30,12 +30,12 @@ def _kinds(route):
 @pytest.mark.parametrize(
     "levels,local,single,want",
     [
-        ((8,), (True,), True, (layouts.HostLayout, (), host_fused.HostFused)),
-        ((2, 4), (True, True), True, (layouts.HostLayout,
+        ((8,), (True,), True, (layout_steps.HostLayout, (), host_fused.HostFused)),
+        ((2, 4), (True, True), True, (layout_steps.HostLayout,
          (host_steps.HostDirectLevel, host_steps.HostDirectLevel), host_steps.HostRows)),
-        ((2, 4), (False, True), False, (layouts.HostGatheredLayout,
+        ((2, 4), (False, True), False, (layout_steps.HostGatheredLayout,
          (host_steps.HostPackedLevel, host_steps.HostDirectLevel), host_steps.HostRows)),
-        ((8,), (False,), False, (layouts.HostGatheredLayout, (host_steps.HostPackedLevel,),
+        ((8,), (False,), False, (layout_steps.HostGatheredLayout, (host_steps.HostPackedLevel,),
          host_steps.HostRows)),
     ],
 )  # fmt: skip
@@ -46,9 +46,9 @@ def test_ffi_routes_on_cpu(levels, local, single, want):
 def test_xla_route_walks_every_level_and_gpu_route_spans_the_fastest():
     topo = _topology((2, 2, 2), (True,) * 3)
     xla = routes.route_for("xla", topo)
-    assert _kinds(xla) == (layouts.JnpLayout, (xla_steps.XlaLevel,) * 3, xla_steps.XlaRows)
+    assert _kinds(xla) == (layout_steps.JnpLayout, (xla_steps.XlaLevel,) * 3, xla_steps.XlaRows)
     gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
-    assert _kinds(gpu) == (layouts.CudaLayout, (xla_steps.XlaLevel,) * 2, cuda.CudaBottom)
+    assert _kinds(gpu) == (layout_steps.CudaLayout, (xla_steps.XlaLevel,) * 2, cuda.CudaBottom)
     gpu.check(topo)
     xla.check(topo)
 

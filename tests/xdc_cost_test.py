@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jax_hybridep import traffic
 from jax_hybridep.topology import Topology
-from jax_hybridep.xdc import wire
+from jax_hybridep.xdc import expert_wire
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.model import cost, loads, planner, volumes
 from jax_hybridep.xdc.runtime.domains import ExpertDomains
@@ -198,11 +198,13 @@ def test_compressed_bytes_match_runtime(compression, dtype, shape):
     dt = np.dtype(dtype)
     n = math.prod(shape)
     runtime = None if compression is None or compression <= 1 else compression
-    assert wire.expert_wire_bytes([shape, n], compression, dt.itemsize) == 2 * wire.sent_bytes(
-        shape, dt, runtime
-    )
+    assert expert_wire.expert_wire_bytes(
+        [shape, n], compression, dt.itemsize
+    ) == 2 * expert_wire.sent_bytes(shape, dt, runtime)
     if runtime:
-        assert wire.topk_count(n, compression, dt.itemsize) == wire.kept_entries(n, dt, compression)
+        assert expert_wire.topk_count(n, compression, dt.itemsize) == expert_wire.kept_entries(
+            n, dt, compression
+        )
 
 
 def test_compressed_volumes():
@@ -218,7 +220,7 @@ def test_compressed_volumes():
             migration=Migration(compression=8, **kw),
         )  # fmt: skip
 
-    sent = 2 * wire.topk_count(512, 8, 4) * 8
+    sent = 2 * expert_wire.topk_count(512, 8, 4) * 8
     mean, persistent = vols(shared="mean"), vols(sync_every=5)
     none, both = vols(shared="none"), vols(grad_compression=8)
     assert sent < p1 and mean.expert_bytes == p1

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
-from jax_hybridep.xdc import wire
+from jax_hybridep.xdc import expert_wire
 
 SHAPE, NAMES = (2, 2, 2), ("dc", "node", "local")
 DOMAINS = [{"dc": 2}, {"dc": 2, "local": 2}, {"node": 2}, {"dc": 2, "node": 2, "local": 2}]
@@ -142,7 +142,7 @@ def _numpy_gather(domains, w, ratio, shared, reference=None):
     labels = jnp.asarray(np.arange(E, dtype=np.float32))
     held = _gathered(dataclasses.replace(domains, migration=xdc.Migration()), labels)  # per slot
     n = int(np.prod(w.shape[1:]))
-    k = wire.kept_entries(n, w.dtype, ratio)
+    k = expert_wire.kept_entries(n, w.dtype, ratio)
     out = np.zeros((8, held.shape[1], *w.shape[1:]), w.dtype)
     for device in range(8):
         experts = held[device].astype(int)
@@ -218,11 +218,11 @@ def test_compressed_gather_decodes_top_k_residuals_and_passes_gradients_straight
 
 
 def test_sent_bytes_follow_the_ratio():
-    assert wire.sent_bytes((64, 128), np.float32, None) == 64 * 128 * 4
+    assert expert_wire.sent_bytes((64, 128), np.float32, None) == 64 * 128 * 4
     # k = floor(8192 * 4 / (10 * 8)) = 409 values of 4 bytes + 409 int32 indices.
-    assert wire.kept_entries(64 * 128, np.float32, 10.0) == 409
-    assert wire.sent_bytes((64, 128), np.float32, 10.0) == 409 * 8
-    assert wire.sent_bytes((64, 128), jnp.bfloat16, 50.0) == 54 * 6
+    assert expert_wire.kept_entries(64 * 128, np.float32, 10.0) == 409
+    assert expert_wire.sent_bytes((64, 128), np.float32, 10.0) == 409 * 8
+    assert expert_wire.sent_bytes((64, 128), jnp.bfloat16, 50.0) == 54 * 6
     _, _, domains = _domains({"dc": 2, "local": 2}, compression=10.0)
     w = [jax.ShapeDtypeStruct((2, 64, 128), np.float32)]
     assert domains.gather_bytes(w) == {

@@ -1,4 +1,4 @@
-"""Cross-DC training features of the runtime (`xdc.migrate`, `nn.migration`):
+"""Cross-DC training features of the runtime (`xdc.migrate`, `nn.migration_state`):
 
 * SR variants against plain EP: every variant decodes a replica exactly when its residual from
   the variant's reference has at most k nonzeros per matrix, and then the MoE block's values and
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
-from jax_hybridep.xdc import wire
+from jax_hybridep.xdc import expert_wire
 from jax_hybridep.xdc.migration import SHARED_VARIANTS
 from jax_hybridep.xdc.runtime import migrate
 
@@ -105,7 +105,7 @@ def _set(block, weights, refs):
 @pytest.mark.parametrize("shared", SHARED_VARIANTS)
 def test_sr_gather_decodes_sparse_residuals_exactly(shared):
     """Every replica a rank holds equals its owner's expert when the residual is k-sparse."""
-    assert wire.kept_entries(H * F, np.float32, RATIO) == 16
+    assert expert_wire.kept_entries(H * F, np.float32, RATIO) == 16
     mesh = make_mesh(SHAPE, NAMES)
     doms = xdc.ExpertDomains.from_mesh(
         mesh, hep.Topology.from_mesh(mesh, levels=NAMES), xdc.Migration({"dc": 2}, RATIO, shared)
@@ -173,7 +173,7 @@ def _compressed_scatter(ratio):
 
 def test_error_feedback_delivers_every_gradient_over_steps():
     ratio, n, steps = 8.0, 64, 100
-    k = wire.kept_entries(n, np.float32, ratio)
+    k = expert_wire.kept_entries(n, np.float32, ratio)
     assert k == 4  # 4 of 64 entries a step
     rng = np.random.default_rng(0)
     g = jnp.asarray(rng.normal(size=(4, n)), jnp.float32)  # rank r holds rows 2r, 2r + 1

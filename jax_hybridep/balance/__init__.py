@@ -1,25 +1,25 @@
 """Expert load balancing: redundant copies of hot experts placed from measured load (docs/design.md
 §2.1.6), with exact training.
 
-* `BalanceConfig` (`config`): a block's balancing as one value (redundant slots, the placement
-  to start from), `nn.MoEBlock(balance=...)`.
+* `BalanceConfig` (`balance_config`): a block's balancing as one value (redundant slots, the
+  placement to start from), `nn.MoEBlock(balance=...)`.
 * `Placement` (`placement`): each logical expert's physical slots (one primary, where its weights
   are stored, and any redundant copies), the replica rule that spreads a hot expert's rows over
   its copies (the sender's node first), and the loads and replica-sync bytes it predicts.
-* `plan_placement` (`planner`): the balancer, from a moving average of `tokens_per_expert`.
+* `plan_placement` (`balancer`): the balancer, from a moving average of `tokens_per_expert`.
 * `Replicas` (`runtime`): per shard, logical ids -> physical slots before `dispatch` and the
   replicas' weights fetched from their primaries (gradients summed back exactly).
 * `move_experts` (`moves`): stored weights and optimiser state moved to a new placement.
-* `workloads`: skewed routings (Zipf, DeepSeek-V3-like group-limited) for the balance table.
+* `skews`: skewed routings (Zipf, DeepSeek-V3-like group-limited) for the balance table.
 * `bench` (`python -m jax_hybridep.balance.bench`): the balance table and real-dispatch counts
   of docs/balance.md.
 """
 
-from jax_hybridep.balance import config, moves, placement, planner, runtime, workloads
-from jax_hybridep.balance.config import BalanceConfig
+from jax_hybridep.balance import balance_config, balancer, moves, placement, runtime, skews
+from jax_hybridep.balance.balance_config import BalanceConfig
+from jax_hybridep.balance.balancer import BalancePlan, moving_average, plan_placement
 from jax_hybridep.balance.moves import expert_tags, move_experts
 from jax_hybridep.balance.placement import EMPTY, Placement, imbalance, permutation
-from jax_hybridep.balance.planner import BalancePlan, moving_average, plan_placement
 from jax_hybridep.balance.runtime import Replicas, ReplicaStats
 
 __all__ = [
@@ -29,7 +29,8 @@ __all__ = [
     "Placement",
     "ReplicaStats",
     "Replicas",
-    "config",
+    "balance_config",
+    "balancer",
     "expert_tags",
     "imbalance",
     "move_experts",
@@ -38,7 +39,6 @@ __all__ = [
     "permutation",
     "placement",
     "plan_placement",
-    "planner",
     "runtime",
-    "workloads",
+    "skews",
 ]

@@ -18,9 +18,9 @@ import sys
 
 import numpy as np
 
+from jax_hybridep.balance.balancer import moving_average, plan_placement
 from jax_hybridep.balance.placement import Placement, imbalance
-from jax_hybridep.balance.planner import moving_average, plan_placement
-from jax_hybridep.balance.workloads import KINDS, Skew, counts
+from jax_hybridep.balance.skews import KINDS, Skew, counts
 from jax_hybridep.bench import cli
 from jax_hybridep.values import make_parent_dirs
 

@@ -7,7 +7,7 @@ walks levels; each kind of step lives in one module:
 
   routes.py       backend selection: which layout, level steps and bottom a call runs
   steps.py        the interfaces, the items passed between steps, the fast-level geometry
-  layouts.py      layout steps: jnp (the oracle), host rendezvous, host from gathered counts, CUDA
+  layout_steps.py layout steps: jnp (the oracle), host rendezvous, host from gathered counts, CUDA
   xla_steps.py    jnp packing + `jax.lax.all_to_all` levels, jnp rows (the `xla` backend)
   host_steps.py   host custom calls: direct-write levels in one process, packed levels across
                   processes (around an XLA all-to-all), host rows

@@ -21,7 +21,7 @@ import dataclasses
 import os
 
 from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig
-from jax_hybridep.exchange import cuda, host_fused, host_steps, layouts, xla_steps
+from jax_hybridep.exchange import cuda, host_fused, host_steps, layout_steps, xla_steps
 from jax_hybridep.exchange.steps import Bottom, LayoutStep, LevelStep
 from jax_hybridep.topology import Topology
 
@@ -107,12 +107,14 @@ def route_for(backend: str, topology: Topology) -> Route:
     """The route of `backend` ("xla" or "ffi") on `topology`."""
     num_levels = len(topology.levels)
     if backend == "xla":
-        return Route("xla", layouts.JnpLayout(), (xla_steps.XlaLevel(),) * num_levels,
+        return Route("xla", layout_steps.JnpLayout(), (xla_steps.XlaLevel(),) * num_levels,
                      xla_steps.XlaRows(), fp8_wire="split")  # fmt: skip
     if topology.platform == "gpu":
         slow = (xla_steps.XlaLevel(),) * (num_levels - 1)
-        return Route("ffi", layouts.CudaLayout(), slow, cuda.CudaBottom(), fp8_wire="fused")
-    layout = layouts.HostLayout() if topology.single_process else layouts.HostGatheredLayout()
+        return Route("ffi", layout_steps.CudaLayout(), slow, cuda.CudaBottom(), fp8_wire="fused")
+    layout = (
+        layout_steps.HostLayout() if topology.single_process else layout_steps.HostGatheredLayout()
+    )
     if num_levels == 1 and topology.level_local[0]:
         return Route("ffi", layout, (), host_fused.HostFused(), fp8_wire="bytes")
     levels = tuple(

@@ -1,9 +1,9 @@
 """Flax layers over dispatch/combine: router, MoE block (NNX) and a Linen wrapper; the block's
 grouped settings (`RouterConfig`, `ExpertConfig`; `moe_config` checks them with the dispatch,
 migration and balance values); its cross-DC migration state, prefetch and `value_and_grad`
-(`migration`); HuggingFace MoE families' configs and checkpoints (`hf`)."""
+(`migration_state`); HuggingFace MoE families' configs and checkpoints (`hf`)."""
 
-from jax_hybridep.nn import hf, migration
+from jax_hybridep.nn import hf, migration_state
 from jax_hybridep.nn.experts import (
     ACTIVATIONS,
     FFN,
@@ -12,7 +12,7 @@ from jax_hybridep.nn.experts import (
     expert_swiglu,
     swiglu,
 )
-from jax_hybridep.nn.migration import (
+from jax_hybridep.nn.migration_state import (
     Gathered,
     GradFeedback,
     SRReference,
@@ -40,7 +40,7 @@ __all__ = [
     "expert_ffn",
     "expert_swiglu",
     "hf",
-    "migration",
+    "migration_state",
     "prefetch_experts",
     "route",
     "swiglu",

@@ -7,7 +7,7 @@ the gate and shared expert are replicated. The block does not care how many leve
 has; only `dispatch`/`combine` do. With redundant slots (`jax_hybridep.balance`) the stored
 experts are in the placement's order and each shard fetches its replicas before dispatch. With
 expert domains (cross-DC EP) the experts are first gathered inside each domain
-(`nn.migration`), by the block itself or prefetched by the model.
+(`nn.migration_state`), by the block itself or prefetched by the model.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import balance as balance_lib
 from jax_hybridep import xdc
-from jax_hybridep.nn import migration as migration_lib
-from jax_hybridep.nn import moe_config
+from jax_hybridep.nn import migration_state, moe_config
 from jax_hybridep.nn.experts import FFN, ExpertConfig, expert_ffn
-from jax_hybridep.nn.migration import Gathered
+from jax_hybridep.nn.migration_state import Gathered
 from jax_hybridep.nn.router import Router, RouterConfig, RouterOutput, gate_logits, route
 
 DISPATCH_NAME = "moe_dispatch"  # checkpoint_name of the dispatched rows (for remat policies)
@@ -93,7 +92,7 @@ def _param(rngs, shape, sharding, mesh, dtype, *, bias=False):
 class SharedExpert(nnx.Module):
     """An always-on expert applied to every token (replicated weights; the routed experts'
     activation, no biases), optionally scaled per token by sigmoid(x @ output_gate [H, 1])
-    (Qwen2-MoE); not the SR shared expert of expert domains (`nn.migration.SRReference`)."""
+    (Qwen2-MoE); not the SR shared expert of expert domains (`nn.migration_state.SRReference`)."""
 
     def __init__(
         self,
@@ -204,7 +203,7 @@ class MoEBlock(nnx.Module):
                 output_gate=experts.shared_gate,
             )
         self.shared = shared  # assigned once: nnx fixes an attribute's kind (data or static)
-        migration_lib.init_state(self)
+        migration_state.init_state(self)
 
     def expert_weights(self):
         """The stacked expert parameters, in `EXPERT_WEIGHTS` order."""
@@ -213,17 +212,17 @@ class MoEBlock(nnx.Module):
     def reset_sr_reference(self):
         """Sets a persistent SR shared expert to the mean of the current experts (e.g. after
         the parameters were restored or the block rebuilt)."""
-        migration_lib.reset_sr_reference(self)
+        migration_state.reset_sr_reference(self)
 
     def gather(self) -> Gathered | None:
-        """This block's domain gather on its own (`nn.migration.prefetch_experts` gathers many
+        """This block's domain gather on its own (`nn.migration_state.prefetch_experts` gathers many
         blocks' at once); None without domains."""
-        return migration_lib.prefetch_experts([self])[0]
+        return migration_state.prefetch_experts([self])[0]
 
     def __call__(self, x, experts: Gathered | None = None) -> tuple[jax.Array, MoEAux]:
         """x [..., d_model] -> (y [..., d_model] in x's dtype, MoEAux).
 
-        `experts`: this block's gather, already done (`nn.migration.prefetch_experts`); by
+        `experts`: this block's gather, already done (`nn.migration_state.prefetch_experts`); by
         default a block with domains gathers its experts itself.
         """
         _check_input(x, self.router.gate.shape[0], experts)

@@ -29,13 +29,13 @@ from jax_hybridep.sim.network import (
 )
 from jax_hybridep.sim.policies import (
     best_domain,
-    divisors,
     fixed_domain,
     fixed_fraction,
     lower_bound,
     planned_domain,
 )
 from jax_hybridep.sim.sweep import plot, read_csv, run_sweep, write_csv
+from jax_hybridep.xdc.model.cost import divisors  # the realisable domain sizes, defined once
 
 __all__ = [
     "Congestion",

@@ -38,17 +38,11 @@ def lower_bound(c: Datacenters, w: MoELayer, domain: int) -> float:
     return fwd + a2a + 2 * w.compute_s + max(a2a + 2 * w.pre_expert_s, rs)
 
 
-def divisors(n: int) -> list[int]:
-    """Divisors of n, ascending: the realisable domain sizes."""
-    check_int("n", n, 1)
-    return [s for s in range(1, n + 1) if n % s == 0]
-
-
 def fixed_domain(num_dcs: int, size: int) -> int:
     """Policy "fixed domain": the largest divisor of num_dcs not above `size` (>= 1)."""
     check_int("num_dcs", num_dcs, 1)
     check_int("size", size, 1)
-    return max(s for s in divisors(num_dcs) if s <= size)
+    return max(s for s in cost.divisors(num_dcs) if s <= size)
 
 
 def fixed_fraction(num_dcs: int, p: float) -> int:
@@ -57,7 +51,7 @@ def fixed_fraction(num_dcs: int, p: float) -> int:
     check_real("p", p, 0.0, 1.0)
     check_int("num_dcs", num_dcs, 1)
     target = num_dcs * (1 - p)
-    return min(divisors(num_dcs), key=lambda s: (abs(s - target), s))
+    return min(cost.divisors(num_dcs), key=lambda s: (abs(s - target), s))
 
 
 def best_domain(c: Datacenters, w: MoELayer, step=step_time) -> StepTime:
@@ -75,7 +69,7 @@ def best_domain(c: Datacenters, w: MoELayer, step=step_time) -> StepTime:
     if not callable(step):
         raise TypeError(f"step must be step_time or a callable like it, got {step!r}")
     best = None
-    for s in sorted(divisors(c.num_dcs), key=lambda s: lower_bound(c, w, s)):
+    for s in sorted(cost.divisors(c.num_dcs), key=lambda s: lower_bound(c, w, s)):
         if best is not None and lower_bound(c, w, s) >= best.total_s:
             break
         t = step(c, w, s)
@@ -123,4 +117,4 @@ def plan(c: Datacenters, w: MoELayer) -> planner.Plan:
         training=not w.forward_only,
         lat_pe=w.pre_expert_s,
     )
-    return planner.plan(model, load, candidates=[(s, 1) for s in divisors(c.num_dcs)])
+    return planner.plan(model, load, candidates=[(s, 1) for s in cost.divisors(c.num_dcs)])

@@ -3,7 +3,7 @@ that share three plain modules and never import each other's internals:
 
 * shared: `migration` (`Migration`, the one value of cross-DC EP everywhere: the domains, and how
   experts travel: SR compression and its shared expert, gradient compression with error feedback;
-  exact only when nothing is compressed), `wire` (what an expert costs on the wire) and
+  exact only when nothing is compressed), `expert_wire` (what an expert costs on the wire) and
   `geometry` (where replicas live).
 * `runtime` (JAX): `ExpertDomains` (`domains`) splits a level into domains, all-gathers experts
   inside a domain, dispatches tokens only between domains; `migrate` holds the collectives (fused
@@ -20,7 +20,7 @@ training examples' flag is `--domain_compression`, beside `--domains`. The runti
 model's modules stay reachable by their short names (`xdc.domains`, `xdc.volumes`, ...).
 """
 
-from jax_hybridep.xdc import geometry, migration, wire
+from jax_hybridep.xdc import expert_wire, geometry, migration
 from jax_hybridep.xdc.migration import SHARED_VARIANTS, Migration
 from jax_hybridep.xdc.model import cost, loads, planner, replanning, volumes
 from jax_hybridep.xdc.model.planner import Workload, plan
@@ -29,6 +29,7 @@ from jax_hybridep.xdc.runtime import compress, domains, migrate
 from jax_hybridep.xdc.runtime.domains import ExpertDomains
 
 __all__ = [
+    "expert_wire",
     "SHARED_VARIANTS",
     "ExpertDomains",
     "LinkSchedule",
@@ -48,5 +49,4 @@ __all__ = [
     "replan",
     "replanning",
     "volumes",
-    "wire",
 ]

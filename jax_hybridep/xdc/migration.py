@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from jax_hybridep.values import check_int
-from jax_hybridep.xdc import wire
+from jax_hybridep.xdc import expert_wire
 
 SHARED_VARIANTS = ("persistent", "mean", "none")
 
@@ -43,7 +43,7 @@ class Migration:
         object.__setattr__(self, "domains", _domain_pairs(self.domains))
         for name in ("compression", "grad_compression"):
             value = getattr(self, name)
-            if value is not None and not wire.compressed(value):
+            if value is not None and not expert_wire.compressed(value):
                 raise ValueError(
                     f"Migration.{name} must be None or a ratio > 1 (full bytes / bytes sent), "
                     f"got {value!r}"

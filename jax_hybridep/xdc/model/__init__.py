@@ -1,7 +1,7 @@
 """The cost model and planner of cross-DC expert parallelism (host-side numpy, no JAX):
 
 * `volumes`: the bytes the runtime moves per level (expected, or exact for a routing), from
-  `xdc.geometry` (where replicas live), `loads` (token copies per rank) and `xdc.wire` (an
+  `xdc.geometry` (where replicas live), `loads` (token copies per rank) and `xdc.expert_wire` (an
   expert's bytes, whole or compressed);
 * `cost`: the paper's stream model and the extended multi-level model (latency, shared uplinks,
   backward reduce-scatter, skew, compression, dense gradients);
@@ -10,6 +10,6 @@
 * `replanning`: `replan` / `Replanner`, planning again as the measured routing and the links
   change.
 
-It shares `xdc.migration`, `xdc.wire` and `xdc.geometry` with the runtime (`xdc.runtime`) and
+It shares `xdc.migration`, `xdc.expert_wire` and `xdc.geometry` with the runtime (`xdc.runtime`) and
 imports nothing else of it.
 """

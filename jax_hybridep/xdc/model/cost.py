@@ -88,7 +88,7 @@ def optimal_p(*, g: int, d: float, p_e: float, bandwidth: float, lat_pe: float) 
 
 
 def divisors(n: int) -> list[int]:
-    """The realisable domain sizes of a level of n ranks."""
+    """The realisable domain sizes of a level of n ranks: n's divisors, ascending."""
     check_int("n", n, 1)
     return [s for s in range(1, n + 1) if n % s == 0]
 
@@ -291,7 +291,8 @@ def step_cost(
       training: forward + backward (True) or forward only.
       compute: fixed compute seconds per step (includes the pre-expert compute).
       lat_pe: pre-expert compute seconds per layer under which a forward gather may hide.
-      prefetch: every layer's experts gathered at step start (`nn.migration.prefetch_experts`).
+      prefetch: every layer's experts gathered at step start
+        (`nn.migration_state.prefetch_experts`).
     """
     check_type("cluster", cluster, Cluster, "a cost.Cluster")
     check_bool("training", training)

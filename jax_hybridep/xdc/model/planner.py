@@ -34,7 +34,7 @@ from jax_hybridep.values import (
     check_type,
     is_real,
 )
-from jax_hybridep.xdc import wire
+from jax_hybridep.xdc import expert_wire
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.model import cost, volumes
 
@@ -168,7 +168,7 @@ class Workload:
 
     def expert_bytes_full(self) -> int:
         """P1: one expert's parameter bytes."""
-        return wire.expert_bytes_on_wire(
+        return expert_wire.expert_bytes_on_wire(
             self.expert_bytes, self.expert_matrices, None, self.value_bytes
         )[0]
 

@@ -38,10 +38,10 @@ import numpy as np
 from jax_hybridep import traffic
 from jax_hybridep.values import check_array, check_bool, check_int, check_ints
 from jax_hybridep.xdc import geometry
+from jax_hybridep.xdc.expert_wire import expert_bytes_on_wire, expert_wire_bytes
 from jax_hybridep.xdc.geometry import token_level_sizes
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.model.loads import exact_loads, expected_loads
-from jax_hybridep.xdc.wire import expert_bytes_on_wire, expert_wire_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,6 @@
   shared expert's refresh), fused over matrices and layers;
 * `compress`: what travels (SR compression and gradient compression) and their top-k code.
 
-It shares `xdc.migration`, `xdc.wire` and `xdc.geometry` with the cost model (`xdc.model`) and
-imports nothing else of it.
+It shares `xdc.migration`, `xdc.expert_wire` and `xdc.geometry` with the cost model
+(`xdc.model`) and imports nothing else of it.
 """

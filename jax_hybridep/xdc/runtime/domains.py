@@ -32,7 +32,7 @@ import jax
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_int, check_type
-from jax_hybridep.xdc import geometry, wire
+from jax_hybridep.xdc import expert_wire, geometry
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.runtime import migrate
 
@@ -228,7 +228,9 @@ class ExpertDomains:
         (shapes per shard, [E_local, ...]), as sent: compressed when compression is on."""
         if not isinstance(weights, Sequence) or not weights:
             raise TypeError(f"weights must be a non-empty sequence of arrays, got {weights!r}")
-        per_expert = sum(wire.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights)
+        per_expert = sum(
+            expert_wire.sent_bytes(w.shape[1:], w.dtype, self.compression) for w in weights
+        )
         e_local, held, out = weights[0].shape[0], 1, {}
         for axis, size in zip(self.inner_axes, self.inner_sizes, strict=True):
             out[axis] = (size - 1) * held * e_local * per_expert

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 
 from jax_hybridep import compat
 from jax_hybridep.values import check_int, check_ints, check_type
+from jax_hybridep.xdc.expert_wire import kept_entries
 from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.runtime.compress import scatter_rows, top_k
-from jax_hybridep.xdc.wire import kept_entries
 
 GATHER_SCOPE = "xdc_gather"  # named scopes, so op_names tell the migration's collectives apart
 SCATTER_SCOPE = "xdc_grad_scatter"
