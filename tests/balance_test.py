@@ -25,7 +25,7 @@ from harness import PlanView, local_experts, make_mesh, reference_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
-from nn_test import _block_params, dense_block
+from moe_helpers import block_params, dense_block
 
 import jax_hybridep as hep
 from jax_hybridep import balance, xdc
@@ -390,7 +390,7 @@ def test_moe_block_with_redundant_slots_equals_the_dense_moe():
     block = hnn.MoEBlock(16, router=router, experts=hnn.ExpertConfig(d_ff=24), mesh=mesh,
                          topology=topo, balance=balance.BalanceConfig(redundant_slots=1),
                          dispatch=cfg, rngs=nnx.Rngs(0))  # fmt: skip
-    logical = _block_params(block)  # plain EP's order to begin with
+    logical = block_params(block)  # plain EP's order to begin with
     load = np.arange(E, dtype=np.float64) ** 2
     block.set_placement(balance.plan_placement(load, 8, 2, 1, 4).placement)
     assert block.placement.remote_replicas > 0 and block.slots_per_rank == 3

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from harness import make_mesh
+from moe_helpers import block_params, dense_block
 
 import jax_hybridep as hep
 from jax_hybridep import nn as hnn
@@ -82,31 +83,6 @@ def test_router_config_validation(kwargs, match):
 # ----------------------------------------------------------------------------- MoE block
 
 
-def dense_block(params, x, router_cfg, shared=None):
-    """Every token through its top-k experts by einsum (no dispatch), same router."""
-    t = x.reshape(-1, x.shape[-1])
-    r = hnn.route(t @ params["gate"], params["bias"], router_cfg)
-    out = 0.0
-    for k in range(router_cfg.top_k):
-        e = r.topk_idx[:, k]
-        h = jax.nn.silu(jnp.einsum("nh,nhf->nf", t, params["w_gate"][e]))
-        h = h * jnp.einsum("nh,nhf->nf", t, params["w_up"][e])
-        out = out + r.topk_weights[:, k : k + 1] * jnp.einsum("nf,nfh->nh", h, params["w_down"][e])
-    if shared is not None:
-        out = out + hnn.swiglu(t, *shared)
-    return out.reshape(x.shape)
-
-
-def _block_params(block):
-    return dict(
-        gate=block.router.gate[...],
-        bias=block.router.bias[...],
-        w_gate=block.w_gate[...],
-        w_up=block.w_up[...],
-        w_down=block.w_down[...],
-    )
-
-
 def _block(mesh_shape, names, levels, backend, capacity_factor, shared, top_k=2, experts=8):
     mesh = make_mesh(mesh_shape, names)
     topo = hep.Topology.from_mesh(mesh, levels)
@@ -148,7 +124,7 @@ def test_block_matches_dense_moe(backend, mesh_shape, names, levels, capacity_fa
 
     y, aux = nnx.jit(lambda b, x: b(x))(block, x)
     dense = jax.jit(lambda p, x: dense_block(p, x, block.router.config, shared_w))
-    np.testing.assert_allclose(y, dense(_block_params(block), x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, dense(block_params(block), x), rtol=1e-5, atol=1e-5)
     assert int(aux.dropped) == 0
     assert int(aux.tokens_per_expert.sum()) == 4 * 8 * 2
     cot = jax.random.normal(jax.random.key(2), x.shape)
@@ -169,7 +145,7 @@ def test_block_matches_dense_moe(backend, mesh_shape, names, levels, capacity_fa
         aux = 0.01 * jnp.mean(r.aux_loss) + 0.001 * jnp.mean(r.z_loss)
         return jnp.sum(dense_block(params, x, block.router.config, shared_w) * cot) + aux
 
-    ref, ref_x = jax.jit(jax.grad(dense_loss, argnums=(0, 1)))(_block_params(block), x)
+    ref, ref_x = jax.jit(jax.grad(dense_loss, argnums=(0, 1)))(block_params(block), x)
     np.testing.assert_allclose(grad_x, ref_x, rtol=1e-4, atol=1e-5)
     for name, got in [
         ("gate", grads.router.gate),

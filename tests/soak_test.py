@@ -17,13 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import all_axes_spec, local_experts, make_mesh, moe_fn, random_routing
+from harness import BACKENDS, all_axes_spec, local_experts, make_mesh, moe_fn, random_routing
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import _native, compat
 
-BACKENDS = ("xla", "ffi")
 WARMUP, STEPS = 50, 400
 # Resident memory may move a little while allocator arenas settle (~3 MiB over 500 steps on the
 # xla backend, measured); the bound catches any leak of >= 28 KiB per step over the 300 steps
