@@ -12,7 +12,9 @@ A downloaded model's config.json, index and shards are untrusted input: fields a
 and range under every alias HF's config classes accept (`config_fields`), shards only from the
 checkpoint's own directory and checked against their headers (`safetensors_file`), and a block is
 loaded whole or not at all, tensors it cannot hold named (`ignore_extra=True` leaves them).
-docs/families.md lists the families and what each maps to; docs/errors.md what is checked.
+Each family (config mapping, field aliases, layer prefixes, tensor layouts) is one file under
+`nn.hf.families`, registered in its one table (`families.MODULES`); docs/families.md lists the
+families, what each maps to and how to add one; docs/errors.md what is checked.
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 
 from jax_hybridep.nn.hf.checkpoint import Checkpoint, load_checkpoint
-from jax_hybridep.nn.hf.configs import FAMILIES, model_type, settings
+from jax_hybridep.nn.hf.configs import FAMILIES, layer_prefixes, model_type, settings
 from jax_hybridep.nn.hf.loader import load_block, tensor_shapes
-from jax_hybridep.nn.hf.prefixes import layer_prefixes
 
 __all__ = [
     "FAMILIES",

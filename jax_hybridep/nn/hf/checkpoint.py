@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from jax_hybridep.nn.hf import block_fp8, configs, loader, prefixes
+from jax_hybridep.nn.hf import block_fp8, configs, loader
 from jax_hybridep.nn.hf.safetensors_file import SafetensorsFile, open_regular, read_json
 from jax_hybridep.values import short
 
@@ -221,7 +221,7 @@ def _blocks(blocks, config, model_type) -> dict:
             "blocks given as a list need a config (for the layer prefixes): "
             "pass config= or a directory with config.json"
         )
-    names = prefixes.layer_prefixes(config)
+    names = configs.layer_prefixes(config)
     if len(names) != len(blocks):
         raise ValueError(
             f"{len(blocks)} blocks for the {len(names)} MoE layers of this "

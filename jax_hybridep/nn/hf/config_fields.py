@@ -1,7 +1,8 @@
 """Reading the fields of a HuggingFace `config.json`, an untrusted file: each field by its type and
 range (nothing coerced: `"8"`, `8.7` and `true` are not 8, `"false"` is not False), by any of the
-names the family's HF config class accepts for it (its `attribute_map`), every error a ValueError
-naming the model_type and the field as the file spells it.
+names the family's HF config class accepts for it (its `attribute_map`: the family's `aliases`,
+`nn.hf.family`), every error a ValueError naming the model_type and the field as the file spells
+it.
 """
 
 from __future__ import annotations
@@ -15,24 +16,6 @@ REQUIRED = object()
 # A field whose default differs between HF's families (or versions) has none: a config without it
 # is refused, naming it, rather than read as another model.
 
-# The names each family's HF config class accepts for one field (transformers 5's attribute_map:
-# an alias is stored, and written back to config.json, under its target). Groups of equal names;
-# the first is the one the mappings ask for.
-ALIASES: dict[str, tuple[tuple[str, ...], ...]] = {
-    "mixtral": (("num_local_experts", "num_experts"),),
-    "qwen3_moe": (("num_experts", "num_local_experts"),),  # transformers 5 writes the second
-    "deepseek_v2": (("n_routed_experts", "num_experts"),),
-    "deepseek_v3": (("n_routed_experts", "num_local_experts"),),
-    "glm4_moe": (("n_routed_experts", "num_local_experts"),),
-    "olmoe": (("num_experts", "num_local_experts"),),
-    "jamba": (("num_experts", "num_local_experts"),),
-    "dbrx": (("d_model", "hidden_size"), ("n_layers", "num_hidden_layers")),
-    # GPT-OSS: OpenAI's own config.json says experts_per_token.
-    "gpt_oss": (("num_local_experts", "num_experts"), ("num_experts_per_tok", "experts_per_token")),
-    "switch_transformers": (("d_model", "hidden_size"), ("num_layers", "num_hidden_layers")),
-    "nllb_moe": (("d_model", "hidden_size"), ("encoder_layers", "num_hidden_layers")),
-}
-
 
 class Config:
     """One family's config dict; every error names the model_type and the field.
@@ -40,11 +23,12 @@ class Config:
     `get` returns a field as it is (None counts as absent, as in HF's classes); `integer`,
     `number`, `flag`, `text`, `integers` and `nested` also check its type and range."""
 
-    def __init__(self, config: Mapping, model_type: str, path: str = "", aliases=None):
+    def __init__(self, config: Mapping, model_type: str, path: str = "",
+                 aliases: Sequence[tuple[str, ...]] = ()):  # fmt: skip
         # path: where a nested config sits ("ffn_config."), so errors name the whole field.
+        # aliases: groups of names for one field, the first the one asked for (`Family.aliases`).
         self.config, self.model_type, self.path = config, model_type, path
-        groups = ALIASES.get(model_type, ()) if aliases is None else aliases
-        self._names = {name: group for group in groups for name in group}
+        self._names = {name: group for group in aliases for name in group}
 
     def names(self, key: str) -> tuple[str, ...]:
         """Every spelling of field `key` (itself first)."""

@@ -1,6 +1,6 @@
-"""What `load_block` reads and sets for one MoE layer in one layout (`nn.hf.layouts`): the plan
-of (variable, read) pairs, the tensors it expects (names, shapes, dtypes) and the problems found
-while making it, before anything is read or set.
+"""What `load_block` reads and sets for one MoE layer in one layout (`nn.hf.tensor_layouts`): the
+plan of (variable, read) pairs, the tensors it expects (names, shapes, dtypes) and the problems
+found while making it, before anything is read or set.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jax_hybridep.nn.hf import block_fp8, layouts
+from jax_hybridep.nn.hf import block_fp8, tensor_layouts
 
 
 def join(prefix: str, rel: str) -> str:
@@ -138,7 +138,7 @@ def plan_layout(block, tensors, prefix, layout) -> Plan:
             )
             continue
         shapes = source.expected(num_experts, tuple(var[...].shape[1:]), dims)
-        kind = "uint8" if isinstance(source, layouts.Mxfp4) else "float"
+        kind = "uint8" if isinstance(source, tensor_layouts.Mxfp4) else "float"
         if all([plan.expect(rel, shape, kind) for rel, shape in shapes.items()]):
             plan.sets.append((var, _expert_reader(plan, source, dims), order))
     for name, source in layout.experts.items():

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybridep.nn.hf import block_fp8, layer_plan, layouts
+from jax_hybridep.nn.hf import block_fp8, families, layer_plan, tensor_layouts
 from jax_hybridep.values import is_int, short
 
 
@@ -57,18 +57,18 @@ def _specificity(layout, has) -> int:
     names = list(layout.signature)
     names += [layout.logit_bias, layout.selection_bias, layout.shared_gate]
     names.append(layout.shared and f"{layout.shared}.gate_proj.weight")
-    names += [layouts.source_name(source) for source in layout.experts.values()]
+    names += [tensor_layouts.source_name(source) for source in layout.experts.values()]
     return sum(1 for n in dict.fromkeys(names) if n is not None and has(n))
 
 
 def _family_layouts(model_type):
-    candidates = layouts.FAMILY_LAYOUTS.get(model_type)
-    if candidates is None:
+    family = families.BY_MODEL_TYPE.get(model_type)
+    if family is None:
         raise ValueError(
             f"unknown model_type {model_type!r}: jax_hybridep.nn.hf knows "
-            f"{sorted(layouts.FAMILY_LAYOUTS)}"
+            f"{sorted(families.BY_MODEL_TYPE)}"
         )
-    return candidates
+    return family.layouts
 
 
 def _check_block(block, name: str = "block"):
@@ -128,7 +128,7 @@ def plan_block(
     """What `load_block` would set, every check done and nothing read or set (`apply` sets it);
     ValueError naming every problem."""
     fp8_block = _check_args(block, tensors, prefix, model_type, fp8_block, ignore_extra)
-    candidates = layouts.ALL_LAYOUTS if model_type is None else _family_layouts(model_type)
+    candidates = families.ALL_LAYOUTS if model_type is None else _family_layouts(model_type)
     raw, tensors = tensors, block_fp8.dequantizing(tensors, fp8_block)
 
     def has(rel):

@@ -1,5 +1,8 @@
-"""HuggingFace MoE tensor layouts: which tensors hold a layer's router, experts, biases and shared
-expert, and how each becomes one of the block's parameters.
+"""The tensor layouts of HuggingFace MoE checkpoints, generically: which tensors hold a layer's
+router, experts, biases and shared expert (`Layout`), and how each expert tensor becomes one of
+the block's parameters (`PerExpert`, `Fused`, `Mxfp4`). Each family's own layouts are in its file
+under `nn.hf.families`; the two that several families share (transformers' per-expert
+gate/up/down_proj and its in-memory stacked layout) are here.
 
 Names are relative to the layer's MoE module (e.g. "model.layers.3.mlp"). HF linear weights are
 stored [out, in]; the block's are [in, out], experts stacked [E, in, out]. A `PerExpert` source is
@@ -17,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 
-def _t(a):
+def in_out(a):
     """[n, out, in] -> [n, in, out]."""
     return np.swapaxes(a, -1, -2)
 
@@ -37,7 +40,7 @@ class PerExpert:
     def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
         arrays = [np.asarray(get(self.template.format(i=int(e)))[...]) for e in experts]
         stacked = np.stack(arrays)
-        return _t(stacked) if self.transpose else stacked
+        return in_out(stacked) if self.transpose else stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,7 @@ def mxfp4_dequantize(blocks, scales) -> np.ndarray:
     values = np.stack([_E2M1[blocks & 0x0F], _E2M1[blocks >> 4]], axis=-1)  # [n, out, G, 16, 2]
     values = values.reshape(*scales.shape, 32)
     values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    return _t(values.reshape(*scales.shape[:-1], -1))
+    return in_out(values.reshape(*scales.shape[:-1], -1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,37 +107,26 @@ class Mxfp4:
 
 
 def _cat_gate(a, d):  # [n, 2F, H], gate rows first -> [n, H, F]
-    return _t(a[:, : d["F"]])
+    return in_out(a[:, : d["F"]])
 
 
 def _cat_up(a, d):
-    return _t(a[:, d["F"] :])
+    return in_out(a[:, d["F"] :])
 
 
-def _stacked(gate_up: str, down: str) -> dict:
-    """transformers' in-memory layout (and Granite-MoE's files): gate_up [E, 2F, H] (gate rows
-    first), down [E, H, F]."""
+def stacked(gate_up: str, down: str) -> dict:
+    """Gated experts fused as transformers holds them in memory (and as Granite-MoE's files do):
+    gate_up [E, 2F, H] (gate rows first), down [E, H, F]."""
     return {
         "w_gate": Fused(gate_up, lambda e, d: (e, 2 * d["F"], d["H"]), _cat_gate),
         "w_up": Fused(gate_up, lambda e, d: (e, 2 * d["F"], d["H"]), _cat_up),
-        "w_down": Fused(down, lambda e, d: (e, d["H"], d["F"]), lambda a, d: _t(a)),
+        "w_down": Fused(down, lambda e, d: (e, d["H"], d["F"]), lambda a, d: in_out(a)),
     }
 
 
-def _per_expert(gate: str, up: str, down: str) -> dict:
+def per_expert(gate: str, up: str, down: str) -> dict:
+    """Gated experts, one tensor per expert for each of gate, up, down ({i}: the expert)."""
     return {"w_gate": PerExpert(gate), "w_up": PerExpert(up), "w_down": PerExpert(down)}
-
-
-def _dbrx(name):
-    return Fused(
-        f"experts.mlp.{name}",
-        lambda e, d: (e * d["F"], d["H"]),
-        # w1, v1 rows are [F, H] per expert ([out, in]); w2's are [F, H] as the block keeps them.
-        (lambda a, d: a.reshape(-1, d["F"], d["H"]))
-        if name == "w2"
-        else (lambda a, d: _t(a.reshape(-1, d["F"], d["H"]))),
-        rows=lambda d: d["F"],
-    )
 
 
 def source_name(source) -> str:
@@ -175,153 +167,22 @@ class Layout:
         return (self.router, *dict.fromkeys(first))
 
 
-_QWEN = dict(shared="shared_expert", shared_gate="shared_expert_gate.weight")
-_V3 = "gate.e_score_correction_bias"
-
-MIXTRAL = Layout(
-    "per-expert w1/w3/w2",
-    "gate.weight",
-    _per_expert("experts.{i}.w1.weight", "experts.{i}.w3.weight", "experts.{i}.w2.weight"),
-)
+# transformers' common names: per-expert gate/up/down_proj, and the in-memory stacked layout that
+# transformers 5 builds from them when it loads them (so the per-expert families read both). The
+# shared expert's names are Qwen2-MoE's (a block without a shared expert names such tensors as
+# ones it cannot hold).
+_QWEN_SHARED = dict(shared="shared_expert", shared_gate="shared_expert_gate.weight")
 PER_EXPERT = Layout(
     "per-expert gate/up/down_proj",
     "gate.weight",
-    _per_expert(
+    per_expert(
         "experts.{i}.gate_proj.weight", "experts.{i}.up_proj.weight", "experts.{i}.down_proj.weight"
     ),
-    **_QWEN,
-)
-DEEPSEEK = dataclasses.replace(
-    PER_EXPERT, name="per-expert, shared_experts", shared="shared_experts", shared_gate=None
-)
-DEEPSEEK_V3 = dataclasses.replace(
-    DEEPSEEK, name="per-expert, shared_experts, score bias", selection_bias=_V3
-)
-JAMBA = dataclasses.replace(
-    PER_EXPERT,
-    name="per-expert, router.weight",
-    router="router.weight",
-    shared=None,
-    shared_gate=None,
+    **_QWEN_SHARED,
 )
 STACKED = Layout(
     "stacked gate_up_proj [E, 2F, H]",
     "gate.weight",
-    _stacked("experts.gate_up_proj", "experts.down_proj"),
-    **_QWEN,
-)
-DEEPSEEK_STACKED = dataclasses.replace(
-    STACKED, name="stacked, shared_experts", shared="shared_experts", shared_gate=None
-)
-DEEPSEEK_V3_STACKED = dataclasses.replace(
-    DEEPSEEK_STACKED,
-    name="stacked, shared_experts, score bias",
-    selection_bias=_V3,
-)
-JAMBA_STACKED = dataclasses.replace(
-    STACKED, name="stacked, router.weight", router="router.weight", shared=None, shared_gate=None
-)
-DBRX = Layout(
-    "fused w1/v1/w2 [E*F, H]",
-    "router.layer.weight",
-    {"w_gate": _dbrx("w1"), "w_up": _dbrx("v1"), "w_down": _dbrx("w2")},
-)
-GRANITE = Layout(
-    "input_linear [E, 2F, H]",
-    "router.layer.weight",
-    _stacked("input_linear.weight", "output_linear.weight"),
-)
-LLAMA4 = Layout(
-    "fused gate_up_proj [E, H, 2F]",
-    "router.weight",
-    {
-        "w_gate": Fused(
-            "experts.gate_up_proj",
-            lambda e, d: (e, d["H"], 2 * d["F"]),
-            lambda a, d: a[..., : d["F"]],
-        ),
-        "w_up": Fused(
-            "experts.gate_up_proj",
-            lambda e, d: (e, d["H"], 2 * d["F"]),
-            lambda a, d: a[..., d["F"] :],
-        ),
-        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
-    },
-    shared="shared_expert",
-)
-GPT_OSS = Layout(
-    "interleaved gate_up_proj, biases",
-    "router.weight",
-    {
-        "w_gate": Fused(
-            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 0::2]
-        ),
-        "w_up": Fused(
-            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 1::2]
-        ),
-        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
-        "b_gate": Fused(
-            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 0::2]
-        ),
-        "b_up": Fused(
-            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 1::2]
-        ),
-        "b_down": Fused("experts.down_proj_bias", lambda e, d: (e, d["H"]), lambda a, d: a),
-    },
-    logit_bias="router.bias",
-)
-# The released GPT-OSS files: the expert weights in MXFP4 (in must be a multiple of 32).
-GPT_OSS_MXFP4 = dataclasses.replace(
-    GPT_OSS,
-    name="mxfp4 gate_up/down_proj_blocks, biases",
-    experts={
-        **GPT_OSS.experts,
-        "w_gate": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
-                        lambda a, d: a[..., 0::2]),
-        "w_up": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
-                      lambda a, d: a[..., 1::2]),
-        "w_down": Mxfp4("experts.down_proj", lambda d: d["H"], lambda d: d["F"], lambda a, d: a),
-    },
-)  # fmt: skip
-SWITCH = Layout(
-    "per-expert wi/wo",
-    "router.classifier.weight",
-    {
-        "w_up": PerExpert("experts.expert_{i}.wi.weight"),
-        "w_down": PerExpert("experts.expert_{i}.wo.weight"),
-    },
-    logit_bias="router.classifier.bias",
-)
-NLLB = Layout(
-    "per-expert fc1/fc2, biases",
-    "router.classifier.weight",
-    {
-        "w_up": PerExpert("experts.expert_{i}.fc1.weight"),
-        "w_down": PerExpert("experts.expert_{i}.fc2.weight"),
-        "b_up": PerExpert("experts.expert_{i}.fc1.bias", transpose=False),
-        "b_down": PerExpert("experts.expert_{i}.fc2.bias", transpose=False),
-    },
-    logit_bias="router.classifier.bias",
-)
-
-# Each family's layouts: its hub files' first, then transformers' in-memory stacked one.
-FAMILY_LAYOUTS: dict[str, tuple[Layout, ...]] = {
-    "mixtral": (MIXTRAL, STACKED),
-    "qwen2_moe": (PER_EXPERT, STACKED),
-    "qwen3_moe": (PER_EXPERT, STACKED),
-    "deepseek_v2": (DEEPSEEK, DEEPSEEK_STACKED),
-    "deepseek_v3": (DEEPSEEK_V3, DEEPSEEK_V3_STACKED),
-    "glm4_moe": (DEEPSEEK_V3, DEEPSEEK_V3_STACKED),
-    "olmoe": (PER_EXPERT, STACKED),
-    "jamba": (JAMBA, JAMBA_STACKED),
-    "dbrx": (DBRX,),
-    "granitemoe": (GRANITE,),
-    "llama4": (LLAMA4,),
-    "llama4_text": (LLAMA4,),
-    "gpt_oss": (GPT_OSS, GPT_OSS_MXFP4),
-    "switch_transformers": (SWITCH,),
-    "nllb_moe": (NLLB,),
-}
-ALL_LAYOUTS: tuple[Layout, ...] = tuple(
-    {id(layout): layout for layouts in FAMILY_LAYOUTS.values() for layout in layouts}.values()
+    stacked("experts.gate_up_proj", "experts.down_proj"),
+    **_QWEN_SHARED,
 )

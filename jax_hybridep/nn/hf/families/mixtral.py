@@ -1,0 +1,34 @@
+"""Mixtral (`mixtral`): softmax top-k routing, normalised, over SwiGLU experts stored per expert
+as w1/w3/w2 under every decoder layer's `block_sparse_moe`."""
+
+from __future__ import annotations
+
+from jax_hybridep.nn.hf.family import Family, layers, softmax_family
+from jax_hybridep.nn.hf.tensor_layouts import STACKED, Layout, per_expert
+
+MIXTRAL = Layout(
+    "per-expert w1/w3/w2",
+    "gate.weight",
+    per_expert("experts.{i}.w1.weight", "experts.{i}.w3.weight", "experts.{i}.w2.weight"),
+)
+
+
+def _settings(c):
+    return softmax_family(
+        c, experts_key="num_local_experts", ff_key="intermediate_size", normalize=True
+    )
+
+
+def _layer_prefixes(c):
+    return layers(c, "model.layers.{i}.block_sparse_moe", lambda i: True, "num_hidden_layers")
+
+
+FAMILIES = (
+    Family(
+        model_type="mixtral",
+        settings=_settings,
+        layer_prefixes=_layer_prefixes,
+        layouts=(MIXTRAL, STACKED),
+        aliases=(("num_local_experts", "num_experts"),),
+    ),
+)

@@ -1,0 +1,31 @@
+"""OLMoE (`olmoe`): softmax top-k routing, normalised when norm_topk_prob, over SwiGLU experts
+stored in transformers' common per-expert layout under every decoder layer's `mlp`."""
+
+from __future__ import annotations
+
+from jax_hybridep.nn.hf.family import Family, layers, softmax_family
+from jax_hybridep.nn.hf.tensor_layouts import PER_EXPERT, STACKED
+
+
+def _settings(c):
+    return softmax_family(
+        c,
+        experts_key="num_experts",
+        ff_key="intermediate_size",
+        normalize=c.flag("norm_topk_prob", False),
+    )
+
+
+def _layer_prefixes(c):
+    return layers(c, "model.layers.{i}.mlp", lambda i: True, "num_hidden_layers")
+
+
+FAMILIES = (
+    Family(
+        model_type="olmoe",
+        settings=_settings,
+        layer_prefixes=_layer_prefixes,
+        layouts=(PER_EXPERT, STACKED),
+        aliases=(("num_experts", "num_local_experts"),),
+    ),
+)
