@@ -21,14 +21,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jax_hybridep import checks, compat
 from jax_hybridep.config import DispatchConfig, DispatchPlan, make_plan
 from jax_hybridep.exchange import routes, walk
 from jax_hybridep.exchange.routes import Route
-from jax_hybridep.exchange.steps import Shard
+from jax_hybridep.exchange.steps import RowWeights, Shard
 from jax_hybridep.handle import Handle
 from jax_hybridep.topology import Topology
 
@@ -95,11 +94,12 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _shard(topology: Topology, manual) -> Shard:
+def _shard(plan: DispatchPlan, manual) -> Shard:
+    topology = plan.topology
     rank = jax.lax.axis_index(topology.ep_axes).astype(jnp.int32)
     group_axes = tuple(a for a in topology.group_axes if a in manual)
     group = jax.lax.axis_index(group_axes).astype(jnp.int32) if group_axes else jnp.int32(0)
-    return Shard(rank, group)
+    return Shard.of(plan, rank, group)
 
 
 def dispatch(
@@ -132,21 +132,18 @@ def dispatch_with_route(
     leaves = (*x, topk_idx, topk_weights) if isinstance(x, tuple) else (x, topk_idx, topk_weights)
     manual = checks.check_context("dispatch", topology, leaves)
     x, topk_idx, topk_weights = checks.check_dispatch_inputs(x, topk_idx, topk_weights, config)
-    if route is None:
-        route = routes.route(config, topology, manual)
-    route.check(topology)
     rows = x[0] if isinstance(x, tuple) else x
     plan = make_plan(topology, config, *topk_idx.shape, rows.shape[1], rows.dtype.name)
-    shard = _shard(topology, manual)
+    if route is None:
+        route = routes.select(config, topology, manual, plan)
+    route.check(topology)
+    shard = _shard(plan, manual)
     topk_idx = checks.expert_ids_int32(topk_idx, plan.num_experts)
     lay = route.layout(plan, topk_idx, shard)
-    expert_rank = jnp.asarray(np.asarray(plan.expert_rank, np.int32))
-    safe_idx = jnp.clip(topk_idx, 0, plan.num_experts - 1)
-    dest = jnp.where(lay.row_pos >= 0, expert_rank[safe_idx], -1)
     row_end = jnp.sum(lay.group_sizes, dtype=jnp.int32)
     rows_fn = _dispatch_fp8_rows if config.fp8_rows else _dispatch_rows
     tokens, scales, row_weights, handle = rows_fn(
-        route, plan, x, topk_weights.astype(jnp.float32), lay.row_pos, dest, row_end, shard
+        route, plan, x, topk_weights.astype(jnp.float32), lay.row_pos, lay.dest, row_end, shard
     )
     if config.poison_padding:
         tokens = _poison_padding(tokens, row_end)
@@ -205,7 +202,8 @@ def _per_cotangent(fn, handle, *args):
 def _dispatch_rows_bwd(route, plan, handle, cotangents):
     ct_tokens, _, ct_weights, _ = cotangents
     # FP8 on the wire is straight-through: the rows' cotangent is combined at 16 bits.
-    grad_x = _per_cotangent(lambda h, ct: walk.combine(h, ct, None), handle, ct_tokens)
+    unweighted = RowWeights.unweighted(handle.plan)
+    grad_x = _per_cotangent(lambda h, ct: walk.combine(h, ct, unweighted), handle, ct_tokens)
     grad_weights = _per_cotangent(walk.return_row_values, handle, ct_weights)
     return grad_x, grad_weights, None, None, None, None
 
@@ -293,7 +291,7 @@ def combine(
             f"(mesh {topology.mesh_dict})"
         )
     if config is not None:
-        requested = routes.backend_name(config, plan.topology, compat.manual_axes())
+        requested = routes.select(config, plan.topology, compat.manual_axes(), plan).backend
         if config != plan.config or requested != handle.route.backend:
             raise ValueError(
                 f"combine got a handle from the '{handle.route.backend}' backend with "
@@ -301,13 +299,13 @@ def combine(
             )
     y, weights = checks.check_combine_inputs(plan, y, weights)
     if weights is None:
-        return _combine_rows(False, handle, y, jnp.zeros((plan.rows,), jnp.float32))
+        return _combine_rows(False, handle, y, RowWeights.unweighted(plan).values)
     return _combine_rows(True, handle, y, weights.astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine_rows(weighted: bool, handle: Handle, y, weights):
-    return walk.combine(handle, y, weights if weighted else None)
+    return walk.combine(handle, y, RowWeights(weights, weighted))
 
 
 def _combine_rows_fwd(weighted, handle, y, weights):

@@ -159,9 +159,10 @@ def test_contract(kind, case_name):
                 np.testing.assert_array_equal(bits(a), bits(b), err_msg=routing)
 
 
-def test_every_routing_and_step_kind_is_used():
-    """Every routing runs in some case, and every level step and bottom that backend selection
-    can return (any backend, platform, processes) runs in some route kind."""
+def test_every_routing_and_implementation_is_used():
+    """Every routing runs in some case, and every implementation of the routes table
+    (routes.IMPLEMENTATIONS), with each level step and bottom it builds on any platform and
+    process layout, runs in some route kind."""
     assert {r for case in CASES.values() for r in case.routings} == set(ROUTINGS)
     meshes = [hep.Topology.from_mesh(make_mesh(*m), m[1]) for m in (FLAT8, NODE2_LOCAL4)]
     views = [
@@ -170,16 +171,17 @@ def test_every_routing_and_step_kind_is_used():
         for platform in ("cpu", "gpu")
         for single in (True, False)
     ]
-    selectable = {
-        type(step)
+    buildable = {
+        (impl.name, type(step))
+        for impl in routes.IMPLEMENTATIONS
         for t in views
-        for backend in ("xla", "ffi")
-        for route in [routes.route_for(backend, t)]
-        for step in (*route.levels, route.bottom)
+        if impl.serves(t)
+        for step in (*impl.build(t).levels, impl.build(t).bottom)
     }
-    run = {type(step) for kind in ROUTES.values() for t in meshes
-           for step in (*kind.route(t).levels, kind.route(t).bottom)}  # fmt: skip
-    assert selectable <= run, selectable - run
+    assert {name for name, _ in buildable} == {impl.name for impl in routes.IMPLEMENTATIONS}
+    run = {(route.name, type(step)) for kind in ROUTES.values() for t in meshes
+           for route in [kind.route(t)] for step in (*route.levels, route.bottom)}  # fmt: skip
+    assert buildable <= run, buildable - run
 
 
 def test_all_rows_to_one_expert_drop_in_order_over_the_dropless_buffer():

@@ -6,12 +6,14 @@ xla_ffi/cuda/handlers/ and nothing of the host's (whether its GPUs share a proce
 slower levels the transport spans the fastest level and the others go through XLA all-to-alls.
 The routing reaches the slot-map kernel through an XLA all-gather over the fastest level, the
 unpermute is a local call before the combine's exchange, and the routing-weight gradient returns
-by an XLA all-to-all. "auto" keeps to the xla backend on GPUs until a GPU measures the CUDA path
-faster (routes.GPU_AUTO). The attributes Python emits decode with the handlers' own decoders.
+by an XLA all-to-all. "auto" keeps to the xla backend on GPUs until a GPU measures the CUDA
+path faster (the `cuda` entry of routes.IMPLEMENTATIONS has auto_pick=False). The attributes
+Python emits decode with the handlers' own decoders.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -107,7 +109,8 @@ def test_auto_keeps_xla_on_gpus_until_verified(monkeypatch):
     topo = _gpu_topology({"ep": 8}, ["ep"])
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert not any(t.startswith("jax_hybridep_") for t in targets)
-    monkeypatch.setattr(routes, "GPU_AUTO", True)
+    picked = tuple(dataclasses.replace(i, auto_pick=True) for i in routes.IMPLEMENTATIONS)
+    monkeypatch.setattr(routes, "IMPLEMENTATIONS", picked)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert {"jax_hybridep_cuda_layout", "jax_hybridep_cuda_slot_map",
             "jax_hybridep_cuda_dispatch"} <= targets  # fmt: skip
@@ -122,7 +125,7 @@ def test_two_level_gpu_topology_walks_slow_level_with_xla_collectives():
     assert {t for t in _targets(text) if t.startswith("jax_hybridep_")} == CUDA_TARGETS
     assert "all_to_all" in text
     assert set(re.findall(r"num_ranks = (\d+)", text)) == {"4", "8"}  # transport 4, layout 8
-    # auto keeps xla on GPUs (routes.GPU_AUTO: the CUDA path is slower there for now)
+    # auto keeps xla on GPUs until a GPU measures the CUDA path faster (routes.IMPLEMENTATIONS)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
     assert not any(t.startswith("jax_hybridep_") for t in targets)
 

@@ -22,6 +22,7 @@ import jax_hybridep as hep
 from jax_hybridep import _native, fp8, ops, traffic
 from jax_hybridep import nn as hnn
 from jax_hybridep.exchange import routes
+from jax_hybridep.exchange.wire import Carrier
 
 MESHES = [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))]
 FP8 = "float8_e4m3fn"
@@ -279,7 +280,7 @@ def test_gpu_route_carries_fp8_like_the_xla_backend(shape, names, hidden):
     values, scales and row weights, H a multiple of 128 or not (198: wire rows of 206 bytes)."""
     mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=1.0)
     gpu_topo = dataclasses.replace(topo, platform="gpu")
-    assert routes.route_for("ffi", gpu_topo).fp8_wire == "fused"
+    assert routes.route_for("ffi", gpu_topo).carrier is Carrier.SEND_QUANTISES
     reached = []  # the dtype of what reached the transport, per trace
 
     class Recording(JaxExchanges):

@@ -187,12 +187,11 @@ class JaxExchanges:
         scaled = (out.astype(jnp.float32) * scale[:, None]).astype(out.dtype)
         return out, scaled
 
-    def dispatch(self, plan, fast, x, lay):
-        fp8_wire = plan.config.wire_dtype is not None
-        if fp8_wire and x.dtype != jnp.uint8:  # the send kernel quantises
+    def dispatch(self, plan, fast, x, lay, form):
+        if form.quantiser == "send":  # the send kernel quantises
             x = fp8.to_wire(*fp8.quantize(x))
         rows = self._permute(plan, lay, self._receive(plan, fast, x, lay))
-        if fp8_wire and not plan.config.fp8_rows:  # the permute dequantises
+        if form.fp8_hidden and not form.fp8_rows:  # the permute dequantises
             rows = fp8.dequantize(*fp8.from_wire(rows, plan.hidden), plan.row_dtype)
         return rows
 
@@ -201,8 +200,8 @@ class JaxExchanges:
 
     def unpermute(self, plan, fast, y, weights, lay):
         rows = y.astype(jnp.float32)
-        if weights is not None:  # no FMA with the adds below, as in the kernels
-            rows = jax.lax.optimization_barrier(rows * weights[:, None])
+        if weights.weighted:  # no FMA with the adds below, as in the kernels
+            rows = jax.lax.optimization_barrier(rows * weights.values[:, None])
         rows = _padded_rows(rows)
         acc = jnp.zeros((lay.recv_rows.shape[0], y.shape[1]), jnp.float32)
         for kk in range(lay.recv_rows.shape[1]):  # ascending k

@@ -89,7 +89,7 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
                            ffi::Buffer<ffi::F32> weights, RowAttrs attrs,
                            ffi::Result<ffi::AnyBuffer> tokens,
                            ffi::ResultBuffer<ffi::F32> row_weights) {
-  auto dtype = ToRowsDtype(tokens->element_type(), attrs.wire_hidden, "the rows");
+  auto dtype = ToRowsDtype(tokens->element_type(), attrs.fp8_hidden, "the rows");
   if (dtype.has_error()) return dtype.error();
   const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
   const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
@@ -98,7 +98,7 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
   out.tokens = static_cast<char*>(tokens->untyped_data());
   out.weights = row_weights->typed_data();
   out.sparse_pad_multiple = attrs.sparse_pad_multiple;
-  out.wire_hidden = attrs.wire_hidden;
+  out.fp8_hidden = DequantizedHidden(tokens->element_type(), attrs.fp8_hidden);
   ExpandItems(shape, items, tokens->dimensions()[0], dtype.value(), out);
   return ffi::Error::Success();
 }

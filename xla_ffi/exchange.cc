@@ -152,8 +152,8 @@ class RowWriter {
     filled_[row] = 1;
     if (out_.tokens != nullptr) {
       char* to = out_.tokens + row * row_bytes_;
-      if (out_.wire_hidden > 0) {
-        DequantizeRow(reinterpret_cast<const uint8_t*>(src.token), out_.wire_hidden, dtype_, to);
+      if (out_.fp8_hidden > 0) {
+        DequantizeRow(reinterpret_cast<const uint8_t*>(src.token), out_.fp8_hidden, dtype_, to);
       } else {
         std::memcpy(to, src.token, row_bytes_);
       }
@@ -224,7 +224,7 @@ class RowWriter {
 }  // namespace
 
 int64_t OutputRowBytes(const RowOutputs& out, int64_t row_bytes, Dtype dtype) {
-  return out.wire_hidden > 0 ? out.wire_hidden * DtypeBytes(dtype) : row_bytes;
+  return out.fp8_hidden > 0 ? out.fp8_hidden * DtypeBytes(dtype) : row_bytes;
 }
 
 void WriteRows(int64_t rows, int64_t row_bytes, Dtype dtype, const std::vector<RowSource>& sources,

@@ -54,8 +54,8 @@ struct RowOutputs {
   // and their dot is 0; the padding inside that extent is still written. 0: every row written.
   int64_t sparse_pad_multiple = 0;
   // > 0: the sources are FP8 wire rows of this many elements (xla_ffi/fp8.h), written to
-  // `tokens` dequantised to the dtype (row_bytes = wire_hidden * its size); 0: copied as they are.
-  int64_t wire_hidden = 0;
+  // `tokens` dequantised to the dtype (row_bytes = fp8_hidden * its size); 0: copied as they are.
+  int64_t fp8_hidden = 0;
 };
 
 // The bytes of one output row: a dequantised row when the sources are FP8 wire rows, else the

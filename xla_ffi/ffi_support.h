@@ -49,12 +49,18 @@ inline ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
 }
 
 // The dtype rows are written in: the output's, or, for FP8 wire rows delivered as they travel
-// (a uint8 output and no dequantisation: DispatchConfig(fp8_rows=True)), none, as they are only
+// (fp8_hidden > 0 and a uint8 output: DispatchConfig(fp8_rows=True)), none, as they are only
 // copied (the placeholder is never read).
-inline ffi::ErrorOr<Dtype> ToRowsDtype(ffi::DataType out_type, int64_t wire_hidden,
+inline ffi::ErrorOr<Dtype> ToRowsDtype(ffi::DataType out_type, int64_t fp8_hidden,
                                        const char* what) {
-  if (out_type == ffi::DataType::U8 && wire_hidden == 0) return Dtype::kF32;
+  if (out_type == ffi::DataType::U8 && fp8_hidden > 0) return Dtype::kF32;
   return ToDtype(out_type, what);
+}
+
+// The H of the FP8 wire rows a handler dequantises into its output (RowOutputs::fp8_hidden):
+// fp8_hidden, unless the output is uint8 wire rows themselves (fp8_rows: copied as they are).
+inline int64_t DequantizedHidden(ffi::DataType out_type, int64_t fp8_hidden) {
+  return out_type == ffi::DataType::U8 ? 0 : fp8_hidden;
 }
 
 // combine's VJP reads y[row] beside each row of the output cotangent g it writes: y must be
@@ -94,16 +100,17 @@ struct ExchangeAttrs {
 
 // How the row-writing handlers write rows (RowOutputs): the rows left unwritten
 // (sparse_pad_multiple; 0 unless DispatchConfig(zero_padding=False)) and whether the sources are
-// FP8 wire rows to dequantise (wire_hidden = H; 0 otherwise). expand_items(_vjp).
+// FP8 wire rows of H elements (fp8_hidden = H, as the CUDA handlers name it; 0 otherwise),
+// dequantised into the rows unless those are uint8 wire rows too. expand_items(_vjp).
 struct RowAttrs {
   int64_t sparse_pad_multiple;
-  int64_t wire_hidden;
+  int64_t fp8_hidden;
 };
 
 // dispatch, combine_vjp (one in-process level): the exchange, and how rows are written.
 struct RowExchangeAttrs : ExchangeAttrs {
   int64_t sparse_pad_multiple;
-  int64_t wire_hidden;
+  int64_t fp8_hidden;
 };
 
 // combine: the exchange, and whether the rows are weighted.
@@ -281,7 +288,7 @@ inline Status StrictCheck(const LayoutAttrs& attrs, const GroupPlan& plan, int32
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::ExchangeAttrs, JAX_HYBRIDEP_EXCHANGE_MEMBERS);
 #define JAX_HYBRIDEP_ROW_MEMBERS \
-  StructMember<int64_t>("sparse_pad_multiple"), StructMember<int64_t>("wire_hidden")
+  StructMember<int64_t>("sparse_pad_multiple"), StructMember<int64_t>("fp8_hidden")
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::RowAttrs, JAX_HYBRIDEP_ROW_MEMBERS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::RowExchangeAttrs,
                                       JAX_HYBRIDEP_EXCHANGE_MEMBERS, JAX_HYBRIDEP_ROW_MEMBERS);

@@ -34,8 +34,10 @@ import numpy as np
 
 from jax_hybridep import _native, compat, weight_grad
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange import steps, wire
+from jax_hybridep.exchange import steps
 from jax_hybridep.exchange.ffi_call import call, i32, transport_attrs
+from jax_hybridep.exchange.steps import RowWeights
+from jax_hybridep.exchange.wire import WireForm
 
 
 def padded(n: int) -> int:
@@ -113,15 +115,15 @@ class CudaExchanges:
         )
         return SlotMap(send_slot, recv_item, recv_rows, row_slot, info), row_weights
 
-    def dispatch(self, plan: DispatchPlan, fast: steps.FastLevel, x, slots: SlotMap):
+    def dispatch(self, plan: DispatchPlan, fast: steps.FastLevel, x, slots: SlotMap,
+                 form: WireForm):  # fmt: skip
         """Rows [C, H]: x's tokens (FP8 on the wire: quantised by the send when x is the tokens,
         moved as bytes when x is their wire rows; dequantised by the permute, or delivered as wire
         rows with fp8_rows)."""
-        fp8_hidden = 0 if plan.config.wire_dtype is None else plan.hidden
         return transport_call(
-            plan, fast, "cuda_dispatch", wire.transport_rows(plan, x), x, slots.send_slot,
+            plan, fast, "cuda_dispatch", form.handler_rows(plan, x), x, slots.send_slot,
             slots.recv_rows, slots.row_slot, slots.info, like=(x, slots.recv_rows),
-            fp8_hidden=np.int64(fp8_hidden), sparse_pad_multiple=_rows_attr(plan),
+            fp8_hidden=np.int64(form.fp8_hidden), sparse_pad_multiple=_rows_attr(plan),
         )  # fmt: skip
 
     def redispatch(self, plan: DispatchPlan, fast: steps.FastLevel, g, slots: SlotMap,
@@ -137,15 +139,14 @@ class CudaExchanges:
                               *common, like=(g, scale, slots.info),
                               sparse_pad_multiple=_rows_attr(plan))  # fmt: skip
 
-    def unpermute(self, plan: DispatchPlan, fast: steps.FastLevel, y, weights, slots: SlotMap):
+    def unpermute(self, plan: DispatchPlan, fast: steps.FastLevel, y, weights: RowWeights,
+                  slots: SlotMap):  # fmt: skip
         """[padded(S * M), H] in y's dtype: per received slot, its rows of y summed in ascending
-        k in float32 (times `weights` unless None), rounded once (local, no exchange)."""
-        weighted = weights is not None
-        if not weighted:
-            weights = jnp.zeros((plan.rows,), jnp.float32)  # ignored by the handler
+        k in float32 (times the weights when weighted), rounded once (local, no exchange)."""
         out = jax.ShapeDtypeStruct((slots.recv_rows.shape[0], y.shape[1]), y.dtype)
-        return call("cuda_unpermute", out, y, weights, slots.recv_rows, slots.info,
-                    like=(y, slots.recv_rows), plan=plan, weighted=np.bool_(weighted))  # fmt: skip
+        return call("cuda_unpermute", out, y, weights.values, slots.recv_rows, slots.info,
+                    like=(y, slots.recv_rows), plan=plan,
+                    weighted=np.bool_(weights.weighted))  # fmt: skip
 
     def combine(self, plan: DispatchPlan, fast: steps.FastLevel, partials, slots: SlotMap, dest):
         """[M, H]: each held item's partials from its destinations added in ascending order."""
@@ -185,51 +186,47 @@ class CudaBottom(steps.SpanningBottom):
 
     exchanges: Any = CudaExchanges()
 
-    def check_rows(self, plan: DispatchPlan, rows) -> None:
-        """ValueError, at trace time, for held rows [M, H] the kernels cannot send."""
+    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
         max_top_k = _native.limits()["max_top_k"]
         if plan.k > max_top_k:
-            raise ValueError(
-                f"the CUDA transport takes top-k <= {max_top_k} (topk_idx has k={plan.k}); "
-                "use backend='xla'"
-            )
-        if plan.config.wire_dtype is not None and rows.dtype != jnp.uint8:
-            token_bytes = rows.shape[1] * rows.dtype.itemsize
+            return f"the CUDA transport takes top-k <= {max_top_k} (topk_idx has k={plan.k})"
+        quantised_in_send = (plan.config.wire_dtype is not None and len(plan.topology.levels) == 1
+                             and plan.row_dtype != "float8_e4m3fn")  # fmt: skip
+        if quantised_in_send:
+            token_bytes = plan.hidden * np.dtype(jnp.dtype(plan.row_dtype)).itemsize
             ranks = plan.topology.level_sizes[-1]
-            if not fp8_token_fits(token_bytes, ranks, rows.shape[1]):
-                raise ValueError(
+            if not fp8_token_fits(token_bytes, ranks, plan.hidden):
+                return (
                     f"FP8 dispatch over the CUDA transport quantises each token whole in shared "
-                    f"memory: the tokens of {token_bytes} bytes (x has H={rows.shape[1]} of "
-                    f"{rows.dtype}) do not fit beside the maps of {ranks} GPUs; use "
-                    "backend='xla' or DispatchConfig(wire_dtype=None)"
+                    f"memory: the tokens of {token_bytes} bytes (x has H={plan.hidden} of "
+                    f"{plan.row_dtype}) do not fit beside the maps of {ranks} GPUs; use "
+                    "DispatchConfig(wire_dtype=None)"
                 )
+        return None
 
-    def expand(self, plan: DispatchPlan, shard: steps.Shard, held: steps.Items):
-        self.check_rows(plan, held.rows)
-        fast = steps.fast_level(plan, shard)
+    def expand(self, plan: DispatchPlan, shard: steps.Shard, held: steps.Items, form: WireForm):
+        fast = shard.fast
         dest = steps.fast_dest(fast, held.dest)
         gathered = gather_routing(plan, fast, dest, held.pos, held.weights)
         slots, row_weights = self.exchanges.slot_map(plan, fast, gathered)
-        tokens = self.exchanges.dispatch(plan, fast, held.rows, slots)
-        tokens, scales = wire.handler_tokens(plan, tokens)
+        tokens = self.exchanges.dispatch(plan, fast, held.rows, slots, form)
+        tokens, scales = form.delivered(plan, tokens)
         return tokens, scales, row_weights, CudaRecord(dest, slots)
 
-    def partials(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, y, weights):
-        fast = steps.fast_level(plan, shard)
-        partials = self.exchanges.unpermute(plan, fast, y, weights, record.slots)
-        return self.exchanges.combine(plan, fast, partials, record.slots, record.dest)
+    def partials(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, y,
+                 weights: RowWeights):  # fmt: skip
+        partials = self.exchanges.unpermute(plan, shard.fast, y, weights, record.slots)
+        return self.exchanges.combine(plan, shard.fast, partials, record.slots, record.dest)
 
     def row_values(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, values):
-        fast = steps.fast_level(plan, shard)
-        return return_row_values(plan, fast, record.dest, record.slots, values)
+        return return_row_values(plan, shard.fast, record.dest, record.slots, values)
 
     def redispatch(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, g):
-        return self.exchanges.redispatch(plan, steps.fast_level(plan, shard), g, record.slots)
+        return self.exchanges.redispatch(plan, shard.fast, g, record.slots)
 
     def combine_vjp(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, g, y,
                     weights):  # fmt: skip
         # The transport writes the rows of g and the scaled rows in one pass; the weight gradient
         # is weight_grad.row_dot, as in the xla backend.
-        fast = steps.fast_level(plan, shard)
-        rows, scaled = self.exchanges.redispatch(plan, fast, g, record.slots, scale=weights)
+        rows, scaled = self.exchanges.redispatch(plan, shard.fast, g, record.slots, scale=weights)
         return scaled, weight_grad.row_dot(plan.topology.platform, y, rows)

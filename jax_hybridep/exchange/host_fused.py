@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange import steps, wire
+from jax_hybridep.exchange import steps
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, row_attrs
-from jax_hybridep.exchange.steps import Items, Shard
+from jax_hybridep.exchange.steps import Items, RowWeights, Shard
+from jax_hybridep.exchange.wire import PLAIN, WireForm
 
 
 @steps.pytree_record
@@ -31,26 +32,28 @@ class HostFusedRecord:
 @dataclasses.dataclass(frozen=True)
 class HostFused(steps.SpanningBottom):
     def _call(self, plan: DispatchPlan, shard: Shard, name, out_types, *args, like, **attrs):
-        """A handler call meeting the level's ranks, with (dest, pos, coord, level group) last."""
-        fast = steps.fast_level(plan, shard)
+        """A handler call meeting the level's ranks, with (coord, level group) last."""
+        fast = shard.fast
         return call(name, out_types, *args, fast.coord, fast.group, like=like, plan=plan,
                     **exchange_attrs(plan, fast.size), **attrs)  # fmt: skip
 
-    def _rows(self, plan: DispatchPlan, shard: Shard, rows, weights, pos, dest):
-        out_type, wire_hidden = wire.host_rows(plan, rows)
-        out_types = (out_type, jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
+    def _rows(self, plan: DispatchPlan, shard: Shard, rows, weights, pos, dest, form: WireForm):
+        out_types = (form.handler_rows(plan, rows), jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
         return self._call(plan, shard, "dispatch", out_types, rows, weights, pos, dest,
-                          like=(rows, weights, pos), **row_attrs(plan, wire_hidden))  # fmt: skip
+                          like=(rows, weights, pos),
+                          **row_attrs(plan, form.fp8_hidden))  # fmt: skip
 
-    def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
-        dest = steps.fast_dest(steps.fast_level(plan, shard), held.dest)
-        tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest)
-        tokens, scales = wire.handler_tokens(plan, tokens)
+    def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
+        dest = steps.fast_dest(shard.fast, held.dest)
+        tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest,
+                                         form)  # fmt: skip
+        tokens, scales = form.delivered(plan, tokens)
         return tokens, scales, row_weights, HostFusedRecord(dest, held.pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g):
-        zeros = jnp.zeros(record.pos.shape, jnp.float32)
-        return self._rows(plan, shard, g, zeros, record.pos, record.dest)[0]
+        # The routing weights of the rows are not wanted here: the handler's are ignored.
+        ignored = jnp.zeros(record.pos.shape, jnp.float32)
+        return self._rows(plan, shard, g, ignored, record.pos, record.dest, PLAIN)[0]
 
     def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g, y,
                     weights):  # fmt: skip
@@ -59,13 +62,12 @@ class HostFused(steps.SpanningBottom):
         return self._call(plan, shard, "combine_vjp", out_types, g, weights, y, record.pos,
                           record.dest, like=(g, record.pos), **row_attrs(plan))  # fmt: skip
 
-    def partials(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, y, weights):
-        weighted = weights is not None
-        if not weighted:
-            weights = jnp.zeros((plan.rows,), jnp.float32)  # ignored by the handler
+    def partials(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, y,
+                 weights: RowWeights):  # fmt: skip
         out_type = jax.ShapeDtypeStruct((record.pos.shape[0], y.shape[1]), y.dtype)
-        return self._call(plan, shard, "combine", out_type, y, weights, record.pos, record.dest,
-                          like=(y, record.pos), weighted=np.bool_(weighted))  # fmt: skip
+        return self._call(plan, shard, "combine", out_type, y, weights.values, record.pos,
+                          record.dest, like=(y, record.pos),
+                          weighted=np.bool_(weights.weighted))  # fmt: skip
 
     def row_values(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, values):
         out_type = jax.ShapeDtypeStruct(record.pos.shape, jnp.float32)

@@ -17,10 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange import wire
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, i32, row_attrs
-from jax_hybridep.exchange.steps import Items, LevelRecord, Shard, level_peer, pytree_record
-from jax_hybridep.exchange.xla_steps import item_row_values, level_all_to_all
+from jax_hybridep.exchange.steps import (
+    Items,
+    LevelRecord,
+    RowWeights,
+    Shard,
+    item_row_values,
+    level_all_to_all,
+    level_peer,
+    pytree_record,
+)
+from jax_hybridep.exchange.wire import PLAIN, WireForm
 
 
 @pytree_record
@@ -63,8 +71,9 @@ class _HostLevel:
         return nxt, HostLevelRecord(send_slot, held.dest, held.pos)
 
     def forward(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, g):
-        zeros = jnp.zeros(record.held_dest.shape, jnp.float32)
-        nxt, _ = self._send(plan, level, shard, Items(g, record.held_dest, record.held_pos, zeros))
+        ignored = jnp.zeros(record.held_dest.shape, jnp.float32)  # no routing weights wanted
+        nxt, _ = self._send(plan, level, shard,
+                            Items(g, record.held_dest, record.held_pos, ignored))  # fmt: skip
         return nxt.rows
 
     def pick(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, values):
@@ -149,13 +158,12 @@ def _row_types(plan: DispatchPlan, rows):
             jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
 
 
-def _expand_items(plan: DispatchPlan, rows, pos, weights):
+def _expand_items(plan: DispatchPlan, rows, pos, weights, form: WireForm):
     """(tokens [C, ...], row weights [C]) from held rows [M, ...] and their rows/weights [M, K]
     (FP8 wire rows dequantised on the way unless fp8_rows: exchange/wire.py)."""
-    out_type, wire_hidden = wire.host_rows(plan, rows)
-    out_types = (out_type, jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
+    out_types = (form.handler_rows(plan, rows), jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
     return call("expand_items", out_types, rows, pos, weights, like=(rows, pos), plan=plan,
-                **row_attrs(plan, wire_hidden))  # fmt: skip
+                **row_attrs(plan, form.fp8_hidden))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,28 +172,30 @@ class HostRows:
 
     spans_level = False
 
-    def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
-        tokens, row_weights = _expand_items(plan, held.rows, held.pos, held.weights)
-        tokens, scales = wire.handler_tokens(plan, tokens)
+    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+        return None
+
+    def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
+        tokens, row_weights = _expand_items(plan, held.rows, held.pos, held.weights, form)
+        tokens, scales = form.delivered(plan, tokens)
         return tokens, scales, row_weights, HostRowsRecord(held.pos)
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g):
-        zeros = jnp.zeros(record.held_pos.shape, jnp.float32)
-        return _expand_items(plan, g, record.held_pos, zeros)[0]
+        ignored = jnp.zeros(record.held_pos.shape, jnp.float32)  # no routing weights wanted
+        return _expand_items(plan, g, record.held_pos, ignored, PLAIN)[0]
 
     def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g, y,
                     weights):  # fmt: skip
         return call("expand_items_vjp", _row_types(plan, g), g, record.held_pos, weights, y,
                     like=(g, record.held_pos), plan=plan, **row_attrs(plan))  # fmt: skip
 
-    def partials(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, y, weights):
-        weighted = weights is not None
-        if not weighted:
-            weights = jnp.zeros((plan.rows,), jnp.float32)  # ignored by the handler
+    def partials(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, y,
+                 weights: RowWeights):  # fmt: skip
         held_pos = record.held_pos
         return call(
             "item_partials", jax.ShapeDtypeStruct((held_pos.shape[0], y.shape[1]), y.dtype),
-            y, weights, held_pos, like=(y, held_pos), plan=plan, weighted=np.bool_(weighted),
+            y, weights.values, held_pos, like=(y, held_pos), plan=plan,
+            weighted=np.bool_(weights.weighted),
         )  # fmt: skip
 
     def row_values(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, values):

@@ -34,6 +34,15 @@ def gather_counts(plan: DispatchPlan, topk_idx):
     return counts, invalid, gathered
 
 
+def _layout(plan: DispatchPlan, topk_idx, row_pos, group_sizes, tokens_per_expert, dropped,
+            invalid) -> Layout:  # fmt: skip
+    """The Layout, with each kept (t, k)'s destination EP rank from the placement."""
+    expert_rank = jnp.asarray(np.asarray(plan.expert_rank, np.int32))
+    dest = jnp.where(row_pos >= 0, expert_rank[jnp.clip(topk_idx, 0, plan.num_experts - 1)], -1)
+    return Layout(row_pos, dest, group_sizes, tokens_per_expert, dropped.astype(jnp.int32),
+                  invalid)  # fmt: skip
+
+
 def _layout_types(plan: DispatchPlan, topk_idx, dropped_dtype=jnp.int32):
     return (i32(topk_idx.shape), i32((plan.num_slots,)), i32((plan.num_experts,)),
             jax.ShapeDtypeStruct((), dropped_dtype), i32(()))  # fmt: skip
@@ -113,7 +122,8 @@ class JnpLayout:
             # being dead-code eliminated.
             row_pos = row_pos + _strict_check(shard.group, all_counts, invalid_per_rank,
                                               keep_limit)  # fmt: skip
-        return Layout(row_pos, size_rs[shard.rank], tokens_per_expert, dropped, invalid)
+        return _layout(plan, topk_idx, row_pos, size_rs[shard.rank], tokens_per_expert, dropped,
+                       invalid)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- host
@@ -124,7 +134,7 @@ class HostLayout:
     """The host handler; the counts are all-gathered through the process-wide rendezvous."""
 
     def __call__(self, plan: DispatchPlan, topk_idx, shard: Shard) -> Layout:
-        return Layout(*call(
+        return _layout(plan, topk_idx, *call(
             "layout", _layout_types(plan, topk_idx), topk_idx, shard.rank, shard.group,
             like=(topk_idx,), plan=plan, **layout_attrs(plan) | exchange_attrs(plan, plan.ep_size),
         ))  # fmt: skip
@@ -136,7 +146,7 @@ class HostGatheredLayout:
 
     def __call__(self, plan: DispatchPlan, topk_idx, shard: Shard) -> Layout:
         _, _, gathered = gather_counts(plan, topk_idx)
-        return Layout(*call(
+        return _layout(plan, topk_idx, *call(
             "layout_gathered", _layout_types(plan, topk_idx), topk_idx, gathered, shard.rank,
             shard.group, like=(topk_idx, gathered), plan=plan, **layout_attrs(plan),
         ))  # fmt: skip
@@ -151,8 +161,7 @@ class CudaLayout:
 
     def __call__(self, plan: DispatchPlan, topk_idx, shard: Shard) -> Layout:
         _, _, gathered = gather_counts(plan, topk_idx)
-        row_pos, sizes, per_expert, dropped, invalid = call(
+        return _layout(plan, topk_idx, *call(
             "cuda_layout", _layout_types(plan, topk_idx, jnp.int64), topk_idx, gathered,
             shard.rank, shard.group, like=(topk_idx, gathered), plan=plan, **layout_attrs(plan),
-        )  # fmt: skip
-        return Layout(row_pos, sizes, per_expert, dropped.astype(jnp.int32), invalid)
+        ))  # fmt: skip

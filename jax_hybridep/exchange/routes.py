@@ -1,35 +1,38 @@
-"""Backend selection: (backend, topology, platform) -> the `Route` one call runs.
+"""Backend selection: the routes as one table, and the `Route` one call runs.
 
-| backend, platform             | layout             | levels walked            | bottom      |
-|-------------------------------|--------------------|--------------------------|-------------|
-| `xla`, any                    | JnpLayout          | XlaLevel x L             | XlaRows     |
-| `ffi`, CPU, 1 in-process level| Host(Gathered)     | none                     | HostFused   |
-| `ffi`, CPU, otherwise         | Host(Gathered)     | HostDirect/HostPacked x L| HostRows    |
-| `ffi`, GPU                    | CudaLayout         | XlaLevel x (L - 1)       | CudaBottom  |
+`IMPLEMENTATIONS` lists every way a backend runs, in the order selection tries them (after
+tokamax's implementations-as-data): each says which topologies it serves and builds its `Route`
+(a layout step, one level step per walked level, a bottom), and the bottom says which plans it
+cannot serve (`unsupported_reason`). Selection takes the first implementation of the requested
+backend that serves the topology and the plan:
+
+| name          | backend | serves            | layout         | levels walked       | bottom     |
+|---------------|---------|-------------------|----------------|---------------------|------------|
+| `xla`         | `xla`   | any               | JnpLayout      | XlaLevel x L        | XlaRows    |
+| `host_fused`  | `ffi`   | CPU, one local lvl| HostLayout     | none                | HostFused  |
+| `host_walked` | `ffi`   | CPU, otherwise    | Host(Gathered) | HostDirect/Packed xL| HostRows   |
+| `cuda`        | `ffi`   | GPU               | CudaLayout     | XlaLevel x (L - 1)  | CudaBottom |
 
 (Host layouts gather through the rendezvous when the EP group is in this process, through XLA
 otherwise; a host level is direct-write when its ranks share the process, packed otherwise.)
 
 `xla` runs everywhere; `ffi` where its handlers are built and every mesh axis is manual. `auto`
-picks `ffi` when it can run the call and `xla` otherwise, except on GPUs (`GPU_AUTO` below); the
-env var JAX_HYBRIDEP_BACKEND overrides the config.
+takes the first implementation, in table order, that serves the call and may be picked
+automatically (`auto_pick`), else `xla`; a forced `ffi` that cannot run raises ValueError with
+the reason. The env var JAX_HYBRIDEP_BACKEND overrides the config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
-from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig
+from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig, DispatchPlan
 from jax_hybridep.exchange import cuda, host_fused, host_steps, layout_steps, xla_steps
 from jax_hybridep.exchange.steps import Bottom, LayoutStep, LevelStep
+from jax_hybridep.exchange.wire import Carrier
 from jax_hybridep.topology import Topology
-
-# Whether `auto` picks the CUDA handlers on GPUs: the one place that says so. Off until a lent GPU
-# measures `ffi` faster than `xla` (docs/benchmarks.md): the transport that ran on an H200
-# (2026-11-29, since retired) was exact but 4x slower, and today's has not run on a GPU yet.
-# backend="ffi" opts in.
-GPU_AUTO = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,20 +40,22 @@ class Route:
     """The steps one dispatch (and its combine and VJPs) runs: static and hashable.
 
     Attributes:
-      backend: "xla" or "ffi", the resolved backend this route implements.
+      name: the implementation it comes from (`IMPLEMENTATIONS`).
+      backend: "xla" or "ffi", the backend this route implements.
       layout: the layout step.
       levels: one level step per walked level, slow -> fast (all levels, or all but the fastest
         when the bottom spans it).
       bottom: where the items become expert-major rows.
-      fp8_wire: how FP8 payload and scales travel on this route ("split", "bytes" or "fused":
-        exchange/wire.py), None where FP8 on the wire is not built.
+      carrier: how its steps carry FP8 payload and scales (exchange/wire.py), None where FP8 on
+        the wire is not built.
     """
 
+    name: str
     backend: str
     layout: LayoutStep
     levels: tuple[LevelStep, ...]
     bottom: Bottom
-    fp8_wire: str | None = None
+    carrier: Carrier | None = None
 
     def check(self, topology: Topology) -> None:
         """Raises ValueError unless the route walks exactly the topology's levels."""
@@ -62,8 +67,75 @@ class Route:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way a backend runs: which topologies it serves and the route it builds there.
+
+    Attributes:
+      name: its name (Route.name).
+      backend: the backend it implements.
+      serves: whether it can run on a topology (platform, levels, processes).
+      build: its route on a topology it serves.
+      auto_pick: whether `backend="auto"` may select it.
+    """
+
+    name: str
+    backend: str
+    serves: Callable[[Topology], bool]
+    build: Callable[[Topology], Route]
+    auto_pick: bool = True
+
+
+def _xla(topology: Topology) -> Route:
+    levels = (xla_steps.XlaLevel(),) * len(topology.levels)
+    return Route("xla", "xla", layout_steps.JnpLayout(), levels, xla_steps.XlaRows(),
+                 Carrier.SPLIT)  # fmt: skip
+
+
+def _host_layout(topology: Topology) -> LayoutStep:
+    if topology.single_process:
+        return layout_steps.HostLayout()
+    return layout_steps.HostGatheredLayout()
+
+
+def _host_fused_serves(topology: Topology) -> bool:
+    return topology.platform == "cpu" and len(topology.levels) == 1 and topology.level_local[0]
+
+
+def _host_fused(topology: Topology) -> Route:
+    return Route("host_fused", "ffi", _host_layout(topology), (), host_fused.HostFused(),
+                 Carrier.WIRE_ROWS)  # fmt: skip
+
+
+def _host_walked(topology: Topology) -> Route:
+    levels = tuple(
+        host_steps.HostDirectLevel() if local else host_steps.HostPackedLevel()
+        for local in topology.level_local
+    )
+    return Route("host_walked", "ffi", _host_layout(topology), levels, host_steps.HostRows(),
+                 Carrier.WIRE_ROWS)  # fmt: skip
+
+
+def _cuda(topology: Topology) -> Route:
+    slow = (xla_steps.XlaLevel(),) * (len(topology.levels) - 1)
+    return Route("cuda", "ffi", layout_steps.CudaLayout(), slow, cuda.CudaBottom(),
+                 Carrier.SEND_QUANTISES)  # fmt: skip
+
+
+IMPLEMENTATIONS: tuple[Implementation, ...] = (
+    Implementation("xla", "xla", lambda t: True, _xla),
+    Implementation("host_fused", "ffi", _host_fused_serves, _host_fused),
+    Implementation("host_walked", "ffi", lambda t: t.platform == "cpu", _host_walked),
+    # `auto` keeps to `xla` on GPUs until a lent GPU measures `ffi` faster (docs/benchmarks.md):
+    # the transport that ran on an H200 (2026-11-29, since retired) was exact but 4x slower, and
+    # today's has not run on a GPU yet. The one place that says so; backend="ffi" opts in.
+    Implementation("cuda", "ffi", lambda t: t.platform == "gpu", _cuda, auto_pick=False),
+)
+
+
 def unsupported_reason(topology: Topology, manual_axes) -> str | None:
-    """Why the ffi backend cannot run this call, or None when it can (checked at trace time)."""
+    """Why the ffi backend cannot run on this topology, or None when it can (checked at trace
+    time): the native module, its handlers for the platform, the manual axes."""
     from jax_hybridep import _native  # noqa: PLC0415  (import registers the targets)
 
     if not _native.available():
@@ -84,46 +156,43 @@ def unsupported_reason(topology: Topology, manual_axes) -> str | None:
     return None
 
 
-def backend_name(config: DispatchConfig, topology: Topology, manual_axes) -> str:
-    """The backend this call runs on; raises ValueError when `ffi` is forced but cannot run."""
+def requested_backend(config: DispatchConfig) -> str:
+    """config.backend, or the env var JAX_HYBRIDEP_BACKEND when it is set."""
     requested = os.environ.get(BACKEND_ENV, config.backend)
     if requested not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={requested!r}; expected one of {BACKENDS}")
+    return requested
+
+
+def route_for(backend: str, topology: Topology) -> Route:
+    """The route of `backend` ("xla" or "ffi") on `topology`: its first implementation serving
+    the topology (no plan checked)."""
+    for impl in IMPLEMENTATIONS:
+        if impl.backend == backend and impl.serves(topology):
+            return impl.build(topology)
+    raise ValueError(f"no {backend!r} implementation serves platform {topology.platform!r}")
+
+
+def select(config: DispatchConfig, topology: Topology, manual_axes, plan: DispatchPlan) -> Route:
+    """The route this call runs: the first implementation of the requested backend that serves
+    the topology and the plan; `auto` falls back to `xla`, a forced `ffi` raises ValueError."""
+    requested = requested_backend(config)
     if requested == "xla":
-        return "xla"
-    if requested == "auto" and topology.platform == "gpu" and not GPU_AUTO:
-        return "xla"
+        return route_for("xla", topology)
     reason = unsupported_reason(topology, manual_axes)
     if reason is None:
-        return "ffi"
+        for impl in IMPLEMENTATIONS:
+            if impl.backend != "ffi" or not impl.serves(topology):
+                continue
+            if requested == "auto" and not impl.auto_pick:
+                return route_for("xla", topology)
+            route = impl.build(topology)
+            reason = route.bottom.unsupported_reason(plan)
+            if reason is None:
+                return route
+            break
     if requested == "ffi":
         raise ValueError(
             f"backend='ffi' cannot run this dispatch: {reason}. Use backend='xla' or 'auto'."
         )
-    return "xla"
-
-
-def route_for(backend: str, topology: Topology) -> Route:
-    """The route of `backend` ("xla" or "ffi") on `topology`."""
-    num_levels = len(topology.levels)
-    if backend == "xla":
-        return Route("xla", layout_steps.JnpLayout(), (xla_steps.XlaLevel(),) * num_levels,
-                     xla_steps.XlaRows(), fp8_wire="split")  # fmt: skip
-    if topology.platform == "gpu":
-        slow = (xla_steps.XlaLevel(),) * (num_levels - 1)
-        return Route("ffi", layout_steps.CudaLayout(), slow, cuda.CudaBottom(), fp8_wire="fused")
-    layout = (
-        layout_steps.HostLayout() if topology.single_process else layout_steps.HostGatheredLayout()
-    )
-    if num_levels == 1 and topology.level_local[0]:
-        return Route("ffi", layout, (), host_fused.HostFused(), fp8_wire="bytes")
-    levels = tuple(
-        host_steps.HostDirectLevel() if local else host_steps.HostPackedLevel()
-        for local in topology.level_local
-    )
-    return Route("ffi", layout, levels, host_steps.HostRows(), fp8_wire="bytes")
-
-
-def route(config: DispatchConfig, topology: Topology, manual_axes) -> Route:
-    """The route this call runs (backend selection included)."""
-    return route_for(backend_name(config, topology, manual_axes), topology)
+    return route_for("xla", topology)

@@ -8,33 +8,85 @@ into expert-major rows. Combine and the VJPs come back through the records, fast
 
 Records are registered pytree dataclasses with named fields: one class per step kind, all
 level records carrying `send_slot` and `held_dest` (what every kind's `pick` and the traffic
-count need).
+count need). What every step is handed is computed once per call and carried: the `Shard` (EP
+rank, group, its place in the fastest level) and combine's `RowWeights`. The helpers at the end
+are the ones more than one step kind uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from jax_hybridep.config import DispatchPlan
 
+if TYPE_CHECKING:
+    from jax_hybridep.exchange.wire import WireForm
+
 
 def pytree_record(cls):
-    """Registers a dataclass whose fields are all arrays (or pytrees of them) as a pytree."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+    """Registers a dataclass whose fields are arrays (or pytrees of them) as a pytree; a field
+    with `metadata=dict(static=True)` is static (part of the tree's structure)."""
+    fields = dataclasses.fields(cls)
+    static = [f.name for f in fields if f.metadata.get("static")]
+    data = [f.name for f in fields if not f.metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=static)
+
+
+@dataclasses.dataclass(frozen=True)
+class FastLevel:
+    """The fastest level as one rank sees it (what a bottom spanning it needs)."""
+
+    level: int  # index in the topology (the last)
+    size: int  # ranks in the level group
+    coord: jax.Array  # this rank's coordinate in it
+    group: jax.Array  # the level group's id
+
+
+jax.tree_util.register_dataclass(
+    FastLevel, data_fields=["coord", "group"], meta_fields=["level", "size"]
+)
 
 
 @pytree_record
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Who this shard is: its EP rank and EP-group id (int32 scalars, from `axis_index`)."""
+    """Who this shard is, computed once per dispatch and carried in the handle: its EP rank and
+    EP-group id (int32 scalars, from `axis_index`) and its place in the fastest level."""
 
     rank: jax.Array
     group: jax.Array
+    fast: FastLevel
+
+    @classmethod
+    def of(cls, plan: DispatchPlan, rank, group) -> Shard:
+        last = len(plan.topology.levels) - 1
+        coord, level_group = _level_peer(plan, last, rank, group)
+        return cls(rank, group, FastLevel(last, plan.topology.level_sizes[last], coord,
+                                          level_group))  # fmt: skip
+
+
+@pytree_record
+@dataclasses.dataclass(frozen=True)
+class RowWeights:
+    """Combine's per-row weights as every bottom takes them: [C] float32, and whether the
+    combine is weighted (a static flag; unweighted, the values are zeros the handlers ignore,
+    made here once: `unweighted`)."""
+
+    values: jax.Array
+    weighted: bool = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def unweighted(cls, plan: DispatchPlan) -> RowWeights:
+        return cls(jnp.zeros((plan.rows,), jnp.float32), False)
+
+    @property
+    def given(self):
+        """The values when weighted, else None (for the jnp steps)."""
+        return self.values if self.weighted else None
 
 
 @pytree_record
@@ -55,6 +107,7 @@ class Layout:
     """What the layout step gives every (t, k) (per shard)."""
 
     row_pos: jax.Array  # [T, K] int32: destination row, -1 when invalid or dropped
+    dest: jax.Array  # [T, K] int32: destination EP rank of each kept (t, k), -1 otherwise
     group_sizes: jax.Array  # [L] int32: rows per local slot of this rank
     tokens_per_expert: jax.Array  # [E] int32: over the EP group, before drops
     dropped: jax.Array  # [] int32: this shard's rows dropped over capacity
@@ -100,10 +153,15 @@ class Bottom(Protocol):
 
     spans_level: bool
 
-    def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
-        """(tokens [C, H], scales, row weights [C], the bottom's record). With FP8 on the wire
-        the tokens are dequantised to plan.row_dtype and scales is None, or, with fp8_rows, the
-        tokens are the e4m3fn payload and scales [C, nb] float32; otherwise scales is None."""
+    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+        """Why this bottom cannot serve the plan (route selection asks, before tracing anything),
+        or None."""
+
+    def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
+        """(tokens [C, H], scales, row weights [C], the bottom's record); `form` says how the held
+        rows travel (exchange/wire.py). With FP8 on the wire the tokens are dequantised to
+        plan.row_dtype and scales is None, or, with fp8_rows, the tokens are the e4m3fn payload
+        and scales [C, nb] float32; otherwise scales is None."""
 
     def redispatch(self, plan: DispatchPlan, shard: Shard, record, g):
         """Rows [C, H] of the held g [M, H] along the dispatch (combine's VJP)."""
@@ -112,9 +170,9 @@ class Bottom(Protocol):
         """A weighted combine's VJP from the held g: (rows * weights rounded to g's dtype,
         weight_grad.row_dot of y and the rows)."""
 
-    def partials(self, plan: DispatchPlan, shard: Shard, record, y, weights):
+    def partials(self, plan: DispatchPlan, shard: Shard, record, y, weights: RowWeights):
         """[M, H] in y's dtype: per held item its rows summed in ascending k in float32
-        (times `weights` unless None), over the spanned level when there is one."""
+        (times the weights when weighted), over the spanned level when there is one."""
 
     def row_values(self, plan: DispatchPlan, shard: Shard, record, values):
         """[M, K] float32: values [C] of each row returned to its held (item, k); 0 elsewhere."""
@@ -126,12 +184,16 @@ class Bottom(Protocol):
 # ----------------------------------------------------------------------------- level geometry
 
 
+def _level_peer(plan: DispatchPlan, level: int, rank, group):
+    size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
+    coord = (rank // stride) % size
+    return coord, group * plan.ep_size + (rank - coord * stride)
+
+
 def level_peer(plan: DispatchPlan, level: int, shard: Shard):
     """This rank's coordinate in `level` and an id of its level group (the ranks differing from it
     only in that coordinate): the rendezvous and the GPU windows are keyed by it."""
-    size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
-    coord = (shard.rank // stride) % size
-    return coord, shard.group * plan.ep_size + (shard.rank - coord * stride)
+    return _level_peer(plan, level, shard.rank, shard.group)
 
 
 def copies_to_others(plan: DispatchPlan, level: int, rank, sent):
@@ -139,22 +201,6 @@ def copies_to_others(plan: DispatchPlan, level: int, rank, sent):
     size, stride = plan.topology.level_sizes[level], plan.topology.level_strides[level]
     others = jnp.arange(size) != (rank // stride) % size
     return jnp.sum(sent & others.reshape((size,) + (1,) * (sent.ndim - 1)), dtype=jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class FastLevel:
-    """The fastest level, as a bottom that spans it sees it from one rank."""
-
-    level: int  # index in the topology (the last)
-    size: int  # ranks in the level group
-    coord: jax.Array  # this rank's coordinate in it
-    group: jax.Array  # the level group's id
-
-
-def fast_level(plan: DispatchPlan, shard: Shard) -> FastLevel:
-    last = len(plan.topology.levels) - 1
-    coord, level_group = level_peer(plan, last, shard)
-    return FastLevel(last, plan.topology.level_sizes[last], coord, level_group)
 
 
 def fast_dest(fast: FastLevel, held_dest):
@@ -170,11 +216,32 @@ def span_copies(fast: FastLevel, dest):
 
 
 class SpanningBottom:
-    """What every bottom spanning the fastest level shares: `spans_level`, and the level's copies
-    counted from its record's `dest` ([M, K] int32, each held (item, k)'s coordinate in the level,
-    -1 for none)."""
+    """What every bottom spanning the fastest level shares: `spans_level`, no plan it refuses by
+    default, and the level's copies counted from its record's `dest` ([M, K] int32, each held
+    (item, k)'s coordinate in the level, -1 for none)."""
 
     spans_level = True
 
+    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+        return None
+
     def copies(self, plan: DispatchPlan, shard: Shard, record):
-        return span_copies(fast_level(plan, shard), record.dest)
+        return span_copies(shard.fast, record.dest)
+
+
+# ----------------------------------------------------------------------------- shared by steps
+
+
+def append_zero_row(x):
+    """x with one zero row appended: index len(x) then reads zeros (gathers of 'no row')."""
+    return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
+
+
+def level_all_to_all(plan: DispatchPlan, level: int, x):
+    """Tiled all_to_all over one level's axes: chunk p of axis 0 goes to peer p."""
+    return jax.lax.all_to_all(x, plan.topology.levels[level], 0, 0, tiled=True)
+
+
+def item_row_values(plan: DispatchPlan, held_pos, values):
+    """[M, K] float32: values [C] of each held (item, k)'s row; 0 where it has none."""
+    return append_zero_row(values)[jnp.where(held_pos >= 0, held_pos, plan.rows)]

@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange import wire
-from jax_hybridep.exchange.steps import Items, Shard, copies_to_others
+from jax_hybridep.exchange.steps import Items, RowWeights, Shard, copies_to_others
+from jax_hybridep.exchange.wire import WireForm
 from jax_hybridep.handle import Handle
 
 
@@ -24,13 +24,14 @@ def dispatch(route, plan: DispatchPlan, x, weights, row_pos, dest, row_end, shar
     """(tokens [C, H], FP8 scales or None, row weights [C], Handle) for x [T, H] (or FP8
     (q, scales)) with per-(t, k) weights, rows and destination EP ranks from the layout
     (row_end: this rank's sum(group_sizes))."""
-    rows, scales = wire.encode(route, plan, x)  # FP8: quantised once, here at the source
+    form = WireForm.of(route.carrier, bool(route.levels), plan)  # decided once per dispatch
+    rows, scales = form.encode(plan, x)  # FP8: quantised once, here at the source
     held = Items(rows, dest, row_pos, weights, scales)
     records = []
     for level, step in enumerate(route.levels):
         held, record = step.send(plan, level, shard, held)
         records.append(record)
-    tokens, scales, row_weights, bottom = route.bottom.expand(plan, shard, held)
+    tokens, scales, row_weights, bottom = route.bottom.expand(plan, shard, held, form)
     handle = Handle(row_pos, dest, row_end, shard, tuple(records), bottom, plan, route)
     return tokens, scales, row_weights, handle
 
@@ -70,8 +71,8 @@ def combine_vjp(handle: Handle, g, y, weights):
                                            weights)  # fmt: skip
 
 
-def combine(handle: Handle, y, weights):
-    """[T, H] in y's dtype: each token's rows summed in the §2.1.4 order (weights may be None)."""
+def combine(handle: Handle, y, weights: RowWeights):
+    """[T, H] in y's dtype: each token's rows summed in the §2.1.4 order."""
     partials = handle.route.bottom.partials(handle.plan, handle.shard, handle.bottom, y, weights)
     steps = list(zip(handle.route.levels, handle.levels, strict=True))
     for level in reversed(range(len(steps))):

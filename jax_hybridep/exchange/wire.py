@@ -2,21 +2,27 @@
 
 With `DispatchConfig(wire_dtype="float8_e4m3fn")` each token is quantised once, at the source, and
 every level moves payload and scales together, never requantising them. How they travel is the
-route's `fp8_wire`:
-* "split" (the xla steps): the e4m3fn payload's bytes as the items' rows and the float32 scales
+route's `Carrier`:
+* SPLIT (the xla steps): the e4m3fn payload's bytes as the items' rows and the float32 scales
   beside them; bytes because XLA:CPU widens f8 collectives to f16, which would double what
   crosses each level.
-* "bytes" (the host steps): one wire row of H payload bytes then the scales, which the
+* WIRE_ROWS (the host steps): one wire row of H payload bytes then the scales, which the
   row-moving handlers copy as they copy any row and the receiving handler dequantises while
   writing the expert-major rows.
-* "fused" (the GPU route): where the CUDA transport is the first level a token crosses (one
-  level), its send kernel quantises the token while writing it into each destination GPU's
+* SEND_QUANTISES (the GPU route): where the CUDA transport is the first level a token crosses
+  (one level), its send kernel quantises the token while writing it into each destination GPU's
   window; below slower levels the token is quantised by XLA at the source and its wire row
-  crosses them, then the transport, as bytes. Either way the receive kernel dequantises while
+  crosses them, then the transport, as bytes. Either way the receiving kernel dequantises while
   writing the expert-major rows (or writes the wire rows with fp8_rows).
+
+`WireForm.of(route, plan)` decides, once per dispatch, what the walk starts from and what the
+bottom's handler is handed; the steps and bottoms ask it instead of branching on the config.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -26,53 +32,89 @@ from jax_hybridep.config import DispatchPlan
 from jax_hybridep.exchange.ffi_call import call
 
 
-def encode(route, plan: DispatchPlan, x):
-    """(rows, scales) the walk starts from: (x, None) in x's dtype, else x quantised (or the
-    given (q, scales)) in the route's FP8 wire form."""
-    if plan.config.wire_dtype is None:
-        return x, None
-    if route.fp8_wire is None:
-        raise ValueError(
-            f"route {route.backend!r} does not carry wire_dtype={plan.config.wire_dtype!r}"
-        )
-    given = isinstance(x, tuple)
-    if route.fp8_wire == "split":
-        q, scales = x if given else fp8.quantize(x)
-        return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
-    if route.fp8_wire == "fused" and not given and not route.levels:
-        return x, None  # the transport's send kernel quantises it
-    if given or route.fp8_wire == "fused":
-        return fp8.to_wire(*(x if given else fp8.quantize(x))), None
-    tokens, hidden = x.shape
-    wire = jax.ShapeDtypeStruct((tokens, fp8.wire_bytes(hidden)), jnp.uint8)
-    return call("fp8_quantize", wire, x, like=(x,), plan=plan), None
+class Carrier(enum.Enum):
+    """How a route's steps carry FP8 payload and scales (see the module docstring)."""
+
+    SPLIT = "split"
+    WIRE_ROWS = "wire_rows"
+    SEND_QUANTISES = "send_quantises"
 
 
-def host_rows(plan: DispatchPlan, rows):
-    """(output type [C, ...], wire_hidden) of a host handler writing expert-major rows from held
-    rows: rows' own type (wire_hidden 0), dequantised FP8 wire rows in plan.row_dtype
-    (wire_hidden H), or the wire rows themselves with fp8_rows (wire_hidden 0)."""
-    config = plan.config
-    if config.wire_dtype is None or rows.dtype != jnp.uint8 or config.fp8_rows:
-        return jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype), 0
-    return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype), plan.hidden
+class Encoding(enum.Enum):
+    """What the walk starts from."""
+
+    PLAIN = "plain"  # the tokens as they are (no FP8 on the wire, or the send quantises them)
+    SPLIT = "split"  # the e4m3fn payload's bytes, the scales beside them
+    WIRE_ROWS = "wire_rows"  # one uint8 wire row per token (payload, then scales)
 
 
-def transport_rows(plan: DispatchPlan, x):
-    """The type of the rows the CUDA transport writes from held x: x's own, or with FP8 on the
-    wire the dequantised rows in plan.row_dtype, or the wire rows themselves with fp8_rows."""
-    config = plan.config
-    if config.wire_dtype is None:
-        return jax.ShapeDtypeStruct((plan.rows, x.shape[1]), x.dtype)
-    if config.fp8_rows:
-        return jax.ShapeDtypeStruct((plan.rows, fp8.wire_bytes(plan.hidden)), jnp.uint8)
-    return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype)
+@dataclasses.dataclass(frozen=True)
+class WireForm:
+    """How one dispatch's tokens travel on its route (static; docs/design.md §2.1.8).
+
+    Attributes:
+      encoding: what the walk starts from.
+      quantiser: who quantises at the source: None (nobody: no FP8, or x given quantised),
+        "jnp", "host" (the fp8_quantize handler) or "send" (the CUDA send kernel).
+      fp8_hidden: H when the rows the bottom's handler writes come from FP8 wire rows (or are
+        quantised into them by the send), else 0: the handlers' `fp8_hidden` attribute.
+      fp8_rows: the rows are delivered as FP8 payload and scales (DispatchConfig.fp8_rows).
+    """
+
+    encoding: Encoding
+    quantiser: str | None
+    fp8_hidden: int
+    fp8_rows: bool
+
+    @classmethod
+    def of(cls, carrier: Carrier | None, walks_levels: bool, plan: DispatchPlan) -> WireForm:
+        """The form of `plan` on a route whose steps carry FP8 as `carrier` (None: no FP8 built)
+        and that walks `walks_levels` levels before its bottom."""
+        config = plan.config
+        if config.wire_dtype is None:
+            return cls(Encoding.PLAIN, None, 0, False)
+        if carrier is None:
+            raise ValueError(f"this route does not carry wire_dtype={config.wire_dtype!r}")
+        given = plan.row_dtype == "float8_e4m3fn"  # dispatch got x = (q, scales)
+        if carrier is Carrier.SPLIT:
+            return cls(Encoding.SPLIT, None if given else "jnp", 0, config.fp8_rows)
+        if carrier is Carrier.SEND_QUANTISES and not given and not walks_levels:
+            return cls(Encoding.PLAIN, "send", plan.hidden, config.fp8_rows)
+        quantiser = None if given else ("jnp" if carrier is Carrier.SEND_QUANTISES else "host")
+        return cls(Encoding.WIRE_ROWS, quantiser, plan.hidden, config.fp8_rows)
+
+    def encode(self, plan: DispatchPlan, x):
+        """(rows, scales) the walk starts from, from x [T, H] (or the given (q, scales))."""
+        if self.encoding is Encoding.PLAIN:
+            return x, None
+        if self.quantiser is None:
+            q, scales = x
+        elif self.quantiser == "host":
+            tokens, hidden = x.shape
+            wire = jax.ShapeDtypeStruct((tokens, fp8.wire_bytes(hidden)), jnp.uint8)
+            return call("fp8_quantize", wire, x, like=(x,), plan=plan), None
+        else:
+            q, scales = fp8.quantize(x)
+        if self.encoding is Encoding.SPLIT:
+            return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
+        return fp8.to_wire(q, scales), None
+
+    def handler_rows(self, plan: DispatchPlan, rows) -> jax.ShapeDtypeStruct:
+        """The type of the expert-major rows [C, ...] a handler writes from held rows: the rows'
+        own, the dequantised rows in plan.row_dtype, or FP8 wire rows with fp8_rows."""
+        if self.encoding is Encoding.PLAIN and self.quantiser is None:
+            return jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype)
+        if self.fp8_rows:
+            return jax.ShapeDtypeStruct((plan.rows, fp8.wire_bytes(plan.hidden)), jnp.uint8)
+        return jax.ShapeDtypeStruct((plan.rows, plan.hidden), plan.row_dtype)
+
+    def delivered(self, plan: DispatchPlan, tokens):
+        """(tokens, scales) as dispatch returns them from the rows a handler wrote: FP8 wire rows
+        (fp8_rows) split into the e4m3fn payload and scales, anything else as it is."""
+        if self.fp8_rows:
+            return fp8.from_wire(tokens, plan.hidden)
+        return tokens, None
 
 
-def handler_tokens(plan: DispatchPlan, tokens):
-    """(tokens, scales) as dispatch returns them from the rows a handler (host or CUDA) wrote:
-    split into the e4m3fn payload and scales when they are FP8 wire rows (fp8_rows), else as
-    they are."""
-    if plan.config.wire_dtype is not None and tokens.dtype == jnp.uint8:
-        return fp8.from_wire(tokens, plan.hidden)
-    return tokens, None
+# Rows that are what they are: no FP8 anywhere (also what the VJPs carry, always 16-bit).
+PLAIN = WireForm(Encoding.PLAIN, None, 0, False)

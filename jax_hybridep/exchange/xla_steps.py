@@ -17,23 +17,17 @@ import jax.numpy as jnp
 
 from jax_hybridep import compat, fp8, weight_grad
 from jax_hybridep.config import DispatchPlan
-from jax_hybridep.exchange.steps import Items, LevelRecord, Shard, pytree_record
-
-
-def append_zero_row(x):
-    """x with one zero row appended: index len(x) then reads zeros (gathers of 'no row')."""
-    return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
-
-
-def level_all_to_all(plan: DispatchPlan, level: int, x):
-    """Tiled all_to_all over one level's axes: chunk p of axis 0 goes to peer p."""
-    return jax.lax.all_to_all(x, plan.topology.levels[level], 0, 0, tiled=True)
-
-
-def item_row_values(plan: DispatchPlan, held_pos, values):
-    """[M, K] float32: values [C] of each held (item, k)'s row; 0 where it has none."""
-    return append_zero_row(values)[jnp.where(held_pos >= 0, held_pos, plan.rows)]
-
+from jax_hybridep.exchange.steps import (
+    Items,
+    LevelRecord,
+    RowWeights,
+    Shard,
+    append_zero_row,
+    item_row_values,
+    level_all_to_all,
+    pytree_record,
+)
+from jax_hybridep.exchange.wire import WireForm
 
 # ----------------------------------------------------------------------------- level
 
@@ -147,7 +141,10 @@ class XlaRows:
 
     spans_level = False
 
-    def expand(self, plan: DispatchPlan, shard: Shard, held: Items):
+    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+        return None
+
+    def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
         flat_pos = held.pos.reshape(-1)
         target = jnp.where(flat_pos >= 0, flat_pos, plan.rows)
         items = held.pos.shape[0]
@@ -157,7 +154,7 @@ class XlaRows:
         if held.scales is not None:  # FP8 on the wire: the payload's bytes and the scales
             tokens = jax.lax.bitcast_convert_type(tokens, jnp.float8_e4m3fn)
             scales = append_zero_row(held.scales)[row_src]
-            if not plan.config.fp8_rows:
+            if not form.fp8_rows:
                 tokens, scales = fp8.dequantize(tokens, scales, plan.row_dtype), None
         row_weights = (
             jnp.zeros(plan.rows, jnp.float32).at[target].set(held.weights.reshape(-1), mode="drop")
@@ -172,12 +169,13 @@ class XlaRows:
         scaled = (rows.astype(jnp.float32) * weights[:, None]).astype(rows.dtype)
         return scaled, weight_grad.row_dot(plan.topology.platform, y, rows)
 
-    def partials(self, plan: DispatchPlan, shard: Shard, record: XlaRowsRecord, y, weights):
+    def partials(self, plan: DispatchPlan, shard: Shard, record: XlaRowsRecord, y,
+                 weights: RowWeights):  # fmt: skip
         rows = y.astype(jnp.float32)
-        if weights is not None:
+        if weights.weighted:
             # The barrier keeps XLA from contracting this multiply with the adds below into an
             # FMA, which the host kernels (built with -ffp-contract=off) do not do.
-            rows = jax.lax.optimization_barrier(rows * weights[:, None])
+            rows = jax.lax.optimization_barrier(rows * weights.values[:, None])
         rows = append_zero_row(rows)
         held_pos = record.held_pos
         acc = jnp.zeros((held_pos.shape[0], y.shape[1]), jnp.float32)
