@@ -32,8 +32,8 @@ from jax_hybridep.exchange.wire import WireForm
 # ----------------------------------------------------------------------------- level
 
 
-def _route_level(plan: DispatchPlan, level: int, held_dest):
-    """For held items [M] with destinations [M, K]: their peer per k and the send layout.
+def _level_sends(plan: DispatchPlan, level: int, held_dest):
+    """For held items [M] with destinations [M, K]: their peer per k and their send slots.
 
     Returns (coord [M, K]: the peer at this level of each k's destination, -1 for none;
     send_item [S, M]: slot (p, j) -> item, -1 for empty; send_slot [M, S]: item -> its slot on p).
@@ -85,7 +85,7 @@ class XlaLevel:
 
     def send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
         k = plan.k
-        coord, send_item, send_slot = _route_level(plan, level, held.dest)
+        coord, send_item, send_slot = _level_sends(plan, level, held.dest)
         meta = jnp.concatenate(
             [_pack_metadata(send_item, coord, held.dest, -1),
              _pack_metadata(send_item, coord, held.pos, -1)], axis=1)  # fmt: skip

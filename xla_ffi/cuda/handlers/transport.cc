@@ -65,7 +65,7 @@ ffi::ErrorOr<Begun> BeginExchange(cudaStream_t stream, int32_t device, SiteState
   RankWindow* view = site.window;
   if (Status s = WindowError(*view); !s.ok()) return ffi::Unexpected(ToError(s));
   Begun b{};
-  b.ex.window = WindowLayoutFor(geometry);
+  b.ex.window = WindowRegionsFor(geometry);
   b.ex.own = view->bases[site.rank];
   b.ex.ranks = static_cast<int32_t>(attrs.num_ranks);
   b.ex.rank = site.rank;

@@ -47,7 +47,7 @@ namespace jax_hybridep {
 
 // What every kernel of one exchange needs, besides the peers.
 struct ExchangeParams {
-  WindowLayout window;
+  WindowRegions window;
   char* own;              // this rank's window, as this device addresses it
   int32_t ranks;          // S, the level's GPUs
   int32_t rank;           // this GPU's coordinate in the level

@@ -10,8 +10,8 @@ constexpr int64_t kAlign = 256;
 int64_t AlignUp(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
-WindowLayout WindowLayoutFor(const WindowGeometry& geometry) {
-  WindowLayout w{};
+WindowRegions WindowRegionsFor(const WindowGeometry& geometry) {
+  WindowRegions w{};
   w.slot_stride = (geometry.row_bytes + 15) / 16 * 16;
   w.slots = geometry.ranks * geometry.items;
   int64_t at = 0;
@@ -30,7 +30,7 @@ WindowLayout WindowLayoutFor(const WindowGeometry& geometry) {
 }
 
 size_t WindowBytes(const WindowGeometry& geometry) {
-  return static_cast<size_t>(WindowLayoutFor(geometry).total);
+  return static_cast<size_t>(WindowRegionsFor(geometry).total);
 }
 
 }  // namespace jax_hybridep

@@ -21,7 +21,7 @@ struct WindowGeometry {
 };
 
 // Byte offsets of a window's regions from its base.
-struct WindowLayout {
+struct WindowRegions {
   int64_t slot_stride;  // bytes of one payload slot (row bytes rounded up to 16)
   int64_t slots;        // slots per half: ranks * items (dense dispatch slots or combine partials)
   int64_t payload[2];   // [slots, slot_stride] each: the halves exchanges alternate between
@@ -32,7 +32,7 @@ struct WindowLayout {
   int64_t total;
 };
 
-WindowLayout WindowLayoutFor(const WindowGeometry& geometry);
+WindowRegions WindowRegionsFor(const WindowGeometry& geometry);
 size_t WindowBytes(const WindowGeometry& geometry);
 
 // Where this rank's first failed wait is recorded: in mapped host memory, written once.

@@ -182,7 +182,7 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
   TransportError* error = gpu.Zeros<TransportError>(1);
   auto exchange = [&](int64_t blocks, int64_t bytes, uint32_t site) {
     ExchangeParams ex{};
-    ex.window = WindowLayoutFor(geometry);
+    ex.window = WindowRegionsFor(geometry);
     ex.own = peers.base[0];
     ex.ranks = 1;
     ex.rank = 0;
@@ -253,7 +253,7 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
               gpu.Download(info, 2) == h_info && gpu.Download(send_slot, mp) == h_send,
           "the slot-map kernels disagree with the host reference");
   const char* host_x = reinterpret_cast<const char*>(pattern.data());
-  const int64_t stride = WindowLayoutFor(geometry).slot_stride;
+  const int64_t stride = WindowRegionsFor(geometry).slot_stride;
   std::vector<char> slots(T * stride), wire(T * stride), want(C * row_bytes),
       want_fp8(C * row_bytes);
   for (int64_t t = 0; t < T; ++t) {

@@ -123,7 +123,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
   }
   const int64_t dispatch_bytes = fp8_hidden > 0 ? Fp8WireBytes(fp8_hidden) : x_row_bytes;
   const WindowGeometry geometry{R, M, std::max(dispatch_bytes, row_bytes)};
-  const WindowLayout layout = WindowLayoutFor(geometry);
+  const WindowRegions layout = WindowRegionsFor(geometry);
   PeerWindows peers{};
   for (int64_t r = 0; r < R; ++r) peers.base[r] = gpu(r).Zeros<char>(layout.total);
   void* host_error = nullptr;
