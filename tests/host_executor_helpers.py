@@ -87,7 +87,7 @@ def run_transport(
     send_blocks: int = 2,
     seed: int = 0,
     sms: int = 2,
-    optin_smem: int = 232448,
+    optin_smem: int | None = None,
     copy_probability: float = 0.25,
     **kw,
 ) -> dict:
@@ -96,6 +96,10 @@ def run_transport(
     tests/transport_helpers.py Rounds, one per exchange round on the same windows."""
     from transport_helpers import run_harness
 
+    from jax_hybridep import _native
+
+    if optin_smem is None:  # the opt-in shared memory of an sm_90 block, as the kernels plan it
+        optin_smem = _native.limits()["shared_budget"]
     module.configure(seed=seed, gpus=rounds[0].R, sms=sms, optin_smem=optin_smem,
                      copy_probability=copy_probability)  # fmt: skip
     return run_harness(module, rounds, weighted, send_blocks=send_blocks, per_rank_devices=True,
