@@ -6,6 +6,7 @@ is off here (`--xla_backend_optimization_level=0`; benchmarks and the examples k
 """
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
@@ -32,6 +33,24 @@ def _fresh_error_log():
         hep.check_errors()  # takes every recorded failure at once
     except (hep.StrictModeError, hep.TransportError):
         pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_compilation_caches():
+    """Each test file's compiled programs dropped after it: every XLA:CPU executable holds a few
+    memory mappings, and one process running the whole suite must stay below the kernel's
+    vm.max_map_count (65530), past which LLVM cannot map the next program's code and aborts."""
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _release_host_executor():
+    """After a test that ran the host executor, its run's threads, stacks and memory freed."""
+    yield
+    helpers = sys.modules.get("host_executor_helpers")
+    if helpers is not None:
+        helpers.release()
 
 
 @pytest.fixture

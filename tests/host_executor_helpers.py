@@ -53,13 +53,25 @@ def build(targets: list[str]) -> None:
         _run([_tool("cmake"), "--build", str(BUILD), "--target", *targets])
 
 
+_LOADED: list = []  # every module loaded, for release()
+
+
 def load(target: str):
     """The built module of `target` (its init name is MODULE whatever the file's name)."""
     (path,) = BUILD.glob(f"{target}.*.so")
     spec = importlib.util.spec_from_file_location(MODULE, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    _LOADED.append(module)
     return module
+
+
+def release() -> None:
+    """Frees every loaded module's last run (tests/conftest.py, after each test): a failed run
+    keeps thousands of fiber stacks, two mappings each, and the suite's XLA compiles later in the
+    same process failed once the process neared vm.max_map_count (65530 mappings)."""
+    for module in _LOADED:
+        module.release()
 
 
 @functools.cache

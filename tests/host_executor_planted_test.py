@@ -123,3 +123,23 @@ def test_the_working_tree_passes_the_same_round(name):
     hx = executor()
     got = run_transport(hx, [case], True, seed=2, **bug.kw)
     check_round(hx, got, 0, case, True, name)
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_a_failed_run_gives_back_its_stacks_when_released(modules):
+    """A failed run leaves its threads where they stopped; release() frees them and unmaps their
+    stacks (a guard page and a stack each). Kept, they pushed CI's pytest process to
+    vm.max_map_count and LLVM aborted compiling a later test's program."""
+    name = next(iter(BUGS))
+    modules[name].release()
+    before = _mappings()
+    with pytest.raises(RuntimeError, match=BUGS[name].report):
+        run_transport(modules[name], [_round(BUGS[name])], True, seed=2, **BUGS[name].kw)
+    held = _mappings() - before
+    assert held > 200, f"the failed run holds only {held} mappings: it proves nothing"
+    modules[name].release()
+    assert _mappings() - before < 20

@@ -57,6 +57,10 @@ NB_MODULE(JAX_HYBRIDEP_HOST_MODULE, m) {
         return d;
       },
       "Counters of the current run.");
+  m.def("release", &hx::Reset,
+        "Ends the current run and frees what it holds: its threads and their stacks (a failed "
+        "run leaves them), its device and host memory, its streams; the settings stay. A pytest "
+        "process goes on compiling XLA programs, which need the mappings and memory back.");
   m.def("run_probe", &hx::RunProbe, nb::arg("name"), nb::arg("arg") = 0,
         "Runs a probe kernel (xla_ffi/cuda/host/probes.cu) and returns its outputs.");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
