@@ -12,13 +12,13 @@ without a GPU; fails instead when JAX_HYBRIDEP_REQUIRE_GPU=1.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 from mp_launch import free_port
+from train_harness import python_path_env
 
 from jax_hybridep import _native
 
@@ -34,7 +34,7 @@ GPU_ENV = dict(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
 def _run_worker(*flags: str, env=GPU_ENV) -> dict:
     proc = subprocess.run(
         [sys.executable, str(WORKER), *flags],
-        env=dict(os.environ, **env),
+        env=python_path_env(**env),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -118,7 +118,7 @@ def test_one_process_per_gpu(gpu, tmp_path):
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), f"--process_id={i}", f"--num_processes={count}",
                  f"--port={port}"],
-                env=dict(os.environ, **GPU_ENV), stdout=out, stderr=err, text=True,
+                env=python_path_env(**GPU_ENV), stdout=out, stderr=err, text=True,
             ))  # fmt: skip
     try:
         for proc in procs:

@@ -8,7 +8,9 @@ dropless and a capacity, weighted and unweighted combine, it runs the MoE block 
 tests/harness.py on the ffi backend (CUDA handlers) and on the xla backend, values and gradients,
 and twice on ffi (the registered windows are reused); `--levels=hier` splits the GPUs as
 (node=2, local=N/2), the node level going through XLA all-to-alls. `--train` also trains the
-example MoE LM (examples/train_moe.py) a few steps on both backends. Prints one JSON line: per
+example MoE LM (examples/train_moe.py) a few steps on both backends (the `examples` package
+imported from the repository root: on PYTHONPATH, as tests/gpu_jax_test.py and
+scripts/gpu_check.sh set it). Prints one JSON line: per
 case, whether dispatch outputs are bitwise equal, the largest relative combine/gradient
 difference, whether those are bitwise, and whether the program ran the CUDA handlers; the
 training losses of both backends; whether the FP8 element step (`fp8.cast`, compiled for this
@@ -24,21 +26,18 @@ import argparse
 import gc
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from harness import all_axes_spec, make_mesh, moe_fn, random_routing
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-from harness import all_axes_spec, make_mesh, moe_fn, random_routing  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_hybridep as hep  # noqa: E402
-from jax_hybridep import _native, fp8  # noqa: E402
+import jax_hybridep as hep
+from jax_hybridep import _native, fp8
 
 
 def _global(mesh, a, spec):
@@ -85,20 +84,20 @@ def _max_diff(a, b) -> float:
 
 def _train(n, names):
     """Training losses of the example MoE LM on both backends (a few steps, tiny sizes)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-    import train_moe  # noqa: PLC0415
     from rich.console import Console  # noqa: PLC0415
+
+    from examples.main_job import main_job  # noqa: PLC0415  (the repository root on PYTHONPATH)
 
     mesh = ",".join(f"{a}={s}" for a, s in zip(names, (n,) if len(names) == 1 else (2, n // 2),
                                                 strict=True))  # fmt: skip
     losses = {}
     for backend in ("ffi", "xla"):
-        cfg = train_moe.TrainConfig(
+        cfg = main_job.TrainConfig(
             steps=8, batch=8, seq_len=32, d_model=64, d_ff=64, layers=2, heads=2, mesh=mesh,
             eval_every=4, eval_batches=2, progress=False, backend=backend,
             output_dir=f"/tmp/jax_hybridep_gpu_train_{backend}",
         )  # fmt: skip
-        metrics = train_moe.train(cfg, console=Console(file=open(os.devnull, "w")))  # noqa: SIM115
+        metrics = main_job.train(cfg, console=Console(file=open(os.devnull, "w")))  # noqa: SIM115
         losses[backend] = dict(backend=metrics["backend"],
                                train=[r["loss"] for r in metrics["train"]])  # fmt: skip
     return losses

@@ -232,7 +232,7 @@ def test_typed_errors_leaves_other_errors_alone():
 
 X64_CHILD = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
@@ -240,8 +240,7 @@ X64_CHILD = textwrap.dedent(
     import jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import PartitionSpec as P
-    sys.path.insert(0, sys.argv[1])
-    from harness import make_mesh, moe_fn
+    from harness import make_mesh, moe_fn  # tests/ on PYTHONPATH
     import jax_hybridep as hep
     from jax_hybridep import nn as hnn
 
@@ -276,8 +275,9 @@ X64_CHILD = textwrap.dedent(
 
 @pytest.mark.slow
 def test_x64_mode_works_on_every_backend_and_in_moe_block():
-    proc = subprocess.run([sys.executable, "-c", X64_CHILD, TESTS], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", X64_CHILD], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=path))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["xla"] == out["ffi"]  # bitwise, int64 ids and all

@@ -4,8 +4,6 @@ refused instead of dividing by zero, every alias of HF's config classes (`attrib
 honoured, and every error naming the field."""
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -14,11 +12,9 @@ from harness import make_mesh
 from safetensors.numpy import save_file
 
 import jax_hybridep as hep
+from examples.hf_moe_layer import TINY
 from jax_hybridep import nn as hnn
 from jax_hybridep.nn import hf
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-from hf_moe_layer import TINY  # noqa: E402
 
 
 def changed(name, **fields):

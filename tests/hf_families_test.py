@@ -8,8 +8,6 @@ backend) block: both meshes span the same 4 devices. Both backends' outputs must
 for bit (docs/design.md §2.1.4).
 """
 
-import os
-import sys
 import zlib
 
 import hf_reference as ref
@@ -21,11 +19,9 @@ from flax import nnx
 from harness import BACKENDS, make_mesh
 
 import jax_hybridep as hep
+from examples.hf_moe_layer import TINY  # the example's tiny config of each family
 from jax_hybridep import nn as hnn
 from jax_hybridep.nn import hf
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-from hf_moe_layer import TINY  # noqa: E402  (the example's tiny config of each family)
 
 BATCH, SEQ = 4, 8  # one sequence of 8 tokens per device
 MESHES = (((4,), ("ep",)), ((2, 2), ("node", "local")))

@@ -4,8 +4,6 @@ stacked layout, a replica placement), per-shard reads, one error naming every pr
 pooled load-balancing loss against its definition."""
 
 import json
-import os
-import sys
 import types
 
 import jax.numpy as jnp
@@ -17,12 +15,10 @@ from harness import make_mesh
 from safetensors.numpy import save_file
 
 import jax_hybridep as hep
+from examples.hf_moe_layer import TINY
 from jax_hybridep import balance
 from jax_hybridep import nn as hnn
 from jax_hybridep.nn import hf
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-from hf_moe_layer import TINY  # noqa: E402
 
 # What each family's tiny config maps to (the fields that differ from the defaults).
 EXPECTED = {

@@ -5,6 +5,11 @@ import still ties the two modules together) is an edge to the module it names: `
 to the submodule `p.m` when there is one, else to `p` itself. A package's `__init__` is the
 module named by the package. An import circle is a strongly connected set of two or more modules;
 the test names every one it finds.
+
+The tests and the examples import one another by name, never by path: no file under tests/ or
+examples/ imports a `*_test` module (shared helpers live in their own modules) or adds to
+`sys.path` (pytest puts tests/ and the repository root there; the examples' two scripts, run by
+path, replace their own folder with the root).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import ast
 import os
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jax_hybridep")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.join(REPO, "jax_hybridep")
 PACKAGE = "jax_hybridep"
 NATIVE = (  # compiled extension modules (built elsewhere; no imports)
     "jax_hybridep._hybridep",
@@ -117,3 +123,44 @@ def test_no_import_circle_in_jax_hybridep():
     assert "jax_hybridep.xdc.model.volumes" in graph["jax_hybridep.xdc.model.cost"]
     cycles = _cycles(graph)
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _seam_breaks(source: str, path: str) -> list[str]:
+    """Where `source` imports a test module or adds to sys.path."""
+    out = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
+            "sys.path.insert", "sys.path.append", "sys.path.extend"
+        ):  # fmt: skip
+            out.append(f"{path}:{node.lineno} adds to sys.path")
+            continue
+        else:
+            continue
+        if any(name.rpartition(".")[2].endswith("_test") for name in names):
+            out.append(f"{path}:{node.lineno} imports a test module")
+    return sorted(out, key=lambda line: int(line.split(":")[1].split()[0]))
+
+
+def test_seam_checker_finds_planted_breaks():
+    planted = "import sys\nsys.path.insert(0, 'x')\nfrom fp8_test import helper\nimport a.b_test\n"
+    assert _seam_breaks(planted, "p.py") == [
+        "p.py:2 adds to sys.path", "p.py:3 imports a test module", "p.py:4 imports a test module"
+    ]  # fmt: skip
+    assert _seam_breaks("import sys\nsys.path[0] = 'root'\nfrom harness import x\n", "ok.py") == []
+
+
+def test_tests_and_examples_import_no_test_module_and_leave_sys_path_alone():
+    breaks, files = [], 0
+    for folder in ("tests", "examples"):
+        for directory, _, names in os.walk(os.path.join(REPO, folder)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(directory, name)
+                with open(path) as f:
+                    breaks += _seam_breaks(f.read(), os.path.relpath(path, REPO))
+                files += 1
+    assert files > 60
+    assert not breaks, "\n".join(breaks)

@@ -1,26 +1,29 @@
-"""Shared setup of the tests that run the example training jobs in-process (examples/ on
-sys.path, the tiny model they train, one run with its printed text)."""
+"""Shared setup of the tests that run the example training jobs in-process (the `examples`
+package, imported from the repository root; the tiny model they train; one run with its printed
+text)."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
 import os
-import sys
 
 from rich.console import Console
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
+from examples.cross_dc_job import cross_dc_job  # noqa: F401  (re-exported: the cross-DC job)
+from examples.main_job import (  # noqa: F401  (re-exported: the main job and its parts)
+    main_job,
+    train_checkpoint,
+    train_config,
+    train_flags,
+)
 
-import cross_dc  # noqa: E402, F401  (re-exported: the cross-DC example)
-import train_checkpoint  # noqa: E402, F401  (re-exported: the checkpoint's reader)
-import train_config  # noqa: E402, F401  (re-exported: the flags' checks)
-import train_flags  # noqa: E402, F401  (re-exported: the command line)
-import train_moe  # noqa: E402
+# The folder of the examples' scripts (examples/train_moe.py, examples/cross_dc.py).
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+ROOT = os.path.dirname(EXAMPLES)
 
 # A model that compiles and trains in seconds on 8 fake CPU devices.
-TINY = train_moe.TrainConfig(
+TINY = main_job.TrainConfig(
     steps=3,
     batch=8,
     seq_len=32,
@@ -35,12 +38,19 @@ TINY = train_moe.TrainConfig(
 )
 
 
-def tiny(**changes) -> train_moe.TrainConfig:
+def tiny(**changes) -> main_job.TrainConfig:
     return dataclasses.replace(TINY, **changes)
 
 
 def train(cfg):
-    """Runs train_moe.train(cfg); returns (metrics dict, printed text)."""
+    """Runs main_job.train(cfg); returns (metrics dict, printed text)."""
     out = io.StringIO()
-    metrics = train_moe.train(cfg, console=Console(file=out, soft_wrap=True))
+    metrics = main_job.train(cfg, console=Console(file=out, soft_wrap=True))
     return metrics, out.getvalue()
+
+
+def python_path_env(**changes) -> dict[str, str]:
+    """This process's environment with the repository root first on PYTHONPATH (a child
+    `python -c` then imports the `examples` package), plus `changes`."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **changes)

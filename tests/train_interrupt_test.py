@@ -28,7 +28,7 @@ import time
 
 import pytest
 from mp_launch import worker_env
-from train_harness import EXAMPLES, TINY, train_checkpoint, train_moe
+from train_harness import EXAMPLES, TINY, main_job, python_path_env, train_checkpoint
 from train_harness import train as _train
 
 pytestmark = pytest.mark.usefixtures("no_backend_override")
@@ -122,7 +122,7 @@ def test_resume_after_sigterm_continues_bit_for_bit(contended, tmp_path):
     steps = step + 2
     # As on the command line (which has no --eval_batches: its default).
     cfg = dataclasses.replace(TINY, steps=steps, schedule_steps=1000, eval_every=1,
-                              eval_batches=train_moe.TrainConfig().eval_batches)  # fmt: skip
+                              eval_batches=main_job.TrainConfig().eval_batches)  # fmt: skip
     resumed, text = _train(dataclasses.replace(cfg, resume=True, output_dir=str(resumed_dir)))
     assert f"resumed from step {step}" in text
     whole, _ = _train(dataclasses.replace(cfg, output_dir=str(tmp_path / "whole")))
@@ -133,19 +133,18 @@ def test_resume_after_sigterm_continues_bit_for_bit(contended, tmp_path):
 
 
 DEADLINE = """
-import os, signal, sys, time
-sys.path.insert(0, {examples!r})
-import train_stop
-train_stop.install(1)
-train_stop.set_prefix("train_moe.py")
+import os, signal, time
+from examples.job_runtime import preemption
+preemption.install(1)
+preemption.set_prefix("train_moe.py")
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(120)  # a job that cannot reach its next step
 """
 
 
 def test_a_run_that_cannot_stop_in_time_ends_at_the_deadline():
-    proc = subprocess.run([sys.executable, "-c", DEADLINE.format(examples=EXAMPLES)],
-                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", DEADLINE], capture_output=True, text=True,
+                          timeout=100, env=python_path_env())  # fmt: skip
     assert proc.returncode == STOP_STATUS, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "train_moe.py: stopped by SIGTERM: no checkpoint committed within --stop_timeout_s=1 s; "
@@ -158,7 +157,7 @@ def _no_model(*args, **kwargs):
 
 
 def test_a_held_lock_is_refused_before_anything_is_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
     out = tmp_path / "out"
     out.mkdir()
     holder = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)
@@ -167,11 +166,11 @@ def test_a_held_lock_is_refused_before_anything_is_read(tmp_path, monkeypatch):
         owner = dict(pid=4242, host="elsewhere", script="train_moe.py", started=0)
         os.write(holder, json.dumps(owner).encode())
         cfg = dataclasses.replace(TINY, output_dir=str(out), resume=True)
-        with pytest.raises(train_moe.FlagError, match=(
+        with pytest.raises(main_job.FlagError, match=(
             f"^--output_dir={out} is in use by another run \\(train_moe.py, pid 4242 on host "
             "elsewhere, started .*\\): two runs would destroy each other's checkpoints"
         )):  # fmt: skip
-            train_moe.train(cfg)
+            main_job.train(cfg)
     finally:
         os.close(holder)
     assert os.listdir(out) == [".lock"]  # nothing read, nothing written
@@ -224,7 +223,7 @@ def test_a_checkpoint_with_files_removed_is_refused_before_orbax_reads_it(
     monkeypatch.setattr(train_checkpoint.ocp.CheckpointManager, "restore", no_orbax_read)
     monkeypatch.setattr(train_checkpoint.ocp.CheckpointManager, "item_metadata", no_orbax_read)
     ckpt = str(out / "checkpoint")
-    with pytest.raises(train_moe.ResumeError) as err:
+    with pytest.raises(main_job.ResumeError) as err:
         train_checkpoint.read_saved(ckpt, train_checkpoint.latest(ckpt))
     assert f"the checkpoint {ckpt}/3 {message}" in str(err.value)
     assert "AssertionError" not in str(err.value)

@@ -28,7 +28,15 @@ import sys
 import numpy as np
 import pytest
 from rich.console import Console
-from train_harness import EXAMPLES, TINY, train_checkpoint, train_config, train_flags, train_moe
+from train_harness import (
+    EXAMPLES,
+    TINY,
+    main_job,
+    python_path_env,
+    train_checkpoint,
+    train_config,
+    train_flags,
+)
 from train_harness import train as _train
 
 from jax_hybridep import traffic, xdc
@@ -73,13 +81,12 @@ def test_short_run_writes_its_outputs(first_run):
     assert os.listdir(os.path.join(cfg.output_dir, "checkpoint")) == ["3"]
 
 
-# Saves step 5 with train_moe's own save, in a process that dies just before the rename that
+# Saves step 5 with the main job's own save, in a process that dies just before the rename that
 # would commit it.
 CRASH_AT_COMMIT = """
-import os, sys
-sys.path.insert(0, {examples!r})
+import os
 import numpy as np
-import train_checkpoint
+from examples.main_job import train_checkpoint
 rename = os.rename
 def crash(src, dst, *args, **kwargs):
     if os.path.basename(os.fspath(dst)) == "5":
@@ -95,8 +102,8 @@ def test_resume_continues_from_the_saved_step_after_a_crashed_save(first_run):
     # Flags that may change on resume: the steps, the backend (bitwise alike), the eval cadence.
     cfg = dataclasses.replace(cfg, steps=5, resume=True, backend="xla", eval_every=1)
     ckpt = os.path.join(cfg.output_dir, "checkpoint")
-    code = CRASH_AT_COMMIT.format(examples=EXAMPLES, ckpt=ckpt)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    code = CRASH_AT_COMMIT.format(ckpt=ckpt)
+    env = python_path_env(JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 17, proc.stderr  # it died at the commit, as arranged
     entries = sorted(os.listdir(ckpt))
@@ -189,7 +196,7 @@ def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidt
         output_dir=str(tmp_path),
     )  # fmt: skip
     hlo = []
-    metrics = train_moe.train(cfg, Console(file=io.StringIO()), on_compile=hlo.append)
+    metrics = main_job.train(cfg, Console(file=io.StringIO()), on_compile=hlo.append)
     replans = metrics["replans"]
     assert [(r["step"], r["changed"]) for r in replans] == [(2, True), (4, False)]
     assert replans[0]["gbps"] == {"ep": 0.01}
@@ -248,10 +255,10 @@ def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidt
     ],
 )
 def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
     cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "out"), **changes)
-    with pytest.raises(train_moe.FlagError, match=message):
-        train_moe.train(cfg)
+    with pytest.raises(main_job.FlagError, match=message):
+        main_job.train(cfg)
     assert not os.path.exists(cfg.output_dir)  # nothing written either
 
 
@@ -267,7 +274,7 @@ def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monk
     ],
 )
 def test_bad_migration_flags_are_named_when_parsed(flags, message):
-    with pytest.raises(train_moe.FlagError, match=message):
+    with pytest.raises(main_job.FlagError, match=message):
         train_config.parse_migration(**flags)
 
 
@@ -289,11 +296,11 @@ def test_migration_flags_parse_into_one_value_and_back():
     ],
 )
 def test_output_dir_that_cannot_be_written_is_a_flag_error(tmp_path, monkeypatch, where, message):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
-    monkeypatch.setattr(train_moe.ByteData, "load", _no_model)  # checked before the data too
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
+    monkeypatch.setattr(main_job.ByteData, "load", _no_model)  # checked before the data too
     (tmp_path / "file").write_text("")
     cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / where))
-    with pytest.raises(train_moe.FlagError, match=message):
+    with pytest.raises(main_job.FlagError, match=message):
         train_config.check_config(cfg, [], None)
 
 
@@ -302,7 +309,7 @@ def test_dropless_is_spelled_none():
     assert TINY.capacity_factor is None and train_config.TrainConfig().capacity_factor is None
     assert parse(None) is None and parse("none") is None and parse("None") is None
     assert parse("1.25") == 1.25
-    with pytest.raises(train_moe.FlagError, match=r"--capacity_factor=x must be a number > 0"):
+    with pytest.raises(main_job.FlagError, match=r"--capacity_factor=x must be a number > 0"):
         parse("x")
 
 
@@ -327,21 +334,21 @@ def test_command_line_flag_error_is_one_line():
 
 
 def test_resume_without_a_checkpoint_names_the_directory(tmp_path, monkeypatch):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # found on disk, first
     cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "never_ran"), resume=True)
     ckpt = os.path.join(cfg.output_dir, "checkpoint")
-    with pytest.raises(train_moe.ResumeError, match=f"no checkpoint directory {ckpt} "):
-        train_moe.train(cfg)
+    with pytest.raises(main_job.ResumeError, match=f"no checkpoint directory {ckpt} "):
+        main_job.train(cfg)
 
 
 def test_resume_from_an_emptied_step_directory(first_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # found on disk, first
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5)
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
     shutil.rmtree(step_dir)
     os.mkdir(step_dir)
-    with pytest.raises(train_moe.ResumeError, match=f"the checkpoint {step_dir} is empty"):
-        train_moe.train(cfg)
+    with pytest.raises(main_job.ResumeError, match=f"the checkpoint {step_dir} is empty"):
+        main_job.train(cfg)
 
 
 def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
@@ -351,8 +358,8 @@ def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
         for name in files:
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"\x00garbage")
-    with pytest.raises(train_moe.ResumeError, match=f"the checkpoint {step_dir} is corrupt"):
-        train_moe.train(cfg)
+    with pytest.raises(main_job.ResumeError, match=f"the checkpoint {step_dir} is corrupt"):
+        main_job.train(cfg)
 
 
 @pytest.mark.parametrize(
@@ -375,11 +382,11 @@ def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
 def test_resume_refuses_a_checkpoint_of_another_model(
     first_run, tmp_path, monkeypatch, changes, flag, theirs, ours
 ):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # refused from the meta, first
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # refused from the meta, first
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, **changes)
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
-    with pytest.raises(train_moe.ResumeError) as excinfo:
-        train_moe.train(cfg)
+    with pytest.raises(main_job.ResumeError) as excinfo:
+        main_job.train(cfg)
     message = str(excinfo.value)
     assert message.startswith(
         f"--resume: the checkpoint {step_dir} was written with --{flag}={theirs}, this run has "
@@ -389,14 +396,14 @@ def test_resume_refuses_a_checkpoint_of_another_model(
 
 
 def test_resume_refuses_another_mesh(first_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, mesh="node=2,local=4")
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
-    with pytest.raises(train_moe.ResumeError, match=(
+    with pytest.raises(main_job.ResumeError, match=(
         f"^--resume: the checkpoint {step_dir} was written by 1 process on --mesh=ep=8; this run "
         "has 1 process on --mesh=node=2,local=4: resume with 1 process and --mesh=ep=8, or run"
     )):  # fmt: skip
-        train_moe.train(cfg)
+        main_job.train(cfg)
 
 
 def test_restore_names_the_flags_of_a_state_that_does_not_fit(first_run):
@@ -406,8 +413,8 @@ def test_restore_names_the_flags_of_a_state_that_does_not_fit(first_run):
     saved = train_checkpoint.read_saved(ckpt, 3)
     meta = dict(saved.meta, d_model=64)
     target = dict(params=dict(w=np.zeros(3, np.float32)))
-    with pytest.raises(train_moe.ResumeError) as excinfo:
-        train_checkpoint.restore(ckpt, 3, target, saved, meta, train_moe.MODEL_FLAGS)
+    with pytest.raises(main_job.ResumeError) as excinfo:
+        train_checkpoint.restore(ckpt, 3, target, saved, meta, main_job.MODEL_FLAGS)
     message = str(excinfo.value)
     assert message.startswith(f"--resume: the checkpoint {ckpt}/3 does not fit this run's model: ")
     assert "it was written with --d_model=32 (this run: 64)" in message
@@ -457,10 +464,10 @@ def test_resume_help_lists_the_flags_that_may_change():
 
 
 def test_resume_with_a_corrupt_metrics_file(first_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
+    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # found on disk, first
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5)
     path = os.path.join(cfg.output_dir, "metrics.json")
     with open(path, "w") as f:
         f.write('{"train": [')
-    with pytest.raises(train_moe.ResumeError, match=f"--resume: {path} cannot be read"):
-        train_moe.train(cfg)
+    with pytest.raises(main_job.ResumeError, match=f"--resume: {path} cannot be read"):
+        main_job.train(cfg)

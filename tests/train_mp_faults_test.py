@@ -26,6 +26,8 @@ import pytest
 from mp_launch import worker_env
 from train_harness import EXAMPLES
 
+from examples.job_runtime.processes import Processes
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = os.path.join(EXAMPLES, "train_moe.py")
@@ -200,12 +202,9 @@ class _Client:
 
 
 def test_the_coordinators_watch_names_a_lost_coordinator_at_once():
-    sys.path.insert(0, EXAMPLES)
-    import train_processes  # noqa: PLC0415
-
     lines = []
 
-    class Watched(train_processes.Processes):
+    class Watched(Processes):
         def die(self, line, dead=None):
             lines.append(line)
             self._stop.set()

@@ -33,7 +33,9 @@ import numpy as np
 import pytest
 from mp_launch import worker_env
 from rich.console import Console
-from train_harness import EXAMPLES, train_moe
+from train_harness import EXAMPLES, main_job
+
+from examples.job_runtime.processes import Processes, end_unexpected
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -65,12 +67,12 @@ def _env(**extra) -> dict[str, str]:
 
 def _one_process(flags: dict, out) -> dict:
     """The 1 process x 8 devices run of `flags` (in this process, the first 8 devices)."""
-    fields = {f.name for f in dataclasses.fields(train_moe.TrainConfig)}
-    cfg = train_moe.TrainConfig(
+    fields = {f.name for f in dataclasses.fields(main_job.TrainConfig)}
+    cfg = main_job.TrainConfig(
         **{k: v for k, v in flags.items() if k in fields},
         steps=STEPS, output_dir=str(out), progress=False,
     )  # fmt: skip
-    return train_moe.train(cfg, Console(file=io.StringIO()))
+    return main_job.train(cfg, Console(file=io.StringIO()))
 
 
 def _start(flags: dict, out, port: int) -> list[subprocess.Popen]:
@@ -224,17 +226,17 @@ def test_another_process_count_is_refused_on_resume(ffi_chain, tmp_path, monkeyp
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the checkpoint was refused")
 
-    monkeypatch.setattr(train_moe, "MoETransformer", no_model)
+    monkeypatch.setattr(main_job, "MoETransformer", no_model)
     out = tmp_path / "copy"
     shutil.copytree(ffi_chain["out"], out)
-    fields = {f.name for f in dataclasses.fields(train_moe.TrainConfig)}
-    cfg = train_moe.TrainConfig(
+    fields = {f.name for f in dataclasses.fields(main_job.TrainConfig)}
+    cfg = main_job.TrainConfig(
         **{k: v for k, v in FFI.items() if k in fields},
         steps=40, resume=True, output_dir=str(out), progress=False,
     )  # fmt: skip
     step_dir = os.path.join(out, "checkpoint", str(STEPS))
-    with pytest.raises(train_moe.ResumeError) as err:
-        train_moe.train(cfg, Console(file=io.StringIO()))
+    with pytest.raises(main_job.ResumeError) as err:
+        main_job.train(cfg, Console(file=io.StringIO()))
     assert str(err.value).startswith(
         f"--resume: the checkpoint {step_dir} was written by 2 processes on "
         "--mesh=node=2,local=4; this run has 1 process on --mesh=node=2,local=4: resume with 2 "
@@ -300,11 +302,9 @@ def test_launcher_stops_the_others_at_the_first_failure(tmp_path):
 
 
 def _recording_processes(count: int):
-    """(train_processes, a Processes of `count` whose exits are recorded instead of taken)."""
-    sys.path.insert(0, EXAMPLES)
-    import train_processes
+    """A Processes of `count` whose exits are recorded instead of taken."""
 
-    class Recording(train_processes.Processes):
+    class Recording(Processes):
         def __init__(self):
             super().__init__(0, count)
             self.calls = []
@@ -319,7 +319,7 @@ def _recording_processes(count: int):
         def fail(self, message):
             self.calls.append(("fail", message))
 
-    return train_processes, Recording()
+    return Recording()
 
 
 @pytest.mark.parametrize(
@@ -339,10 +339,10 @@ def test_a_collective_broken_by_a_dead_peer_waits_for_the_watchdog(count, messag
     exit; any other runtime error ends the run at once with its first line; alone, it raises."""
     import jax
 
-    train_processes, processes = _recording_processes(count)
+    processes = _recording_processes(count)
     err = jax.errors.JaxRuntimeError(message)
     with pytest.raises((SystemExit, jax.errors.JaxRuntimeError)):
-        train_processes.end_unexpected(processes, "train_moe.py", err)
+        end_unexpected(processes, "train_moe.py", err)
     assert processes.calls[0] == first_call
     if first_call == "await_verdict":  # no verdict came: the error's own line ends the run
         assert processes.calls[1][0] == "die" and "Gloo AllGather failed" in processes.calls[1][1]

@@ -1,7 +1,7 @@
 """The processes of one training job on `jax.distributed`: agreement, liveness, output.
 
 `train_moe.py` and `cross_dc.py` run as one process (all local devices) or as several, one per
-host or per local group of devices, joined by JAX's own distributed runtime (`train_startup.py`
+host or per local group of devices, joined by JAX's own distributed runtime (`startup.py`
 starts and joins them):
 
 * `Processes.agree_on_flags` refuses, on every process and before any model is built, a job whose
@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import jax
 from rich.console import Console
-from train_config import FlagError
 
+from examples.job_runtime.job_errors import FlagError
 from jax_hybridep import compat
 
 KEY = "train_moe"  # prefix of this job's keys in the runtime's key-value store
@@ -119,11 +119,11 @@ class Processes:
                     )
 
     def publish_stop(self) -> None:
-        """Tells the job that this process got SIGTERM (`train_stop.due`)."""
+        """Tells the job that this process got SIGTERM (`preemption.due`)."""
         self._publish("stop", "1")
 
     def stop_published(self) -> bool:
-        """Whether any process published a SIGTERM (on process 0, for `train_stop.due`)."""
+        """Whether any process published a SIGTERM (on process 0, for `preemption.due`)."""
         if self.count == 1:
             return False
         return bool(self._client.key_value_dir_get(f"{KEY}/stop/"))

@@ -1,4 +1,4 @@
-"""The bytes `cross_dc.py` reports: what crosses the DC level per rank and step, measured (the
+"""The bytes the cross-DC job reports: what crosses the DC level per rank and step, measured (the
 compiled step, the run-time token copies) and predicted (`xdc.volumes` fed the run's routing).
 
 * experts: the all-gather, the gradients' reduce-scatter (an all-to-all of top-k blocks with
@@ -19,11 +19,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lm_data import ByteData, ShardFeeder
-from lm_model import MoETransformer, dense_param_bytes, make_mesh
-from train_moe import TrainConfig, model_config
-from train_startup import global_devices
 
+from examples.job_runtime.startup import global_devices
+from examples.main_job.main_job import model_config
+from examples.main_job.train_config import TrainConfig
+from examples.moe_lm.lm_data import ByteData, ShardFeeder
+from examples.moe_lm.lm_model import MoETransformer, dense_param_bytes, make_mesh
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
 from jax_hybridep.nn.router import route

@@ -17,9 +17,9 @@ import os
 import tempfile
 from numbers import Integral, Real
 
-from lm_data import ByteData
-from lm_model import DATA_AXIS, make_mesh
-
+from examples.job_runtime.job_errors import FlagError
+from examples.moe_lm.lm_data import ByteData
+from examples.moe_lm.lm_model import DATA_AXIS, make_mesh
 from jax_hybridep import xdc
 from jax_hybridep.fp8 import WIRE_DTYPES
 from jax_hybridep.xdc.migration import SHARED_VARIANTS
@@ -35,10 +35,6 @@ RESUMABLE_FLAGS = (
     "steps", "schedule_steps", "eval_every", "checkpoint_every", "backend", "output_dir",
 )  # fmt: skip
 RESUMABLE_FIELDS = (*RESUMABLE_FLAGS, "eval_batches", "progress", "resume")
-
-
-class FlagError(ValueError):
-    """A flag (TrainConfig field) has a value the run cannot use; the message names it."""
 
 
 @dataclasses.dataclass(frozen=True)

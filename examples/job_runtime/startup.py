@@ -31,9 +31,9 @@ from numbers import Integral
 
 import jax
 from absl import flags, logging
-from train_config import FlagError
-from train_processes import Processes, first_line
 
+from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime.processes import Processes, first_line
 from jax_hybridep import compat
 
 DEFAULT_CPU_DEVICES = 8  # fake CPU devices of the whole job (8 / processes each)
@@ -57,7 +57,7 @@ class ProcessConfig:
       init_timeout_s: how long a process waits for the coordinator and the job's other processes
         at start-up before it exits naming the address.
       stop_timeout_s: after SIGTERM, the longest the job takes to finish its step and commit a
-        checkpoint before it exits anyway (`train_stop.py`).
+        checkpoint before it exits anyway (`preemption.py`).
     """
 
     coordinator_address: str | None = None

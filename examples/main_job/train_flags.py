@@ -1,6 +1,7 @@
 """The command line of examples/train_moe.py: one absl flag per `TrainConfig` field, and the
-`TrainConfig` the parsed flags describe (`train_config.py` validates it). `cross_dc.py` shares the
-cross-DC flags (`define_migration_flags`, `migration_from_flags`).
+`TrainConfig` the parsed flags describe (`train_config.py` validates it). The cross-DC job
+(`examples/cross_dc_job/`) shares the cross-DC flags (`define_migration_flags`,
+`migration_from_flags`).
 
 Flags are defined only when a script runs, so that importing these modules, e.g. from a test,
 leaves absl's global flag registry alone.
@@ -11,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from absl import flags
-from train_config import (
+
+from examples.main_job.train_config import (
     BACKENDS,
     DROPLESS,
     RESUMABLE_FLAGS,
@@ -20,7 +22,6 @@ from train_config import (
     parse_capacity_factor,
     parse_migration,
 )
-
 from jax_hybridep import xdc
 from jax_hybridep.fp8 import WIRE_DTYPES
 from jax_hybridep.xdc.migration import SHARED_VARIANTS

@@ -8,7 +8,7 @@ generator seeded by (seed, step), so a resumed run sees exactly the batches the 
 have seen next.
 
 `ShardFeeder` builds each global batch from this process's rows only: with several processes
-(`train_processes.py`) every process draws the same window starts (a few integers), reads the
+(`job_runtime/processes.py`) every process draws the same window starts (a few integers), reads the
 windows of the rows its own devices hold, and assembles the global array from them
 (`jax.make_array_from_callback`); the global batch is the one a single process would build.
 """

@@ -19,8 +19,8 @@ import os
 import socket
 import time
 
-from train_config import FlagError
-from train_processes import Processes
+from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime.processes import Processes
 
 LOCK_NAME = ".lock"
 

@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 
-from train_processes import Processes
+from examples.job_runtime.processes import Processes
 
 STATUS = 128 + signal.SIGTERM  # a job ended by SIGTERM, as the shell reports one
 

@@ -1,6 +1,6 @@
 """The training loop of examples/train_moe.py (`loop`): compile, step, evaluate, re-balance or
 re-plan when due, checkpoint every `--checkpoint_every` steps, report progress, stop after a step
-when SIGTERM asks (`train_stop.py`).
+when SIGTERM asks (`job_runtime/preemption.py`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lm_data import ShardFeeder
-from lm_model import DATA_AXIS
-from rebalance_hook import rank_loads
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -23,8 +20,12 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from train_report import imbalance, program_traffic, ran_backend, rebalance_line
-from train_step import build_steps
+
+from examples.main_job.rebalance_hook import rank_loads
+from examples.main_job.train_report import imbalance, program_traffic, ran_backend, rebalance_line
+from examples.main_job.train_step import build_steps
+from examples.moe_lm.lm_data import ShardFeeder
+from examples.moe_lm.lm_model import DATA_AXIS
 
 
 def loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, balancer, hook,
@@ -32,7 +33,7 @@ def loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, bal
     """The training loop proper from `start`, on state = (graphdef, params, rest, opt_state):
     compile once (again when `balancer` changes a placement or `hook` switches domains), step,
     evaluate, checkpoint every `cfg.checkpoint_every` steps (`checkpoint`), report progress;
-    after each step but the last, stop when `stop_due()` (SIGTERM, `train_stop.due`).
+    after each step but the last, stop when `stop_due()` (SIGTERM, `preemption.due`).
     Returns (history, params, rest, opt_state, backend, feeder, the step stopped after or
     None)."""
     graphdef, params, rest, opt_state = state

@@ -11,9 +11,9 @@ import dataclasses
 import math
 
 from absl import flags
-from train_config import check_output_dir, migration_flags
-from train_flags import define_migration_flags
 
+from examples.main_job.train_config import check_output_dir, migration_flags
+from examples.main_job.train_flags import define_migration_flags
 from jax_hybridep import xdc
 
 MESH = (("dc", 2), ("node", 2), ("local", 2))

@@ -8,10 +8,10 @@ every file is written, so a crash mid-save leaves no partial `<step>/`; the othe
 deleted only after the new one is committed. A crash at any point therefore leaves the previous
 checkpoint restorable (tests/train_moe_test.py kills a run at the commit to check it).
 
-With several processes (`train_processes.py`) every process writes the shards of the arrays its
-devices hold and process 0 commits the step once all are written (orbax's multi-process save;
-`--output_dir` must then be a filesystem every process sees); process 0 alone prepares and
-cleans up the directory, between barriers.
+With several processes (`job_runtime/processes.py`) every process writes the shards of the arrays
+its devices hold and process 0 commits the step once all are written (orbax's multi-process save;
+`--output_dir` must then be a filesystem every process sees); process 0 alone prepares and cleans up
+the directory, between barriers.
 
 `--resume` reads the newest step's meta before any model is built (`read_saved`) and refuses,
 in one line naming the flag and both values, a checkpoint written with another value of a flag
@@ -33,14 +33,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from train_config import RESUMABLE_FIELDS, RESUMABLE_FLAGS
-from train_processes import Processes
+
+from examples.job_runtime.job_errors import ResumeError
+from examples.job_runtime.processes import Processes
+from examples.main_job.train_config import RESUMABLE_FIELDS, RESUMABLE_FLAGS
 
 ITEMS = ("state", "meta")
-
-
-class ResumeError(ValueError):
-    """--resume cannot continue from the checkpoint directory; the message names it and why."""
 
 
 def _manager(ckpt_dir: str, create: bool) -> ocp.CheckpointManager:

@@ -12,9 +12,9 @@ redundant slots keeps it), beside the placements and load averages in the checkp
 `--resume` restores the state, then moves it to the saved placements, so a resumed run compiles
 the same program and continues identically.
 
-With several processes (`train_processes.py`) process 0 plans from its load averages (the counts
-are all-reduced in the step, so every process holds the same ones) and every process applies its
-decision; the processes then compare a digest of the placements they hold, recorded with each
+With several processes (`job_runtime/processes.py`) process 0 plans from its load averages (the
+counts are all-reduced in the step, so every process holds the same ones) and every process applies
+its decision; the processes then compare a digest of the placements they hold, recorded with each
 event (`placement_digests`, one per process), and stop if they differ.
 """
 
@@ -25,8 +25,8 @@ import json
 
 import numpy as np
 from flax import nnx
-from train_processes import Processes
 
+from examples.job_runtime.processes import Processes
 from jax_hybridep import balance
 
 LOAD_DECAY = 0.9  # the moving average of tokens_per_expert (about the last 10 steps)

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from train_config import TrainConfig
 
+from examples.main_job.train_config import TrainConfig
 from jax_hybridep import nn as hnn
 
 

@@ -8,8 +8,8 @@ import json
 import os
 
 import numpy as np
-from train_config import flag_values
 
+from examples.main_job.train_config import flag_values
 from jax_hybridep import traffic
 from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 
