@@ -41,6 +41,7 @@ void Executor::Reset() {
     for (auto& t : b->threads) t.reset();  // abandoned fibers: their stacks are unmapped
   }
   blocks.clear();
+  ReleaseSpareStacks();
   in_flight.clear();
   runnable.clear();
   sleepers.clear();

@@ -19,25 +19,18 @@ namespace {
 
 size_t PageBytes() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
 
-// Stacks of finished fibers, reused while any fiber lives (a run starts tens of thousands of
-// threads, a block's reusing those of blocks before it) and all unmapped when the last one goes:
-// each stack is two mappings (guard, stack) and its touched pages, and a pytest process that ran
-// the executor goes on compiling XLA programs, which need both mappings (vm.max_map_count) and
-// memory. CI's suite crashed in XLA's compiler after the executor's tests while they were kept.
-struct StackPool {
-  std::vector<void*> spare;
-  size_t mapped = 0;  // stacks mapped, spare or in use
-};
-StackPool& Pool() {
-  static auto* pool = new StackPool();
-  return *pool;
+// Stacks of finished fibers, reused (a run starts tens of thousands of threads, launch after
+// launch) until ReleaseSpareStacks.
+std::vector<void*>& SpareStacks() {
+  static auto* spare = new std::vector<void*>();
+  return *spare;
 }
+constexpr size_t kMaxSpareStacks = 8192;
 
 void* MapStack(size_t bytes) {
-  StackPool& pool = Pool();
-  if (!pool.spare.empty()) {
-    void* p = pool.spare.back();
-    pool.spare.pop_back();
+  if (!SpareStacks().empty()) {
+    void* p = SpareStacks().back();
+    SpareStacks().pop_back();
     return p;
   }
   const size_t guard = PageBytes();
@@ -45,20 +38,23 @@ void* MapStack(size_t bytes) {
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) throw std::runtime_error("host executor: cannot map a fiber stack");
   mprotect(p, guard, PROT_NONE);
-  ++pool.mapped;
   return p;
 }
 
 void UnmapStack(void* stack, size_t bytes) {
-  StackPool& pool = Pool();
-  pool.spare.push_back(stack);
-  if (pool.spare.size() < pool.mapped) return;  // fibers live: keep it for the next one
-  for (void* p : pool.spare) munmap(p, bytes + PageBytes());
-  pool.spare.clear();
-  pool.mapped = 0;
+  if (SpareStacks().size() < kMaxSpareStacks) {
+    SpareStacks().push_back(stack);
+  } else {
+    munmap(stack, bytes + PageBytes());
+  }
 }
 
 }  // namespace
+
+void ReleaseSpareStacks() {
+  for (void* p : SpareStacks()) munmap(p, Fiber::kStackBytes + PageBytes());
+  SpareStacks().clear();
+}
 
 char* Fiber::StackLow() const { return static_cast<char*>(stack_); }
 char* Fiber::StackHigh() const { return static_cast<char*>(stack_) + PageBytes() + kStackBytes; }

@@ -9,6 +9,10 @@
 
 namespace jax_hybridep::host {
 
+// Unmaps the stacks kept for reuse (each a guard page and a stack: two mappings). A process
+// that goes on after a run (pytest compiling XLA programs) needs them back: Executor::Reset.
+void ReleaseSpareStacks();
+
 class Fiber {
  public:
   using Entry = void (*)(void* arg);
@@ -28,8 +32,9 @@ class Fiber {
   char* StackLow() const;
   char* StackHigh() const;
 
- private:
   static constexpr size_t kStackBytes = 128 << 10;
+
+ private:
   void* stack_ = nullptr;  // mapping: guard page, then kStackBytes
   void* sp_ = nullptr;     // the fiber's saved stack pointer (x86-64 switch)
   void* scheduler_sp_ = nullptr;
