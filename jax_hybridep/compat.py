@@ -73,17 +73,23 @@ def distributed_client():
     return distributed.global_state.client
 
 
-def detected_cluster() -> tuple[str, int] | None:
-    """(name, process count) of the cluster environment `jax.distributed.initialize()` would
-    detect by itself (SLURM, Open MPI, ...; not the opt-in ones such as mpi4py), or None when
-    the environment describes none. Reads environment variables (on a cloud TPU VM also its
-    metadata server), starts nothing. Private JAX API."""
+def _detected_env():
+    """The cluster environment class `jax.distributed.initialize()` would detect by itself
+    (SLURM, Open MPI, ...; not the opt-in ones such as mpi4py), or None. Private JAX API."""
     from jax._src import clusters  # noqa: PLC0415
 
     for env in clusters.ClusterEnv._cluster_types:
         if not env.opt_in_only_method and env.is_env_present():
-            return env.__name__, env.get_process_count()
+            return env
     return None
+
+
+def detected_cluster() -> tuple[str, int] | None:
+    """(name, process count) of the cluster environment `jax.distributed.initialize()` would
+    detect by itself, or None when the environment describes none. Reads environment variables
+    (on a cloud TPU VM also its metadata server), starts nothing. Private JAX API."""
+    env = _detected_env()
+    return None if env is None else (env.__name__, env.get_process_count())
 
 
 def detected_coordinator(timeout_s: int) -> tuple[str, int] | None:
@@ -93,22 +99,19 @@ def detected_coordinator(timeout_s: int) -> tuple[str, int] | None:
     cannot say. Private JAX API."""
     import os  # noqa: PLC0415
 
-    from jax._src import clusters  # noqa: PLC0415
-
-    for env in clusters.ClusterEnv._cluster_types:
-        if env.opt_in_only_method or not env.is_env_present():
-            continue
-        address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-        if address is None:
-            port = os.environ.get("JAX_COORDINATOR_PORT")
-            try:
-                address = env.get_coordinator_address(
-                    timeout_secs=timeout_s, override_coordinator_port=port
-                )
-            except TypeError:  # a jax without the port override
-                address = env.get_coordinator_address(timeout_secs=timeout_s)
-        return address, env.get_process_id()
-    return None
+    env = _detected_env()
+    if env is None:
+        return None
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if address is None:
+        port = os.environ.get("JAX_COORDINATOR_PORT")
+        try:
+            address = env.get_coordinator_address(
+                timeout_secs=timeout_s, override_coordinator_port=port
+            )
+        except TypeError:  # a jax without the port override
+            address = env.get_coordinator_address(timeout_secs=timeout_s)
+    return address, env.get_process_id()
 
 
 def on_gpu_stream(fn, stream):

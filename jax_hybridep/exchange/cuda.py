@@ -26,6 +26,7 @@ production; tests pass the pure-JAX twin (tests/transport_twin.py) to run this b
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ import numpy as np
 from jax_hybridep import _native, compat, weight_grad
 from jax_hybridep.config import DispatchPlan
 from jax_hybridep.exchange import steps
-from jax_hybridep.exchange.ffi_call import call, i32, transport_attrs
+from jax_hybridep.exchange.ffi_call import call, i32, pad_attr, row_attrs, transport_attrs
 from jax_hybridep.exchange.steps import RowWeights
 from jax_hybridep.exchange.wire import WireForm
 
@@ -46,6 +47,7 @@ def padded(n: int) -> int:
     return -(-n // chunk) * chunk
 
 
+@functools.cache  # asked at every dispatch's route selection
 def fp8_token_fits(token_bytes: int, ranks: int, hidden: int) -> bool:
     """Whether the send kernel can quantise tokens of `token_bytes` (H = `hidden`) whole over
     `ranks` GPUs: whole-token stages beside the row maps and the scales (wider 16-bit rows travel
@@ -87,12 +89,6 @@ def transport_call(plan: DispatchPlan, fast: steps.FastLevel, name, out_types, *
     return issue() if stream is None else compat.on_gpu_stream(issue, stream)
 
 
-def _rows_attr(plan: DispatchPlan) -> np.int64:
-    """The rows nobody fills that stay unwritten: those past sum(group_sizes) with
-    DispatchConfig(zero_padding=False) (their pad multiple), none otherwise (0)."""
-    return np.int64(0 if plan.config.zero_padding else plan.config.pad_multiple)
-
-
 @dataclasses.dataclass(frozen=True)
 class CudaExchanges:
     """The transport's custom calls (xla_ffi/cuda/handlers/transport.cc)."""
@@ -123,7 +119,7 @@ class CudaExchanges:
         return transport_call(
             plan, fast, "cuda_dispatch", form.handler_rows(plan, x), x, slots.send_slot,
             slots.recv_rows, slots.row_slot, slots.info, like=(x, slots.recv_rows),
-            fp8_hidden=np.int64(form.fp8_hidden), sparse_pad_multiple=_rows_attr(plan),
+            **row_attrs(plan, form.fp8_hidden),
         )  # fmt: skip
 
     def redispatch(self, plan: DispatchPlan, fast: steps.FastLevel, g, slots: SlotMap,
@@ -133,11 +129,10 @@ class CudaExchanges:
         common = (slots.send_slot, slots.recv_rows, slots.row_slot, slots.info)
         if scale is None:
             return transport_call(plan, fast, "cuda_redispatch", rows, g, *common,
-                                  like=(g, slots.info),
-                                  sparse_pad_multiple=_rows_attr(plan))  # fmt: skip
+                                  like=(g, slots.info), **pad_attr(plan))  # fmt: skip
         return transport_call(plan, fast, "cuda_redispatch_scaled", (rows, rows), g, scale,
                               *common, like=(g, scale, slots.info),
-                              sparse_pad_multiple=_rows_attr(plan))  # fmt: skip
+                              **pad_attr(plan))  # fmt: skip
 
     def unpermute(self, plan: DispatchPlan, fast: steps.FastLevel, y, weights: RowWeights,
                   slots: SlotMap):  # fmt: skip

@@ -76,10 +76,15 @@ def layout_attrs(plan: DispatchPlan) -> dict:
     )
 
 
-def row_attrs(plan: DispatchPlan, fp8_hidden: int = 0) -> dict:
-    """How the row-writing handlers write rows: rows past sum(group_sizes) zeroed (0) or left
-    unwritten (a pad multiple: DispatchConfig(zero_padding=False)); whether the sources are FP8
-    wire rows of H elements (fp8_hidden=H: dequantised, or copied into uint8 wire rows) or not
-    (0). The CUDA handlers take the same two (xla_ffi/cuda/handlers/attrs.h)."""
+def pad_attr(plan: DispatchPlan) -> dict:
+    """How the row-writing handlers write rows past sum(group_sizes): zeroed (0) or left unwritten
+    (a pad multiple: DispatchConfig(zero_padding=False))."""
     pad = 0 if plan.config.zero_padding else plan.config.pad_multiple
-    return dict(sparse_pad_multiple=np.int64(pad), fp8_hidden=np.int64(fp8_hidden))
+    return dict(sparse_pad_multiple=np.int64(pad))
+
+
+def row_attrs(plan: DispatchPlan, fp8_hidden: int = 0) -> dict:
+    """pad_attr, and whether the sources are FP8 wire rows of H elements (fp8_hidden=H:
+    dequantised, or copied into uint8 wire rows) or not (0). The CUDA handlers take the same
+    two (xla_ffi/cuda/handlers/attrs.h); the CUDA redispatch takes pad_attr alone."""
+    return dict(pad_attr(plan), fp8_hidden=np.int64(fp8_hidden))

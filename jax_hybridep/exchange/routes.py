@@ -174,8 +174,9 @@ def route_for(backend: str, topology: Topology) -> Route:
 
 
 def select(config: DispatchConfig, topology: Topology, manual_axes, plan: DispatchPlan) -> Route:
-    """The route this call runs: the first implementation of the requested backend that serves
-    the topology and the plan; `auto` falls back to `xla`, a forced `ffi` raises ValueError."""
+    """The route this call runs: the requested backend's first implementation serving the
+    topology, when its bottom can serve the plan (and, for `auto`, it is picked automatically);
+    otherwise `auto` falls back to `xla` and a forced `ffi` raises ValueError naming why."""
     requested = requested_backend(config)
     if requested == "xla":
         return route_for("xla", topology)

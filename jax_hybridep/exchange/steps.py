@@ -83,11 +83,6 @@ class RowWeights:
     def unweighted(cls, plan: DispatchPlan) -> RowWeights:
         return cls(jnp.zeros((plan.rows,), jnp.float32), False)
 
-    @property
-    def given(self):
-        """The values when weighted, else None (for the jnp steps)."""
-        return self.values if self.weighted else None
-
 
 @pytree_record
 @dataclasses.dataclass(frozen=True)
