@@ -130,7 +130,7 @@ class Config:
         value = self.get(key)
         if not isinstance(value, Mapping):
             self.fail(key, "is not a JSON object")
-        return Config(value, self.model_type, f"{self.path}{key}.", aliases=())
+        return Config(value, self.model_type, f"{self.path}{key}.")
 
     def activation(self, key: str, default, table: Mapping[str, str]) -> str:
         """The block activation `table` maps the field's name to (DBRX nests it: {"name": ...})."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from jax_hybridep.nn.hf.config_fields import Config
-from jax_hybridep.nn.hf.families import BY_MODEL_TYPE
+from jax_hybridep.nn.hf.families import BY_MODEL_TYPE, family
 
 # model_type -> the family's config mapping (Config -> settings).
 FAMILIES: dict[str, Callable[[Config], dict]] = {
@@ -29,18 +29,13 @@ def model_type(config: Mapping) -> str:
         raise TypeError(
             f"config must be a dict (a parsed config.json), got {type(config).__name__}"
         )
-    name = config.get("model_type")
-    if not isinstance(name, str) or name not in BY_MODEL_TYPE:
-        raise ValueError(
-            f"unknown model_type {name!r}: jax_hybridep.nn.hf knows {sorted(BY_MODEL_TYPE)}"
-        )
-    return name
+    return family(config.get("model_type")).model_type
 
 
 def _read(config: Mapping):
     """(the config's family, its Config reader under the family's aliases)."""
-    family = BY_MODEL_TYPE[model_type(config)]
-    return family, Config(config, family.model_type, aliases=family.aliases)
+    found = family(model_type(config))
+    return found, Config(config, found.model_type, aliases=found.aliases)
 
 
 def settings(config: Mapping) -> dict:

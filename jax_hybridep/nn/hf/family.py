@@ -76,3 +76,8 @@ def softmax_family(c: Config, *, experts_key, ff_key, normalize) -> dict:
 def layers(c: Config, template: str, keep: Callable[[int], bool], count_key: str) -> list[str]:
     """`template` ({i}: the layer) of every layer i < config[count_key] that `keep(i)`."""
     return [template.format(i=i) for i in range(c.integer(count_key, low=0)) if keep(i)]
+
+
+def every_layer(template: str, count_key: str = "num_hidden_layers") -> Callable[[Config], list]:
+    """A family's layer_prefixes when every one of config[count_key] layers is an MoE layer."""
+    return lambda c: layers(c, template, lambda i: True, count_key)

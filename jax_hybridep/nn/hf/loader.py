@@ -61,16 +61,6 @@ def _specificity(layout, has) -> int:
     return sum(1 for n in dict.fromkeys(names) if n is not None and has(n))
 
 
-def _family_layouts(model_type):
-    family = families.BY_MODEL_TYPE.get(model_type)
-    if family is None:
-        raise ValueError(
-            f"unknown model_type {model_type!r}: jax_hybridep.nn.hf knows "
-            f"{sorted(families.BY_MODEL_TYPE)}"
-        )
-    return family.layouts
-
-
 def _check_block(block, name: str = "block"):
     from jax_hybridep.nn.moe import MoEBlock  # noqa: PLC0415  (nn imports this package)
 
@@ -108,7 +98,7 @@ def tensor_shapes(block, prefix: str, model_type: str) -> dict[str, tuple[int, .
     _check_block(block)
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str, got {short(prefix)}")
-    plan = layer_plan.plan_layout(block, None, prefix, _family_layouts(model_type)[0])
+    plan = layer_plan.plan_layout(block, None, prefix, families.family(model_type).layouts[0])
     if plan.problems:
         raise ValueError(
             f"block does not fit model_type {model_type!r}: " + "; ".join(plan.problems)
@@ -128,7 +118,7 @@ def plan_block(
     """What `load_block` would set, every check done and nothing read or set (`apply` sets it);
     ValueError naming every problem."""
     fp8_block = _check_args(block, tensors, prefix, model_type, fp8_block, ignore_extra)
-    candidates = families.ALL_LAYOUTS if model_type is None else _family_layouts(model_type)
+    candidates = families.ALL_LAYOUTS if model_type is None else families.family(model_type).layouts
     raw, tensors = tensors, block_fp8.dequantizing(tensors, fp8_block)
 
     def has(rel):

@@ -33,6 +33,18 @@ REGISTERED: tuple[Family, ...] = tuple(
     family for name in MODULES for family in importlib.import_module(f"{__name__}.{name}").FAMILIES
 )
 BY_MODEL_TYPE: dict[str, Family] = {family.model_type: family for family in REGISTERED}
+
+
+def family(model_type) -> Family:
+    """The family registered for `model_type`; a ValueError naming the known ones otherwise."""
+    found = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if found is None:
+        raise ValueError(
+            f"unknown model_type {model_type!r}: jax_hybridep.nn.hf knows {sorted(BY_MODEL_TYPE)}"
+        )
+    return found
+
+
 # Every family's layouts, each once (families share some), in the table's order.
 ALL_LAYOUTS: tuple[Layout, ...] = tuple(
     {id(layout): layout for family in REGISTERED for layout in family.layouts}.values()

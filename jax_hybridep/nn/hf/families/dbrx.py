@@ -3,8 +3,13 @@ over SwiGLU experts fused as w1/v1/w2 [E * F, H], its MoE settings nested in `ff
 
 from __future__ import annotations
 
-from jax_hybridep.nn.hf.family import GATED_ACTIVATIONS, Family, experts_and_top_k, layers
-from jax_hybridep.nn.hf.family import settings as _settings
+from jax_hybridep.nn.hf.family import (
+    GATED_ACTIVATIONS,
+    Family,
+    every_layer,
+    experts_and_top_k,
+    settings,
+)
 from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout, in_out
 
 
@@ -33,7 +38,7 @@ def _dbrx(c):
     if isinstance(p, bool) or p not in (None, 1, 1.0):
         ffn.fail("moe_normalize_expert_weights", "is not 1 or None (only the L1 norm is offered)")
     num_experts, top_k = experts_and_top_k(ffn, "moe_num_experts", "moe_top_k")
-    return _settings(
+    return settings(
         c.integer("d_model"),
         dict(num_experts=num_experts, top_k=top_k, normalize=p is not None),
         dict(
@@ -43,15 +48,11 @@ def _dbrx(c):
     )
 
 
-def _layer_prefixes(c):
-    return layers(c, "transformer.blocks.{i}.ffn", lambda i: True, "n_layers")
-
-
 FAMILIES = (
     Family(
         model_type="dbrx",
         settings=_dbrx,
-        layer_prefixes=_layer_prefixes,
+        layer_prefixes=every_layer("transformer.blocks.{i}.ffn", "n_layers"),
         layouts=(DBRX,),
         aliases=(("d_model", "hidden_size"), ("n_layers", "num_hidden_layers")),
     ),

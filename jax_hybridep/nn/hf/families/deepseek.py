@@ -9,8 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_hybridep.nn.hf.config_fields import REQUIRED
-from jax_hybridep.nn.hf.family import GATED_ACTIVATIONS, Family, experts_and_top_k, layers
-from jax_hybridep.nn.hf.family import settings as _settings
+from jax_hybridep.nn.hf.family import GATED_ACTIVATIONS, Family, experts_and_top_k, layers, settings
 from jax_hybridep.nn.hf.tensor_layouts import PER_EXPERT, STACKED
 
 _V3 = "gate.e_score_correction_bias"
@@ -34,7 +33,7 @@ def _deepseek(c, router, shared_default=REQUIRED):
     """A DeepSeek-style model's settings from its router's: experts of moe_intermediate_size, and
     its n_shared_experts shared experts as one shared expert n times as wide."""
     d_ff = c.integer("moe_intermediate_size")
-    s = _settings(
+    s = settings(
         c.integer("hidden_size"),
         router,
         dict(d_ff=d_ff, activation=c.activation("hidden_act", "silu", GATED_ACTIVATIONS)),

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_hybridep.nn.hf.family import Family, experts_and_top_k, layers
-from jax_hybridep.nn.hf.family import settings as _settings
+from jax_hybridep.nn.hf.family import Family, every_layer, experts_and_top_k, settings
 from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout, Mxfp4
 
 GPT_OSS = Layout(
@@ -48,7 +47,7 @@ GPT_OSS_MXFP4 = dataclasses.replace(
 
 def _gpt_oss(c):
     num_experts, top_k = experts_and_top_k(c, "num_local_experts")
-    return _settings(
+    return settings(
         c.integer("hidden_size"),
         dict(num_experts=num_experts, top_k=top_k, logit_bias=True, normalize=True),
         dict(
@@ -61,15 +60,11 @@ def _gpt_oss(c):
     )
 
 
-def _layer_prefixes(c):
-    return layers(c, "model.layers.{i}.mlp", lambda i: True, "num_hidden_layers")
-
-
 FAMILIES = (
     Family(
         model_type="gpt_oss",
         settings=_gpt_oss,
-        layer_prefixes=_layer_prefixes,
+        layer_prefixes=every_layer("model.layers.{i}.mlp"),
         layouts=(GPT_OSS, GPT_OSS_MXFP4),
         # OpenAI's own config.json says experts_per_token.
         aliases=(

@@ -3,7 +3,7 @@ top-k of the softmax) over SwiGLU experts fused as input_linear [E, 2F, H] / out
 
 from __future__ import annotations
 
-from jax_hybridep.nn.hf.family import Family, layers, softmax_family
+from jax_hybridep.nn.hf.family import Family, every_layer, softmax_family
 from jax_hybridep.nn.hf.tensor_layouts import Layout, stacked
 
 GRANITE = Layout(
@@ -20,15 +20,11 @@ def _settings(c):
     )
 
 
-def _layer_prefixes(c):
-    return layers(c, "model.layers.{i}.block_sparse_moe", lambda i: True, "num_hidden_layers")
-
-
 FAMILIES = (
     Family(
         model_type="granitemoe",
         settings=_settings,
-        layer_prefixes=_layer_prefixes,
+        layer_prefixes=every_layer("model.layers.{i}.block_sparse_moe"),
         layouts=(GRANITE,),
         aliases=(),
     ),

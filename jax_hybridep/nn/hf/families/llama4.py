@@ -6,8 +6,7 @@ in `text_config` (or, flat, at the top); its layers sit under `language_model`."
 from __future__ import annotations
 
 from jax_hybridep.nn.hf.config_fields import Config
-from jax_hybridep.nn.hf.family import GATED_ACTIVATIONS, Family, experts_and_top_k, layers
-from jax_hybridep.nn.hf.family import settings as _settings
+from jax_hybridep.nn.hf.family import GATED_ACTIVATIONS, Family, experts_and_top_k, layers, settings
 from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout
 
 LLAMA4 = Layout(
@@ -39,7 +38,7 @@ def _llama4(c):
     text = text_config(c)
     num_experts, top_k = experts_and_top_k(text, "num_local_experts")
     d_ff = text.integer("intermediate_size")
-    return _settings(
+    return settings(
         text.integer("hidden_size"),
         dict(num_experts=num_experts, top_k=top_k, score_fn="sigmoid", normalize=False),
         dict(

@@ -3,7 +3,7 @@ as w1/w3/w2 under every decoder layer's `block_sparse_moe`."""
 
 from __future__ import annotations
 
-from jax_hybridep.nn.hf.family import Family, layers, softmax_family
+from jax_hybridep.nn.hf.family import Family, every_layer, softmax_family
 from jax_hybridep.nn.hf.tensor_layouts import STACKED, Layout, per_expert
 
 MIXTRAL = Layout(
@@ -19,15 +19,11 @@ def _settings(c):
     )
 
 
-def _layer_prefixes(c):
-    return layers(c, "model.layers.{i}.block_sparse_moe", lambda i: True, "num_hidden_layers")
-
-
 FAMILIES = (
     Family(
         model_type="mixtral",
         settings=_settings,
-        layer_prefixes=_layer_prefixes,
+        layer_prefixes=every_layer("model.layers.{i}.block_sparse_moe"),
         layouts=(MIXTRAL, STACKED),
         aliases=(("num_local_experts", "num_experts"),),
     ),

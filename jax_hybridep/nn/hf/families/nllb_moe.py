@@ -5,8 +5,7 @@ and decoder layer."""
 
 from __future__ import annotations
 
-from jax_hybridep.nn.hf.family import PLAIN_ACTIVATIONS, Family, layers
-from jax_hybridep.nn.hf.family import settings as _settings
+from jax_hybridep.nn.hf.family import PLAIN_ACTIVATIONS, Family, layers, settings
 from jax_hybridep.nn.hf.tensor_layouts import Layout, PerExpert
 
 NLLB = Layout(
@@ -53,7 +52,7 @@ def _nllb_moe(c):
     # (fraction >= 1: capacity >= tokens, nothing drops and both normalisations agree.)
     dropout = c.number("moe_token_dropout", 0.0, 0.0, 1.0, below=True)
     router["routed_scale"] = 1.0 - dropout  # eval scales the experts' outputs by 1 - p
-    return _settings(
+    return settings(
         c.integer("d_model"),
         router,
         dict(

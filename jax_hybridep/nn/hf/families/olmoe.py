@@ -3,7 +3,7 @@ stored in transformers' common per-expert layout under every decoder layer's `ml
 
 from __future__ import annotations
 
-from jax_hybridep.nn.hf.family import Family, layers, softmax_family
+from jax_hybridep.nn.hf.family import Family, every_layer, softmax_family
 from jax_hybridep.nn.hf.tensor_layouts import PER_EXPERT, STACKED
 
 
@@ -16,15 +16,11 @@ def _settings(c):
     )
 
 
-def _layer_prefixes(c):
-    return layers(c, "model.layers.{i}.mlp", lambda i: True, "num_hidden_layers")
-
-
 FAMILIES = (
     Family(
         model_type="olmoe",
         settings=_settings,
-        layer_prefixes=_layer_prefixes,
+        layer_prefixes=every_layer("model.layers.{i}.mlp"),
         layouts=(PER_EXPERT, STACKED),
         aliases=(("num_experts", "num_local_experts"),),
     ),

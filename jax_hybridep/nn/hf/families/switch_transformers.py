@@ -4,8 +4,7 @@ decoder's sparse blocks."""
 
 from __future__ import annotations
 
-from jax_hybridep.nn.hf.family import PLAIN_ACTIVATIONS, Family, layers
-from jax_hybridep.nn.hf.family import settings as _settings
+from jax_hybridep.nn.hf.family import PLAIN_ACTIVATIONS, Family, layers, settings
 from jax_hybridep.nn.hf.tensor_layouts import Layout, PerExpert
 
 SWITCH = Layout(
@@ -20,7 +19,7 @@ SWITCH = Layout(
 
 
 def _switch(c):
-    return _settings(
+    return settings(
         c.integer("d_model"),
         dict(
             num_experts=c.integer("num_experts"),
