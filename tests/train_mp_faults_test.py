@@ -23,7 +23,7 @@ import sys
 import time
 
 import pytest
-from mp_launch import worker_env
+from mp_launch import free_port, worker_env
 from train_harness import EXAMPLES
 
 from examples.job_runtime.processes import Processes
@@ -34,12 +34,6 @@ SCRIPT = os.path.join(EXAMPLES, "train_moe.py")
 STOP_STATUS = 128 + signal.SIGTERM
 FLAGS = ["--batch=8", "--seq_len=32", "--d_model=32", "--d_ff=32", "--layers=1", "--heads=2",
          "--mesh=node=2,local=4", "--heartbeat_timeout_s=10"]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _process(port, index, out, *extra, count=2, **popen):
@@ -73,7 +67,7 @@ def test_a_coordinator_port_held_by_a_listener_is_refused_in_one_line(tmp_path):
 
 
 def test_another_jobs_coordinator_port_is_refused_and_that_job_left_alone(tmp_path):
-    port = _free_port()
+    port = free_port()
     first = _process(port, 0, tmp_path / "first", "--init_timeout_s=120",
                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
@@ -103,7 +97,7 @@ def test_another_jobs_coordinator_port_is_refused_and_that_job_left_alone(tmp_pa
 
 
 def test_a_process_that_finds_no_coordinator_ends_in_one_line(tmp_path):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     proc = _process(port, 1, tmp_path, "--init_timeout_s=3", stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE)  # fmt: skip
     line = _one_line_exit(proc)
@@ -114,7 +108,7 @@ def test_a_process_that_finds_no_coordinator_ends_in_one_line(tmp_path):
 
 
 def test_a_job_whose_processes_do_not_all_come_ends_in_one_line(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _process(port, 0, tmp_path, "--init_timeout_s=4", stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE)  # fmt: skip
     line = _one_line_exit(proc)
@@ -135,7 +129,7 @@ def preempted(tmp_path_factory):
     """A 2-process job; once it trains, another run on its output directory; then SIGTERM to
     process 1 alone."""
     out = tmp_path_factory.mktemp("preempted")
-    port = _free_port()
+    port = free_port()
     logs = [out.parent / f"p{i}.log" for i in range(2)]
     procs = []
     for i, log in enumerate(logs):

@@ -33,13 +33,12 @@ import numpy as np
 import pytest
 from mp_launch import worker_env
 from rich.console import Console
-from train_harness import EXAMPLES, main_job
+from train_harness import EXAMPLES, ROOT, main_job
 
 from examples.job_runtime.processes import Processes, end_unexpected
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-ROOT = os.path.dirname(EXAMPLES)
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.sh")
 SCRIPT = os.path.join(EXAMPLES, "train_moe.py")
 STEPS = 30

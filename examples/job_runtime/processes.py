@@ -35,6 +35,9 @@ from examples.job_runtime.job_errors import FlagError
 from jax_hybridep import compat
 
 KEY = "train_moe"  # prefix of this job's keys in the runtime's key-value store
+# Decisions, exchanges and barriers (one or more a step) apart from KEY/, which the liveness
+# thread reads whole every second: that read stays the size of the job, not of the run.
+SYNC_KEY = f"{KEY}_sync"
 DECIDE_TIMEOUT_MS = 600_000  # a decision waits for process 0 (dead peers: the watchdog's job)
 LEAVE_WAIT_S = 10  # how long a failing process 0 waits for the others to leave first
 COORDINATOR_WAIT_MS = 3_600_000  # one wait of `Processes._watch_coordinator`
@@ -82,7 +85,7 @@ class Processes:
             return [value]
         mine = json.dumps(value, sort_keys=True).encode()
         # A new key each time: a name may come again (cross_dc.py trains several runs in a job).
-        got = compat.kv_exchange(f"{KEY}/exchange/{self._decisions}/{name}", self.index, mine,
+        got = compat.kv_exchange(f"{SYNC_KEY}/exchange/{self._decisions}/{name}", self.index, mine,
                                  self.count, DECIDE_TIMEOUT_MS)  # fmt: skip
         return [json.loads(v) for v in got]
 
@@ -92,7 +95,7 @@ class Processes:
         self._decisions += 1
         if self.count == 1:
             return fn()
-        key = f"{KEY}/decision/{self._decisions}/{name}"
+        key = f"{SYNC_KEY}/decision/{self._decisions}/{name}"
         if self.is_main:
             value = fn()
             self._client.key_value_set(key, json.dumps(value))
@@ -103,7 +106,7 @@ class Processes:
         """Waits until every process got here (one call on every process, in the same order)."""
         self._decisions += 1
         if self.count > 1:
-            self._client.wait_at_barrier(f"{KEY}/barrier/{self._decisions}", DECIDE_TIMEOUT_MS)
+            self._client.wait_at_barrier(f"{SYNC_KEY}/barrier/{self._decisions}", DECIDE_TIMEOUT_MS)
 
     def agree_on_flags(self, values: dict) -> None:
         """FlagError on every process when the processes' `values` (flag -> value) differ,
@@ -151,9 +154,7 @@ class Processes:
         runtime's own error poll aborts the process natively a fraction of a second later)."""
         while not self._stop.is_set():
             try:
-                self._client.blocking_key_value_get(
-                    f"{KEY}/finished/{self.index}", COORDINATOR_WAIT_MS
-                )
+                self._client.blocking_key_value_get(f"{KEY}/done/{self.index}", COORDINATOR_WAIT_MS)
                 return
             except Exception as err:  # noqa: BLE001  (the runtime raises its own types)
                 if self._stop.is_set():
@@ -211,7 +212,6 @@ class Processes:
         self._stop.set()
         if self.count > 1:
             self._client.key_value_set(f"{KEY}/done/{self.index}", "1", True)
-            self._client.key_value_set(f"{KEY}/finished/{self.index}", "1", True)
             if self._coordinator_watch is not None:
                 self._coordinator_watch.join(FINISH_WAIT_S)
 

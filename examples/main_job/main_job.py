@@ -171,9 +171,6 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
             old = old_metrics.get("rebalances") or []
             history["rebalances"] = [r for r in old if r["step"] < start]
         console.print(f"resumed from step {start} ({ckpt_dir})")
-    if processes.is_main:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-
     committed = {"step": start if cfg.resume else None}
 
     def checkpoint(step, backend, params, rest, opt_state):
