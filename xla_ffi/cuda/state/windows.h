@@ -41,7 +41,6 @@ struct RankWindow {
   std::vector<char*> bases;                // [R]: every rank's window base from this device
   TransportError* error_host = nullptr;    // mapped host record (read by the host)
   TransportError* error_device = nullptr;  // the same record as the kernels address it
-  uint64_t generation = 0;                 // exchanges enqueued on this window by this rank
   bool released = false;                   // ReleaseWindows freed it: exchanges on it fail
   std::vector<char*> opened;               // peers' windows this rank opened by CUDA IPC
 };
