@@ -29,7 +29,8 @@ from jax_hybridep.nn import hf
 
 H, F, E = 8, 8, 8  # model width, expert width, experts: tiny, every family alike
 
-# A tiny config per family, as its config.json would say it (the fields its mapping reads).
+# A tiny config per family, as its config.json would say it (the fields its mapping reads); laid
+# out as a table, one family per entry, so the formatter is told to leave it.
 TINY = {
     "Mixtral": dict(model_type="mixtral", hidden_size=H, intermediate_size=F,
                     num_local_experts=E, num_experts_per_tok=2, num_hidden_layers=2),

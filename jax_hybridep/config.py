@@ -125,9 +125,15 @@ class DispatchConfig:
                 )
         self._set("num_sms", check_int("num_sms", self.num_sms, 1, _max_send_blocks()))
         stream = self.gpu_stream
-        if not (stream is None or stream == "collective" or (
-            isinstance(stream, int | np.integer) and not isinstance(stream, bool) and stream >= 1
-        )):  # fmt: skip
+        if not (
+            stream is None
+            or stream == "collective"
+            or (
+                isinstance(stream, int | np.integer)
+                and not isinstance(stream, bool)
+                and stream >= 1
+            )
+        ):
             raise ValueError(
                 f"gpu_stream must be None, 'collective' or an int >= 1, got {stream!r}"
             )
@@ -192,8 +198,13 @@ def _placement(placement, num_experts: int) -> tuple[tuple[int, int], ...]:
         ) from None
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"expert_placement entries must be (rank, slot) pairs, got {placement!r}")
-    bad = [p for p in pairs if not all(isinstance(v, int | np.integer) and not isinstance(
-        v, bool | np.bool_) for v in p)]  # fmt: skip
+    bad = [
+        p
+        for p in pairs
+        if not all(
+            isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) for v in p
+        )
+    ]
     if bad:
         raise ValueError(f"expert_placement entries must be int pairs, got {bad[:4]}")
     pairs = [(int(r), int(s)) for r, s in pairs]

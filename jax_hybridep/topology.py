@@ -44,13 +44,16 @@ class Topology:
         # Normalise sequences to tuples (hashable, comparable); a bare string is one axis name.
         object.__setattr__(self, "levels", _levels(self.levels))
         if isinstance(self.mesh_axes, str) or not isinstance(self.mesh_axes, Sequence):
-            raise TypeError(f"Topology mesh_axes must be a sequence of axis names, got "
-                            f"{short(self.mesh_axes)}")  # fmt: skip
+            raise TypeError(
+                f"Topology mesh_axes must be a sequence of axis names, got {short(self.mesh_axes)}"
+            )
         if isinstance(self.mesh_shape, np.ndarray) and self.mesh_shape.ndim == 1:
             object.__setattr__(self, "mesh_shape", self.mesh_shape.tolist())
         if isinstance(self.mesh_shape, str) or not isinstance(self.mesh_shape, Sequence):
-            raise TypeError(f"Topology mesh_shape must be a sequence of axis sizes, got "
-                            f"{short(self.mesh_shape)}")  # fmt: skip
+            raise TypeError(
+                f"Topology mesh_shape must be a sequence of axis sizes, got "
+                f"{short(self.mesh_shape)}"
+            )
         object.__setattr__(self, "mesh_axes", tuple(self.mesh_axes))
         object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         if not all(isinstance(a, str) for a in self.mesh_axes):

@@ -125,9 +125,22 @@ def padded_buffer_bytes(level_sizes, tokens: int, hidden: int, itemsize: int) ->
 
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce")
 # One instruction: `%name = <result shape> <op>(...)`. The shape is read up to the op's name, so a
@@ -290,8 +303,10 @@ def crossing_bytes(
     if op_name is not None:
         check_str("op_name", op_name)
     if operands is not None and not callable(operands):
-        raise TypeError(f"operands must be a callable (element type, shape) -> bool or None, got "
-                        f"{short(operands)}")  # fmt: skip
+        raise TypeError(
+            f"operands must be a callable (element type, shape) -> bool or None, got "
+            f"{short(operands)}"
+        )
     out = {op: 0 for op in COLLECTIVES}
     for c in collectives(hlo_text):
         names = c.op_names

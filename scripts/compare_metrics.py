@@ -28,8 +28,10 @@ def main(argv: list[str]) -> int:
     for path in argv[2:]:
         got = steps(path, count)
         same = got == want and len(got) == min(count, len(want))
-        print(f"{path}: first {count} steps {'bit-identical to' if same else 'DIFFER from'} "
-              f"{reference}")  # fmt: skip
+        print(
+            f"{path}: first {count} steps {'bit-identical to' if same else 'DIFFER from'} "
+            f"{reference}"
+        )
         if not same:
             status = 1
             diff = next(((a, b) for a, b in zip(want, got, strict=False) if a != b), None)

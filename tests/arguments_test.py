@@ -51,13 +51,23 @@ def _cluster():
 
 
 def _workload(**kw):
-    return xdc.Workload(**{**dict(tokens=64, top_k=2, num_experts=16, hidden=32, act_bytes=2,
-                                  expert_bytes=1024), **kw})  # fmt: skip
+    return xdc.Workload(
+        **{
+            **dict(tokens=64, top_k=2, num_experts=16, hidden=32, act_bytes=2, expert_bytes=1024),
+            **kw,
+        }
+    )
 
 
 def _flows(**kw):
-    base = dict(paths=np.array([[True, False]]), path=np.array([0]), count=np.array([1.0]),
-                size=np.array([1.0]), start=np.array([0.0]), tag=np.array([0]))  # fmt: skip
+    base = dict(
+        paths=np.array([[True, False]]),
+        path=np.array([0]),
+        count=np.array([1.0]),
+        size=np.array([1.0]),
+        start=np.array([0.0]),
+        tag=np.array([0]),
+    )
     return sim.Flows(**{**base, **kw})
 
 
@@ -232,9 +242,14 @@ def test_values_that_gave_silently_wrong_results_are_refused(case):
 
 def test_moe_block_refuses_integer_input(ep4):
     mesh, topo = ep4
-    block = hnn.MoEBlock(8, router=hnn.RouterConfig(num_experts=8, top_k=2),
-                         experts=hnn.ExpertConfig(d_ff=16), mesh=mesh, topology=topo,
-                         rngs=nnx.Rngs(0))  # fmt: skip
+    block = hnn.MoEBlock(
+        8,
+        router=hnn.RouterConfig(num_experts=8, top_k=2),
+        experts=hnn.ExpertConfig(d_ff=16),
+        mesh=mesh,
+        topology=topo,
+        rngs=nnx.Rngs(0),
+    )
     with pytest.raises(TypeError, match="x must be floating point, got int32"):
         block(jnp.ones((4, 8), jnp.int32))  # returned int32 outputs before
     with pytest.raises(ValueError, match=r"x must be \[..., d_model=8\], got shape \(4, 6\)"):
@@ -261,8 +276,10 @@ def test_op_arguments_of_the_wrong_type_are_named(ep4):
     with pytest.raises(TypeError, match="config must be a jax_hybridep.DispatchConfig, got Non"):
         _traced(mesh, dispatch(None), x, idx, w)
     cfg8 = hep.DispatchConfig(num_experts=8, wire_dtype="float8_e4m3fn", fp8_rows=True)
-    as_list = lambda x, i, w: hep.dispatch(list(fp8.quantize(x)), i, w, topology=topo,  # noqa: E731
-                                           config=cfg8).weights  # fmt: skip
+
+    def as_list(x, i, w):
+        return hep.dispatch(list(fp8.quantize(x)), i, w, topology=topo, config=cfg8).weights
+
     with pytest.raises(TypeError, match="got a list of 2 \\(pass the quantised pair as a tuple"):
         _traced(mesh, as_list, x, idx, w)
 
@@ -409,8 +426,9 @@ def test_sim_cli_refuses_a_bad_output_path_before_the_sweep(tmp_path, capsys):
         main(["--csv", bad, "--png", ""])  # the default sweep would take minutes
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith(f"argument --csv: '{bad}' cannot be created: "
-                            f"'{tmp_path / 'file'}' is a file")  # fmt: skip
+    assert err[-1].endswith(
+        f"argument --csv: '{bad}' cannot be created: '{tmp_path / 'file'}' is a file"
+    )
 
 
 def test_empty_lists_and_numpy_shapes_are_accepted_where_valid():

@@ -60,12 +60,24 @@ def _rule_breaks(placement):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    shape=st.sampled_from([(1, 2, 1), (2, 1, 1), (4, 2, 1), (4, 1, 2), (8, 2, 1), (4, 3, 2),
-                           (2, 8, 2), (2, 3, 2), (8, 2, 2), (4, 2, 3)]),
+    shape=st.sampled_from(
+        [
+            (1, 2, 1),
+            (2, 1, 1),
+            (4, 2, 1),
+            (4, 1, 2),
+            (8, 2, 1),
+            (4, 3, 2),
+            (2, 8, 2),
+            (2, 3, 2),
+            (8, 2, 2),
+            (4, 2, 3),
+        ]
+    ),
     per_node=st.sampled_from([None, 1, 2, 4]),
     charge=st.booleans(),
     data=st.data(),
-)  # fmt: skip
+)
 def test_every_plan_is_a_valid_placement(shape, per_node, charge, data):
     ranks, lp, redundant = shape
     e = ranks * lp
@@ -239,8 +251,10 @@ def test_real_dispatch_drops_fewer_rows_and_evens_the_receive_counts():
 # ----------------------------------------------------------------------------- exactness
 
 E, K, T, H, F = 16, 4, 8, 8, 6  # per shard: T tokens
-MESHES = {"flat": ((8,), ("ep",), ("ep",), None), "two_level": ((2, 4), ("node", "local"),
-                                                                ("node", "local"), 4)}  # fmt: skip
+MESHES = {
+    "flat": ((8,), ("ep",), ("ep",), None),
+    "two_level": ((2, 4), ("node", "local"), ("node", "local"), 4),
+}
 
 
 def _inputs():
@@ -271,8 +285,9 @@ def _replicated_fn(mesh, topo, cfg, placement):
         out = hep.combine(y, d.handle, weights=d.weights)
         return out, (d.stats.tokens_per_expert[None], d.stats.tokens_per_slot[None])
 
-    f = jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 3 + (P(topo.ep_axes),),
-                      out_specs=(spec, spec))  # fmt: skip
+    f = jax.shard_map(
+        step, mesh=mesh, in_specs=(spec,) * 3 + (P(topo.ep_axes),), out_specs=(spec, spec)
+    )
     return f
 
 
@@ -306,9 +321,14 @@ def test_replicas_equal_the_unreplicated_model_and_the_dense_moe(mesh_name):
     out, (gx, gw, g_stored), (per_expert, per_slot) = got["ffi"]
     np.testing.assert_array_equal(per_expert[0], counts(idx, E))  # logical, global
     np.testing.assert_array_equal(
-        per_slot[0], counts(jax.vmap(balance.Replicas(placement, topo).physical_ids)(
-            idx.reshape(8, T, K), jnp.arange(8)), placement.num_slots)
-    )  # fmt: skip
+        per_slot[0],
+        counts(
+            jax.vmap(balance.Replicas(placement, topo).physical_ids)(
+                idx.reshape(8, T, K), jnp.arange(8)
+            ),
+            placement.num_slots,
+        ),
+    )
 
     def dense_loss(x, w, experts):
         return jnp.sum(dense_moe(x, idx, w, experts) * cot)
@@ -356,8 +376,9 @@ def test_capacity_is_per_physical_slot():
         d = rep.dispatch(x, idx, w, config=cfg)
         return d.group_sizes[None], d.kept, d.stats.dropped[None], jnp.int32(d.capacity)[None]
 
-    sizes, kept, dropped, cap = jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 4))(x, idx, w)  # fmt: skip
+    sizes, kept, dropped, cap = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 4)
+    )(x, idx, w)
     phys = np.asarray(jax.vmap(rep.physical_ids)(idx.reshape(8, T, K), jnp.arange(8)))
     physical = rep.physical_config(cfg, T, K).capacity_factor
     view = PlanView(placement.num_slots, 8, T, K, capacity_factor=physical)
@@ -387,9 +408,16 @@ def test_moe_block_with_redundant_slots_equals_the_dense_moe():
     # A capacity no expert reaches: the CPU capacity-window expert path over the L slots
     # (the training tests cover the dropless one).
     cfg = hep.DispatchConfig(num_experts=E, backend="ffi", capacity_factor=float(E))
-    block = hnn.MoEBlock(16, router=router, experts=hnn.ExpertConfig(d_ff=24), mesh=mesh,
-                         topology=topo, balance=balance.BalanceConfig(redundant_slots=1),
-                         dispatch=cfg, rngs=nnx.Rngs(0))  # fmt: skip
+    block = hnn.MoEBlock(
+        16,
+        router=router,
+        experts=hnn.ExpertConfig(d_ff=24),
+        mesh=mesh,
+        topology=topo,
+        balance=balance.BalanceConfig(redundant_slots=1),
+        dispatch=cfg,
+        rngs=nnx.Rngs(0),
+    )
     logical = block_params(block)  # plain EP's order to begin with
     load = np.arange(E, dtype=np.float64) ** 2
     block.set_placement(balance.plan_placement(load, 8, 2, 1, 4).placement)
@@ -446,8 +474,9 @@ def test_setting_errors():
     mesh = make_mesh((2, 2), ("dc", "ep"))
     topo = hep.Topology.from_mesh(mesh, ("dc", "ep"))
     router = hnn.RouterConfig(num_experts=8, top_k=2)
-    kwargs = dict(router=router, experts=hnn.ExpertConfig(d_ff=8), mesh=mesh, topology=topo,
-                  rngs=nnx.Rngs(0))  # fmt: skip
+    kwargs = dict(
+        router=router, experts=hnn.ExpertConfig(d_ff=8), mesh=mesh, topology=topo, rngs=nnx.Rngs(0)
+    )
     one = balance.BalanceConfig(redundant_slots=1)
     with pytest.raises(ValueError, match="cannot be combined with expert domains"):
         hnn.MoEBlock(8, balance=one, migration=xdc.Migration({"dc": 2}), **kwargs)

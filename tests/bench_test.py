@@ -116,11 +116,19 @@ def test_barrier_variant_and_unzeroed_padding_give_the_same_results():
     """--variants barrier puts an optimization_barrier before combine; --no-zero-padding leaves
     rows past the groups unwritten: values stay correct for both backends."""
     doc = bench_main.benchmark(
-        "tiny", jax.devices()[:4], routings=("skewed",), capacities=(None,),
-        methods=("hybridep",), topologies=("flat",), directions=("fwd+bwd",),
-        variants=("fusible", "barrier"), zero_padding=False, repeats=1, warmup=0,
+        "tiny",
+        jax.devices()[:4],
+        routings=("skewed",),
+        capacities=(None,),
+        methods=("hybridep",),
+        topologies=("flat",),
+        directions=("fwd+bwd",),
+        variants=("fusible", "barrier"),
+        zero_padding=False,
+        repeats=1,
+        warmup=0,
         log=lambda _: None,
-    )  # fmt: skip
+    )
     labels = {c["label"] for c in doc["cases"]}
     assert labels == {
         f"hybridep-{b}/flat{v}+nozero" for b in ("ffi", "xla") for v in ("", "+barrier")
@@ -136,10 +144,18 @@ def test_fp8_wire_cases_count_wire_bytes():
     args = bench_main.parser().parse_args(["--wire_dtype", "native,float8_e4m3fn"])
     assert args.wire_dtype == ["native", "float8_e4m3fn"]
     doc = bench_main.benchmark(
-        "tiny", jax.devices()[:4], routings=("uniform",), capacities=(None,),
-        methods=("hybridep",), topologies=("flat", "hierarchical"), directions=("fwd",),
-        wire_dtypes=(None, "float8_e4m3fn"), repeats=1, warmup=0, log=lambda _: None,
-    )  # fmt: skip
+        "tiny",
+        jax.devices()[:4],
+        routings=("uniform",),
+        capacities=(None,),
+        methods=("hybridep",),
+        topologies=("flat", "hierarchical"),
+        directions=("fwd",),
+        wire_dtypes=(None, "float8_e4m3fn"),
+        repeats=1,
+        warmup=0,
+        log=lambda _: None,
+    )
     cases = {c["label"]: c for c in doc["cases"]}
     hidden = workloads.PRESETS["tiny"].hidden
     for backend in ("ffi", "xla"):
@@ -297,8 +313,9 @@ def test_whole_layer_comparison_smoke():
 
     from jax_hybridep.bench import layer  # noqa: PLC0415
 
-    shape = layer.LayerShape(tokens=16, hidden=16, ffn=16, experts_per_device=2, k=2,
-                             dtype="float32")  # fmt: skip
+    shape = layer.LayerShape(
+        tokens=16, hidden=16, ffn=16, experts_per_device=2, k=2, dtype="float32"
+    )
     result = layer.measure(shape, repeats=1, warmup=1, devices=jax.devices()[:4])
     methods = [r["method"] for r in result["rows"]]
     assert methods[:2] == ["hybridep-ffi", "hybridep-xla"] and methods[2].startswith("ragged")
@@ -329,12 +346,25 @@ def test_gpu_transport_bandwidths_from_the_hook(monkeypatch, tmp_path):
     """The GPU transport bench's arithmetic (the hook itself needs a GPU; the timings are owed to
     scripts/gpu_check.sh), through its command line: payload GB/s of the send, dispatch and
     combine, HBM GB/s of the wide kernels, FP8 send in wire bytes."""
-    raw = dict(sms=[1, 8], send_us=[1000.0, 125.0], permute_us=[50.0, 50.0],
-               fp8_send_us=[800.0, 100.0], fp8_permute_us=[60.0, 60.0],
-               unpermute_us=[70.0, 70.0], combine_send_us=[1000.0, 125.0],
-               reduce_us=[30.0, 30.0], layout_us=20.0, copy_us=500.0, copy_bytes=1 << 30,
-               rows=4096 * 8, row_bytes=7168 * 2, fp8_row_bytes=7392, tokens=4096, stages=12,
-               smem_bytes=176128)  # fmt: skip
+    raw = dict(
+        sms=[1, 8],
+        send_us=[1000.0, 125.0],
+        permute_us=[50.0, 50.0],
+        fp8_send_us=[800.0, 100.0],
+        fp8_permute_us=[60.0, 60.0],
+        unpermute_us=[70.0, 70.0],
+        combine_send_us=[1000.0, 125.0],
+        reduce_us=[30.0, 30.0],
+        layout_us=20.0,
+        copy_us=500.0,
+        copy_bytes=1 << 30,
+        rows=4096 * 8,
+        row_bytes=7168 * 2,
+        fp8_row_bytes=7392,
+        tokens=4096,
+        stages=12,
+        smem_bytes=176128,
+    )
 
     class Hook:
         def cuda_bench_transport(self, *args, **kwargs):

@@ -103,55 +103,99 @@ DC2_NODE2_LOCAL2 = ((2, 2, 2), ("dc", "node", "local"))
 
 CASES = {
     # One level: dropless, padding, capacity with drops, a non-default placement, the extremes.
-    "flat4_dropless": _case(*FLAT4, routings=("random", "all_minus_one", "invalid_ids",
-                                              "ranks_receive_nothing", "all_to_one_expert")),
+    "flat4_dropless": _case(
+        *FLAT4,
+        routings=(
+            "random",
+            "all_minus_one",
+            "invalid_ids",
+            "ranks_receive_nothing",
+            "all_to_one_expert",
+        ),
+    ),
     "flat4_pad4": _case(*FLAT4, pad_multiple=4, routings=("random", "duplicates_in_a_row")),
-    "flat4_capacity_placed": _case(*FLAT4, capacity_factor=1.0, expert_placement=REVERSED,
-                                   routings=("random", "hot", "all_to_one_expert",
-                                             "one_hot_rank_of_sources", "balanced")),
-    "flat4_low_capacity_pad2_unweighted": _case(*FLAT4, capacity_factor=0.5, pad_multiple=2,
-                                                weighted=False, routings=("random", "hot")),
-    "flat4_k_equals_e_one_token": _case(*FLAT4, experts_per_rank=1, tokens=1, k=4,
-                                        routings=("random", "duplicates_in_a_row")),
+    "flat4_capacity_placed": _case(
+        *FLAT4,
+        capacity_factor=1.0,
+        expert_placement=REVERSED,
+        routings=("random", "hot", "all_to_one_expert", "one_hot_rank_of_sources", "balanced"),
+    ),
+    "flat4_low_capacity_pad2_unweighted": _case(
+        *FLAT4, capacity_factor=0.5, pad_multiple=2, weighted=False, routings=("random", "hot")
+    ),
+    "flat4_k_equals_e_one_token": _case(
+        *FLAT4, experts_per_rank=1, tokens=1, k=4, routings=("random", "duplicates_in_a_row")
+    ),
     "ep1": _case((1,), ("ep",), experts_per_rank=4, routings=("random", "hot")),
     "ep16_capacity": _case((16,), ("ep",), capacity_factor=1.0),
-    "flat8_bf16_capacity_pad4": _case(*FLAT8, capacity_factor=0.75, pad_multiple=4, k=4,
-                                      dtype="bfloat16", routings=("random", "invalid_ids")),
+    "flat8_bf16_capacity_pad4": _case(
+        *FLAT8,
+        capacity_factor=0.75,
+        pad_multiple=4,
+        k=4,
+        dtype="bfloat16",
+        routings=("random", "invalid_ids"),
+    ),
     "flat8_f16": _case(*FLAT8, dtype="float16", routings=("random", "all_to_one_expert")),
     # The opt-in row budget: a dropless buffer smaller than the worst case, overflow dropped.
     "flat4_row_budget": _case(*FLAT4, tokens=8, row_budget=20, routings=("hot", "random")),
     # Groups of mesh axes: one level over two axes, two EP groups beside a data axis.
     "one_level_two_axes": _case((2, 4), ("x", "y"), (("x", "y"),)),
-    "data_groups_capacity": _case((2, 4), ("data", "ep"), ("ep",), capacity_factor=1.0,
-                                  routings=("second_half_hot", "random")),
+    "data_groups_capacity": _case(
+        (2, 4), ("data", "ep"), ("ep",), capacity_factor=1.0, routings=("second_half_hot", "random")
+    ),
     # Several levels: rows, drops and order as flat EP; one copy per destination group.
-    "node2_local4": _case(*NODE2_LOCAL4, routings=("random", "all_to_one_expert",
-                                                   "one_remote_half", "duplicates_in_a_row")),
-    "node2_local4_capacity_unweighted": _case(*NODE2_LOCAL4, capacity_factor=1.0, k=4,
-                                              weighted=False, routings=("random", "hot")),
-    "node4_local2_capacity": _case(*NODE4_LOCAL2, capacity_factor=1.0,
-                                   routings=("random", "all_minus_one")),
-    "node2_local2_row_budget_pad4": _case((2, 2), ("node", "local"), tokens=8, row_budget=24,
-                                          pad_multiple=4, routings=("hot",)),
-    "dc2_node2_local2_bf16": _case(*DC2_NODE2_LOCAL2, dtype="bfloat16",
-                                   routings=("random", "one_remote_half")),
+    "node2_local4": _case(
+        *NODE2_LOCAL4,
+        routings=("random", "all_to_one_expert", "one_remote_half", "duplicates_in_a_row"),
+    ),
+    "node2_local4_capacity_unweighted": _case(
+        *NODE2_LOCAL4, capacity_factor=1.0, k=4, weighted=False, routings=("random", "hot")
+    ),
+    "node4_local2_capacity": _case(
+        *NODE4_LOCAL2, capacity_factor=1.0, routings=("random", "all_minus_one")
+    ),
+    "node2_local2_row_budget_pad4": _case(
+        (2, 2), ("node", "local"), tokens=8, row_budget=24, pad_multiple=4, routings=("hot",)
+    ),
+    "dc2_node2_local2_bf16": _case(
+        *DC2_NODE2_LOCAL2, dtype="bfloat16", routings=("random", "one_remote_half")
+    ),
     "dc2_node2_local2_capacity_pad2": _case(*DC2_NODE2_LOCAL2, capacity_factor=1.0, pad_multiple=2),
-    "dc2_node2_local4_capacity": _case((2, 2, 4), ("dc", "node", "local"), capacity_factor=1.0,
-                                       k=4),
+    "dc2_node2_local4_capacity": _case(
+        (2, 2, 4), ("dc", "node", "local"), capacity_factor=1.0, k=4
+    ),
     "level_over_two_axes": _case((2, 2, 2), ("node", "x", "y"), ("node", ("x", "y"))),
     # zero_padding=False: rows past the groups poisoned with NaN change no value or gradient.
-    "flat4_pad4_poisoned": _case(*FLAT4, pad_multiple=4, zero_padding=False, poison=True,
-                                 same_as="flat4_pad4", routings=("random", "duplicates_in_a_row")),
+    "flat4_pad4_poisoned": _case(
+        *FLAT4,
+        pad_multiple=4,
+        zero_padding=False,
+        poison=True,
+        same_as="flat4_pad4",
+        routings=("random", "duplicates_in_a_row"),
+    ),
     "node2_local4_capacity_unweighted_poisoned": _case(
-        *NODE2_LOCAL4, capacity_factor=1.0, k=4, weighted=False, zero_padding=False, poison=True,
-        same_as="node2_local4_capacity_unweighted"),
+        *NODE2_LOCAL4,
+        capacity_factor=1.0,
+        k=4,
+        weighted=False,
+        zero_padding=False,
+        poison=True,
+        same_as="node2_local4_capacity_unweighted",
+    ),
     "dc2_node2_local2_capacity_pad2_poisoned": _case(
-        *DC2_NODE2_LOCAL2, capacity_factor=1.0, pad_multiple=2, zero_padding=False, poison=True,
-        same_as="dc2_node2_local2_capacity_pad2"),
+        *DC2_NODE2_LOCAL2,
+        capacity_factor=1.0,
+        pad_multiple=2,
+        zero_padding=False,
+        poison=True,
+        same_as="dc2_node2_local2_capacity_pad2",
+    ),
     # FP8 on the wire: rows are the 16-bit dispatch of the dequantised tokens; straight-through.
     "node2_local4_fp8": _case(*NODE2_LOCAL4, wire_dtype=FP8, dtype="bfloat16"),
     "flat8_fp8_capacity": _case(*FLAT8, wire_dtype=FP8, capacity_factor=1.0),
-}  # fmt: skip
+}
 
 
 @contextlib.contextmanager
@@ -179,8 +223,15 @@ def mesh_topology(case):
 def plan_view(case):
     """The PlanView of §2.1.3 for one EP group of the case."""
     fields = case.fields
-    view = PlanView(case.num_experts, case.ep, case.tokens, case.k, fields.get("capacity_factor"),
-                    fields.get("pad_multiple", 1), fields.get("expert_placement"))  # fmt: skip
+    view = PlanView(
+        case.num_experts,
+        case.ep,
+        case.tokens,
+        case.k,
+        fields.get("capacity_factor"),
+        fields.get("pad_multiple", 1),
+        fields.get("expert_placement"),
+    )
     if fields.get("row_budget") is not None:
         view.rows = fields["row_budget"]
     return view

@@ -100,8 +100,14 @@ def _check_model(case, routing, result):
         ref = reference_layout(idx[items].reshape(ep, T, K), ep, view)
         kept_all[items] = ref["row_pos"].reshape(-1, K) >= 0
         want_tokens, want_weights = expected_rows(
-            x_np[items].reshape(ep, T, H), w[items].reshape(ep, T, K),
-            idx[items].reshape(ep, T, K), ref, ep, view.rows, x_np.dtype)  # fmt: skip
+            x_np[items].reshape(ep, T, H),
+            w[items].reshape(ep, T, K),
+            idx[items].reshape(ep, T, K),
+            ref,
+            ep,
+            view.rows,
+            x_np.dtype,
+        )
         got_tokens = np.asarray(tokens[ranks]).reshape(want_tokens.shape)
         live = np.arange(view.rows)[None, :] < ref["group_sizes"].sum(axis=1)[:, None]
         if case.poison:  # the padding rows really hold NaN, and only they
@@ -127,8 +133,11 @@ def _check_model(case, routing, result):
         np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=5e-2, atol=5e-2)
         return
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg="output")
-    for name, got, ref in (("x", gx, want_gx), ("topk_weights", gw, want_gw),
-                           ("experts", g_stored, np.asarray(want_ge)[order])):  # fmt: skip
+    for name, got, ref in (
+        ("x", gx, want_gx),
+        ("topk_weights", gw, want_gw),
+        ("experts", g_stored, np.asarray(want_ge)[order]),
+    ):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"gradient of {name}")
 
 
@@ -179,8 +188,13 @@ def test_every_routing_and_implementation_is_used():
         for step in (*impl.build(t).levels, impl.build(t).bottom)
     }
     assert {name for name, _ in buildable} == {impl.name for impl in routes.IMPLEMENTATIONS}
-    run = {(route.name, type(step)) for kind in ROUTES.values() for t in meshes
-           for route in [kind.route(t)] for step in (*route.levels, route.bottom)}  # fmt: skip
+    run = {
+        (route.name, type(step))
+        for kind in ROUTES.values()
+        for t in meshes
+        for route in [kind.route(t)]
+        for step in (*route.levels, route.bottom)
+    }
     assert buildable <= run, buildable - run
 
 
@@ -227,8 +241,9 @@ def _strict_message(kind):
         jax.effects_barrier()
     with contextlib.suppress(hep.StrictModeError, hep.TransportError):
         hep.check_errors()
-    found = re.search(r"jax_hybridep strict mode: [^\n]*?invalid per EP rank \[[^\]]*\]",
-                      str(info.value))  # fmt: skip
+    found = re.search(
+        r"jax_hybridep strict mode: [^\n]*?invalid per EP rank \[[^\]]*\]", str(info.value)
+    )
     assert found, str(info.value)
     return found.group(0)
 

@@ -41,8 +41,11 @@ def test_built_with_cuda_when_nvcc_present():
 
 def _cuobjdump() -> str | None:
     """cuobjdump from $CUOBJDUMP, PATH or the CUDA toolkit (not every toolkit install has it)."""
-    for candidate in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
-                      "/usr/local/cuda/bin/cuobjdump"):  # fmt: skip
+    for candidate in (
+        os.environ.get("CUOBJDUMP"),
+        shutil.which("cuobjdump"),
+        "/usr/local/cuda/bin/cuobjdump",
+    ):
         if candidate and pathlib.Path(candidate).is_file():
             return candidate
     return None
@@ -50,8 +53,9 @@ def _cuobjdump() -> str | None:
 
 def _device_code(tool: str, library: pathlib.Path, listing: str) -> set[str]:
     """The architectures of `library`'s cubins (listing 'elf') or PTX (listing 'ptx')."""
-    proc = subprocess.run([tool, f"--list-{listing}", str(library)], capture_output=True,
-                          text=True, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [tool, f"--list-{listing}", str(library)], capture_output=True, text=True, check=False
+    )
     return set(re.findall(r"\.(sm_\d+a?)\.", proc.stdout))
 
 

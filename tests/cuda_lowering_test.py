@@ -59,8 +59,9 @@ def _gpu_topology(shape: dict[str, int], levels, local=None) -> hep.Topology:
 
 
 def _lowered(topo: hep.Topology, config: hep.DispatchConfig, weighted=True, grad=True, k=K) -> str:
-    mesh = AbstractMesh(topo.mesh_shape, topo.mesh_axes, axis_types=(AxisType.Explicit,) * len(
-        topo.mesh_axes))  # fmt: skip
+    mesh = AbstractMesh(
+        topo.mesh_shape, topo.mesh_axes, axis_types=(AxisType.Explicit,) * len(topo.mesh_axes)
+    )
     spec = P(topo.mesh_axes)
 
     def layer(x, idx, w):
@@ -112,8 +113,11 @@ def test_auto_keeps_xla_on_gpus_until_verified(monkeypatch):
     picked = tuple(dataclasses.replace(i, auto_pick=True) for i in routes.IMPLEMENTATIONS)
     monkeypatch.setattr(routes, "IMPLEMENTATIONS", picked)
     targets = _targets(_lowered(topo, hep.DispatchConfig(num_experts=E), grad=False))
-    assert {"jax_hybridep_cuda_layout", "jax_hybridep_cuda_slot_map",
-            "jax_hybridep_cuda_dispatch"} <= targets  # fmt: skip
+    assert {
+        "jax_hybridep_cuda_layout",
+        "jax_hybridep_cuda_slot_map",
+        "jax_hybridep_cuda_dispatch",
+    } <= targets
     assert not any(t.startswith("jax_hybridep_") and "cuda" not in t for t in targets)
 
 
@@ -172,10 +176,14 @@ def _dispatch_call(text: str) -> str:
 
 def test_zero_padding_off_leaves_rows_past_the_groups():
     topo = _gpu_topology({"ep": 4}, ["ep"])
-    on = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi", pad_multiple=4),
-                  grad=False)  # fmt: skip
-    off = _lowered(topo, hep.DispatchConfig(num_experts=E, backend="ffi", pad_multiple=4,
-                                            zero_padding=False), grad=False)  # fmt: skip
+    on = _lowered(
+        topo, hep.DispatchConfig(num_experts=E, backend="ffi", pad_multiple=4), grad=False
+    )
+    off = _lowered(
+        topo,
+        hep.DispatchConfig(num_experts=E, backend="ffi", pad_multiple=4, zero_padding=False),
+        grad=False,
+    )
     assert "sparse_pad_multiple = 0" in on and "sparse_pad_multiple = 4" in off
 
 
@@ -226,7 +234,7 @@ _MEMBERS = {
         "strict",
         "expert_rank",
         "expert_slot",
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -260,9 +268,18 @@ def test_attribute_bundles_decode_into_the_handlers_structs(monkeypatch):
     calls = _cuda_call_attrs(
         monkeypatch, one_level, hep.DispatchConfig(num_experts=E, backend="ffi", num_sms=8), True
     )
-    calls += _cuda_call_attrs(monkeypatch, across, hep.DispatchConfig(
-        num_experts=E, backend="ffi", wire_dtype="float8_e4m3fn", capacity_factor=1.25,
-        strict=True), False)  # fmt: skip
+    calls += _cuda_call_attrs(
+        monkeypatch,
+        across,
+        hep.DispatchConfig(
+            num_experts=E,
+            backend="ffi",
+            wire_dtype="float8_e4m3fn",
+            capacity_factor=1.25,
+            strict=True,
+        ),
+        False,
+    )
     assert {target for target, _ in calls} == set(PROBES)
 
     def expected(target, attrs):
@@ -273,11 +290,12 @@ def test_attribute_bundles_decode_into_the_handlers_structs(monkeypatch):
 
     def probe_all():
         return [
-            jax.ffi.ffi_call(f"jax_hybridep_testing_decode_{PROBES[target]}",
-                             jax.ShapeDtypeStruct((len(expected(target, attrs)),), jnp.int32))(
-                                 **attrs)
+            jax.ffi.ffi_call(
+                f"jax_hybridep_testing_decode_{PROBES[target]}",
+                jax.ShapeDtypeStruct((len(expected(target, attrs)),), jnp.int32),
+            )(**attrs)
             for target, attrs in calls
-        ]  # fmt: skip
+        ]
 
     with jax.default_device(jax.devices("cpu")[0]):
         decoded = jax.jit(probe_all)()  # one program for every call

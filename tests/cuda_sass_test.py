@@ -48,8 +48,13 @@ def _tool(name: str) -> str:
 def _run(*args: str) -> str:
     env = dict(os.environ, PATH=f"{pathlib.Path(_tool('nvdisasm')).parent}:{os.environ['PATH']}")
     runtime = pathlib.Path(native.__file__).with_name("libhybridep_runtime.so")
-    proc = subprocess.run([_tool("cuobjdump"), *args, str(runtime)], capture_output=True,
-                          text=True, env=env, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [_tool("cuobjdump"), *args, str(runtime)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 

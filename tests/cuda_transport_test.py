@@ -135,12 +135,12 @@ def test_harness_rejects_bad_inputs(cuda_build):
     args = stacked_inputs([case], weighted=False)
     del args["values"]
     with pytest.raises(ValueError, match=r"y: expected shape \(1, 2,"):
-        native.cuda_selftest_transport("float32", case.C, **{**args, "y": args["y"][:, :, :3]},
-                                          send_blocks=1)  # fmt: skip
+        native.cuda_selftest_transport(
+            "float32", case.C, **{**args, "y": args["y"][:, :, :3]}, send_blocks=1
+        )
     bad = args["dest"].copy()
     bad[0, 0, 0, 0] = 5
     with pytest.raises(ValueError, match="dest has 5, outside"):
-        native.cuda_selftest_transport("float32", case.C, **{**args, "dest": bad},
-                                          send_blocks=1)  # fmt: skip
+        native.cuda_selftest_transport("float32", case.C, **{**args, "dest": bad}, send_blocks=1)
     with pytest.raises(ValueError, match="send_blocks"):
         native.cuda_selftest_transport("float32", case.C, **args, send_blocks=0)

@@ -37,8 +37,9 @@ pytestmark = pytest.mark.usefixtures("cuda_build")
 
 def _assert_slot_map(got: dict, want: dict, what: str):
     for key, value in want.items():
-        np.testing.assert_array_equal(_bits(np.asarray(got[key])), _bits(value),
-                                      err_msg=f"{what}: {key}")  # fmt: skip
+        np.testing.assert_array_equal(
+            _bits(np.asarray(got[key])), _bits(value), err_msg=f"{what}: {key}"
+        )
 
 
 @pytest.mark.parametrize(
@@ -75,8 +76,10 @@ def _with_capacity(case: Round, seed: int) -> Round:
 def _receive_buffers(case: Round, payload: np.ndarray, maps: list[dict]) -> list[np.ndarray]:
     """Each rank's dense receive buffer after every source's send: payload [R, T, ...] rows at
     the slots send_slot names."""
-    buffers = [np.zeros((maps[0]["recv_rows"].shape[0],) + payload.shape[2:], payload.dtype)
-               for _ in range(case.R)]  # fmt: skip
+    buffers = [
+        np.zeros((maps[0]["recv_rows"].shape[0],) + payload.shape[2:], payload.dtype)
+        for _ in range(case.R)
+    ]
     for src in range(case.R):
         slots = maps[src]["send_slot"][: case.T]
         for t, p in zip(*np.nonzero(slots >= 0), strict=True):
@@ -100,8 +103,9 @@ def _pipeline(case: Round, weighted: bool, fp8_hidden: int = 0) -> dict:
     g_received = _receive_buffers(case, case.g, maps)
     for d in range(R):
         lay = maps[d]
-        rows, _ = numpy_permute(received[d], lay, case.C, fp8_hidden=fp8_hidden,
-                                dtype=case.np_dtype)  # fmt: skip
+        rows, _ = numpy_permute(
+            received[d], lay, case.C, fp8_hidden=fp8_hidden, dtype=case.np_dtype
+        )
         out["tokens"].append(rows)
         out["weights"].append(lay["row_weights"])
         red, scaled = numpy_permute(g_received[d], lay, case.C, scale=case.scale[d])
@@ -123,8 +127,9 @@ def _pipeline(case: Round, weighted: bool, fp8_hidden: int = 0) -> dict:
 def test_pipeline_gives_the_model(routing, dtype, ranks):
     """The steps composed over R ranks: exactly the §2.1 model's rows, weights, combined tokens
     and scaled redispatch (the bits v1 gives), dropless and with a capacity."""
-    case = Round("random" if routing == "capacity" else routing, dtype, 6, R=ranks, T=24, K=3,
-                 seed=1)  # fmt: skip
+    case = Round(
+        "random" if routing == "capacity" else routing, dtype, 6, R=ranks, T=24, K=3, seed=1
+    )
     if routing == "capacity":
         case = _with_capacity(case, ranks)
         assert np.any(case.row_pos < 0) and case.C % 4 == 0  # drops, padded groups
@@ -133,8 +138,9 @@ def test_pipeline_gives_the_model(routing, dtype, ranks):
         want = case.expected(weighted)
         for key, value in got.items():
             bits = _bits(value)
-            np.testing.assert_array_equal(bits, _bits(want[key]).reshape(bits.shape),
-                                          err_msg=f"weighted={weighted}: {key}")  # fmt: skip
+            np.testing.assert_array_equal(
+                bits, _bits(want[key]).reshape(bits.shape), err_msg=f"weighted={weighted}: {key}"
+            )
 
 
 @pytest.mark.parametrize("routing", ["random", "duplicates"])
@@ -173,9 +179,15 @@ def test_row_step_twins_match_host_references(routing, dtype):
         for pad in (0, 4):
             for scale in (None, case.scale[d]):
                 got, got_scaled = native.cuda_reference_permute(
-                    dtype, slots, row_bytes, lay["recv_rows"], lay["row_slot"], lay["info"],
-                    zero_pad_multiple=pad, scale=scale,
-                )  # fmt: skip
+                    dtype,
+                    slots,
+                    row_bytes,
+                    lay["recv_rows"],
+                    lay["row_slot"],
+                    lay["info"],
+                    zero_pad_multiple=pad,
+                    scale=scale,
+                )
                 want, want_scaled = numpy_permute(buffer, lay, case.C, pad, scale)
                 np.testing.assert_array_equal(got, _bits(want).reshape(got.shape))
                 if scale is not None:
@@ -183,9 +195,13 @@ def test_row_step_twins_match_host_references(routing, dtype):
         for weights in (None, case.y_weights[d]):
             y = case.y[d]
             got = native.cuda_reference_unpermute(
-                dtype, y.view(np.uint8).reshape(case.C, -1), weights, lay["recv_rows"],
-                lay["row_slot"], lay["info"],
-            )  # fmt: skip
+                dtype,
+                y.view(np.uint8).reshape(case.C, -1),
+                weights,
+                lay["recv_rows"],
+                lay["row_slot"],
+                lay["info"],
+            )
             want = numpy_unpermute(y, weights, lay)
             assert got.shape[0] == n
             np.testing.assert_array_equal(got, _bits(want).reshape(got.shape))
@@ -203,14 +219,20 @@ def test_fp8_permute_twin_matches_host_reference(hidden):
     case = Round("random", "bfloat16", hidden, R=2, T=24, K=3, seed=4)
     lay = numpy_slot_map(gather_routing(case), 1, case.C)
     patterns = np.arange(1 << 16, dtype=np.uint16).view(DTYPES["bfloat16"])
-    tokens = np.resize(np.random.default_rng(5).permutation(patterns),
-                       (lay["recv_rows"].shape[0], hidden))  # fmt: skip
+    tokens = np.resize(
+        np.random.default_rng(5).permutation(patterns), (lay["recv_rows"].shape[0], hidden)
+    )
     wire = np.asarray(fp8.to_wire(*fp8.quantize(tokens)))
     slots = _reference_slots(wire, -(-wire.shape[1] // 16) * 16)
     got, _ = native.cuda_reference_permute(
-        "bfloat16", slots, wire.shape[1], lay["recv_rows"], lay["row_slot"], lay["info"],
+        "bfloat16",
+        slots,
+        wire.shape[1],
+        lay["recv_rows"],
+        lay["row_slot"],
+        lay["info"],
         fp8_hidden=hidden,
-    )  # fmt: skip
+    )
     want, _ = numpy_permute(wire, lay, case.C, fp8_hidden=hidden, dtype=DTYPES["bfloat16"])
     np.testing.assert_array_equal(got, _bits(want).reshape(got.shape))
 

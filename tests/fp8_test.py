@@ -80,8 +80,9 @@ def test_rows_and_scales_bitwise_jnp_and_cpp(hidden, dtype):
     cpp_back = np.frombuffer(native.fp8_dequantize_rows(dtype, wire.tobytes(), hidden), x.dtype)
     np.testing.assert_array_equal(_bits(cpp_back.reshape(back.shape)), _bits(back))
     # The formula itself: scale = amax / 448 over the finite elements, floored at 1e-4.
-    blocks = np.pad(np.where(np.isfinite(x), np.abs(x.astype(np.float32)), 0),
-                    ((0, 0), (0, -hidden % 128))).reshape(9, -1, 128)  # fmt: skip
+    blocks = np.pad(
+        np.where(np.isfinite(x), np.abs(x.astype(np.float32)), 0), ((0, 0), (0, -hidden % 128))
+    ).reshape(9, -1, 128)
     amax = np.maximum(blocks.max(-1), np.float32(1e-4))
     np.testing.assert_array_equal(np.asarray(scales), amax * (np.float32(1) / np.float32(448)))
     q_again, scales_again = jax.jit(fp8.from_wire, static_argnums=1)(wire, hidden)
@@ -118,9 +119,10 @@ def _dispatch_fn(mesh, topo, cfg, route=None):
 @pytest.mark.parametrize(
     "shape,names,hidden,capacity",
     [(*MESHES[0], 200, None), (*MESHES[1], 256, 1.0), (*MESHES[2], 200, 1.0)],
-)  # fmt: skip
-def test_fp8_dispatch_xla_equals_ffi_and_the_dequantised_16_bit_dispatch(shape, names, hidden,
-                                                                         capacity):  # fmt: skip
+)
+def test_fp8_dispatch_xla_equals_ffi_and_the_dequantised_16_bit_dispatch(
+    shape, names, hidden, capacity
+):
     mesh, topo, x, idx, w, kw = _setup(shape, names, hidden, capacity=capacity)
     results = {}
     for rows in (False, True):
@@ -143,9 +145,11 @@ def test_fp8_dispatch_xla_equals_ffi_and_the_dequantised_16_bit_dispatch(shape, 
     assert q.dtype == jnp.float8_e4m3fn and scales.shape == (q.shape[0], fp8.num_blocks(hidden))
     per_shard = q.shape[0] // mesh.size
     live = np.concatenate(
-        [np.arange(r * per_shard, r * per_shard + int(s)) for r, s in
-         enumerate(sizes.reshape(mesh.size, -1).sum(1))]
-    )  # fmt: skip
+        [
+            np.arange(r * per_shard, r * per_shard + int(s))
+            for r, s in enumerate(sizes.reshape(mesh.size, -1).sum(1))
+        ]
+    )
     redone = np.asarray(fp8.dequantize(jnp.asarray(q[live]), jnp.asarray(scales[live]), x.dtype))
     np.testing.assert_array_equal(_bits(redone), _bits(deq[live]))
 
@@ -237,10 +241,12 @@ def test_fp8_rows_pass_routing_weight_gradients_exactly(backend):
     path's bit for bit, on both backends (the rows carry no cotangent; each row's weight
     cotangent returns to its (t, k) as on every path)."""
     mesh, topo, x, idx, w, kw = _setup((2, 4), ("node", "local"), 200)
-    grads = jax.jit(lambda x, w: [
-        jax.value_and_grad(_fp8_rows_loss(mesh, topo, kw, backend, rows), argnums=2)(x, idx, w)
-        for rows in (True, False)
-    ])(x, w)  # fmt: skip
+    grads = jax.jit(
+        lambda x, w: [
+            jax.value_and_grad(_fp8_rows_loss(mesh, topo, kw, backend, rows), argnums=2)(x, idx, w)
+            for rows in (True, False)
+        ]
+    )(x, w)
     (v8, g8), (v16, g16) = jax.device_get(grads)
     assert np.count_nonzero(np.nan_to_num(g16)) > g16.size // 2
     np.testing.assert_array_equal(_bits(v8), _bits(v16))
@@ -316,8 +322,15 @@ def test_moe_block_trains_with_fp8_dispatch():
 
     def block(**wire):
         dispatch = hep.DispatchConfig(num_experts=8, **wire)
-        return hnn.MoEBlock(128, router=router, experts=hnn.ExpertConfig(d_ff=32), mesh=mesh,
-                            topology=topo, dispatch=dispatch, rngs=nnx.Rngs(0))  # fmt: skip
+        return hnn.MoEBlock(
+            128,
+            router=router,
+            experts=hnn.ExpertConfig(d_ff=32),
+            mesh=mesh,
+            topology=topo,
+            dispatch=dispatch,
+            rngs=nnx.Rngs(0),
+        )
 
     def loss(b, x):
         y, aux = b(x)

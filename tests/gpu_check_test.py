@@ -23,10 +23,18 @@ def _dry_run(tmp_path, **env) -> tuple[int, list[dict], str]:
     out = tmp_path / "out"
     proc = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run"],
-        env=dict(os.environ, PYTHON=sys.executable, OUT=str(out),
-                 GPU_CHECK_LOGS=str(tmp_path / "logs"), **env),  # fmt: skip
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        env=dict(
+            os.environ,
+            PYTHON=sys.executable,
+            OUT=str(out),
+            GPU_CHECK_LOGS=str(tmp_path / "logs"),
+            **env,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     steps = json.loads((out / "steps.json").read_text())
     with tarfile.open(out / "gpu_check.tgz") as tgz:
         assert "./summary.txt" in tgz.getnames()

@@ -27,8 +27,11 @@ TIMEOUT_S = 300
 
 
 # Without excess precision XLA rounds 16-bit intermediates as written (docs/design.md §2.1.4).
-GPU_ENV = dict(JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
-               XLA_FLAGS="--xla_allow_excess_precision=false")  # fmt: skip
+GPU_ENV = dict(
+    JAX_PLATFORMS="cuda",
+    XLA_PYTHON_CLIENT_MEM_FRACTION="0.5",
+    XLA_FLAGS="--xla_allow_excess_precision=false",
+)
 
 
 def _run_worker(*flags: str, env=GPU_ENV) -> dict:
@@ -48,8 +51,10 @@ def _local_gpus(at_least: int, even: bool = False) -> int:
     """The visible GPU count; skips the test with fewer (or an odd count when `even`)."""
     count = _native.testing_module().cuda_device_count()
     if count < at_least or (even and count % 2):
-        pytest.skip(f"{count} GPU(s) visible; this test needs {'an even number ' if even else ''}"
-                    f">= {at_least}")  # fmt: skip
+        pytest.skip(
+            f"{count} GPU(s) visible; this test needs {'an even number ' if even else ''}"
+            f">= {at_least}"
+        )
     return count
 
 
@@ -115,11 +120,21 @@ def test_one_process_per_gpu(gpu, tmp_path):
     for i, log in enumerate(logs):
         # Files, not pipes: a full pipe would stall a worker. The report is stdout's last line.
         with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), f"--process_id={i}", f"--num_processes={count}",
-                 f"--port={port}"],
-                env=python_path_env(**GPU_ENV), stdout=out, stderr=err, text=True,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        f"--process_id={i}",
+                        f"--num_processes={count}",
+                        f"--port={port}",
+                    ],
+                    env=python_path_env(**GPU_ENV),
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                )
+            )
     try:
         for proc in procs:
             proc.wait(timeout=TIMEOUT_S)
@@ -139,11 +154,13 @@ def test_worker_runs_on_cpu_devices():
     """The worker itself, on 4 fake CPU devices (node=2, local=2) with the host handlers: checked
     here so a GPU run never finds it broken; whole programs agree bitwise with excess precision
     off, 16-bit ones included."""
-    env = dict(JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
-                         "--xla_allow_excess_precision=false")  # fmt: skip
-    result = _run_worker("--devices=4", "--levels=hier", "--tokens=8", "--hidden=16",
-                         "--variants=smoke", env=env)  # fmt: skip
+    env = dict(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_allow_excess_precision=false",
+    )
+    result = _run_worker(
+        "--devices=4", "--levels=hier", "--tokens=8", "--hidden=16", "--variants=smoke", env=env
+    )
     assert result["platform"] == "cpu" and result["levels"] == ["node", "local"]
     assert result["fp8_element_bitwise"]
     assert result["fp8_every_pattern"] == dict(fp8_rows_bitwise=True, rows_bitwise_but_nan=True)

@@ -47,8 +47,9 @@ def _global(mesh, a, spec):
 
 def _run(mesh, topo, backend, dtype, capacity, weighted, args, wire_dtype=None):
     E = args.experts_per_gpu * mesh.size
-    cfg = hep.DispatchConfig(num_experts=E, capacity_factor=capacity, backend=backend,
-                             wire_dtype=wire_dtype)  # fmt: skip
+    cfg = hep.DispatchConfig(
+        num_experts=E, capacity_factor=capacity, backend=backend, wire_dtype=wire_dtype
+    )
     fn = moe_fn(mesh, topo, cfg, weighted_combine=weighted)
     x, idx, w, experts = args.inputs(E, dtype)
     spec = all_axes_spec(mesh)
@@ -88,18 +89,30 @@ def _train(n, names):
 
     from examples.main_job import main_job  # noqa: PLC0415  (the repository root on PYTHONPATH)
 
-    mesh = ",".join(f"{a}={s}" for a, s in zip(names, (n,) if len(names) == 1 else (2, n // 2),
-                                                strict=True))  # fmt: skip
+    mesh = ",".join(
+        f"{a}={s}" for a, s in zip(names, (n,) if len(names) == 1 else (2, n // 2), strict=True)
+    )
     losses = {}
     for backend in ("ffi", "xla"):
         cfg = main_job.TrainConfig(
-            steps=8, batch=8, seq_len=32, d_model=64, d_ff=64, layers=2, heads=2, mesh=mesh,
-            eval_every=4, eval_batches=2, progress=False, backend=backend,
+            steps=8,
+            batch=8,
+            seq_len=32,
+            d_model=64,
+            d_ff=64,
+            layers=2,
+            heads=2,
+            mesh=mesh,
+            eval_every=4,
+            eval_batches=2,
+            progress=False,
+            backend=backend,
             output_dir=f"/tmp/jax_hybridep_gpu_train_{backend}",
-        )  # fmt: skip
+        )
         metrics = main_job.train(cfg, console=Console(file=open(os.devnull, "w")))  # noqa: SIM115
-        losses[backend] = dict(backend=metrics["backend"],
-                               train=[r["loss"] for r in metrics["train"]])  # fmt: skip
+        losses[backend] = dict(
+            backend=metrics["backend"], train=[r["loss"] for r in metrics["train"]]
+        )
     return losses
 
 
@@ -161,8 +174,9 @@ def _fp8_rows_of_every_pattern(mesh, topo):
         for fp8_rows in (True, False):
             got = []
             for backend in ("ffi", "xla"):
-                cfg = hep.DispatchConfig(num_experts=n, backend=backend, wire_dtype="float8_e4m3fn",
-                                         fp8_rows=fp8_rows)  # fmt: skip
+                cfg = hep.DispatchConfig(
+                    num_experts=n, backend=backend, wire_dtype="float8_e4m3fn", fp8_rows=fp8_rows
+                )
 
                 def rows(x, idx, w, cfg=cfg):
                     d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
@@ -196,9 +210,11 @@ def main():
     args = p.parse_args()
     if args.process_id is not None:  # one GPU per process
         jax.distributed.initialize(
-            f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-            process_id=args.process_id, local_device_ids=[args.process_id],
-        )  # fmt: skip
+            f"127.0.0.1:{args.port}",
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            local_device_ids=[args.process_id],
+        )
     n = len(jax.devices()) if args.process_id is not None else args.devices
     shape, names = ((n,), ("ep",)) if args.levels == "flat" else ((2, n // 2), ("node", "local"))
     mesh = make_mesh(shape, names)
@@ -222,8 +238,11 @@ def main():
     # FP8 on the wire: bf16 tokens, both capacity modes, weighted combine.
     variants += [(jnp.bfloat16, capacity, True, "float8_e4m3fn") for capacity in (None, 1.0)]
     if args.variants == "smoke":  # f32 dropless weighted, bf16 capacity unweighted, FP8 capacity
-        smoke = {(jnp.float32, None, True, None), (jnp.bfloat16, 1.0, False, None),
-                 (jnp.bfloat16, 1.0, True, "float8_e4m3fn")}  # fmt: skip
+        smoke = {
+            (jnp.float32, None, True, None),
+            (jnp.bfloat16, 1.0, False, None),
+            (jnp.bfloat16, 1.0, True, "float8_e4m3fn"),
+        }
         variants = [v for v in variants if v in smoke]
     for dtype, capacity, weighted, wire in variants:
         name = f"{jnp.dtype(dtype).name}_cap{capacity}_weighted{weighted}"
@@ -250,12 +269,17 @@ def main():
     train = _train(n, names) if args.train else None
     hep.check_errors()
     report = dict(
-        devices=n, processes=jax.process_count(), single_process=topo.single_process,
-        platform=jax.devices()[0].platform, levels=names, cases=cases, train=train,
+        devices=n,
+        processes=jax.process_count(),
+        single_process=topo.single_process,
+        platform=jax.devices()[0].platform,
+        levels=names,
+        cases=cases,
+        train=train,
         fp8_element_bitwise=_fp8_element_bitwise(),
         fp8_every_pattern=_fp8_rows_of_every_pattern(mesh, topo),
         site_states=_site_states(mesh, topo, args),
-    )  # fmt: skip
+    )
     print(json.dumps(report))
 
 

@@ -86,8 +86,14 @@ def test_backend_env_var_is_validated_with_its_name(monkeypatch, ep4):
     monkeypatch.setenv("JAX_HYBRIDEP_BACKEND", "nccl")
     cfg = hep.DispatchConfig(num_experts=8)
     with pytest.raises(ValueError, match="JAX_HYBRIDEP_BACKEND='nccl'"):
-        _dispatched(mesh, topo, cfg, np.ones((8, 4), np.float32), np.zeros((8, 1), np.int32),
-                    np.ones((8, 1), np.float32))  # fmt: skip
+        _dispatched(
+            mesh,
+            topo,
+            cfg,
+            np.ones((8, 4), np.float32),
+            np.zeros((8, 1), np.int32),
+            np.ones((8, 1), np.float32),
+        )
 
 
 # ----------------------------------------------------------------------------- capacity bounds
@@ -180,8 +186,14 @@ def test_topology_must_be_a_topology(ep4):
     mesh, _ = ep4
     cfg = hep.DispatchConfig(num_experts=8)
     with pytest.raises(TypeError, match="topology must be a jax_hybridep.Topology"):
-        _dispatched(mesh, mesh, cfg, np.ones((16, 4), np.float32), np.zeros((16, 1), np.int32),
-                    np.ones((16, 1), np.float32))  # fmt: skip
+        _dispatched(
+            mesh,
+            mesh,
+            cfg,
+            np.ones((16, 4), np.float32),
+            np.zeros((16, 1), np.int32),
+            np.ones((16, 1), np.float32),
+        )
 
 
 # ----------------------------------------------------------------------------- typed errors
@@ -276,8 +288,13 @@ X64_CHILD = textwrap.dedent(
 @pytest.mark.slow
 def test_x64_mode_works_on_every_backend_and_in_moe_block():
     path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", X64_CHILD], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONPATH=path))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", X64_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=path),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["xla"] == out["ffi"]  # bitwise, int64 ids and all
@@ -343,8 +360,7 @@ def test_moe_block_checks_mesh_topology_and_sizes_before_building(ep4):
     other = make_mesh((2, 2), ("a", "b"))
     router = hnn.RouterConfig(num_experts=8, top_k=2)
     with pytest.raises(ValueError, match="topology was built for mesh"):
-        hnn.MoEBlock(8, router=router, experts=experts, mesh=other, topology=topo,
-                     rngs=nnx.Rngs(0))  # fmt: skip
+        hnn.MoEBlock(8, router=router, experts=experts, mesh=other, topology=topo, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="d_ff must be an int >= 1, got 0"):
         hnn.ExpertConfig(d_ff=0)
     with pytest.raises(TypeError, match="experts must be a jax_hybridep.nn.ExpertConfig"):

@@ -22,8 +22,14 @@ from jax_hybridep.nn import hf
 from jax_hybridep.nn.hf import checkpoint as ckpt_module
 
 PREFIX = "model.layers.0.block_sparse_moe"
-CONFIG = dict(model_type="mixtral", hidden_size=8, intermediate_size=8, num_local_experts=8,
-              num_experts_per_tok=2, num_hidden_layers=1)  # fmt: skip
+CONFIG = dict(
+    model_type="mixtral",
+    hidden_size=8,
+    intermediate_size=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=1,
+)
 
 
 def block():
@@ -80,10 +86,17 @@ def opened(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("entry", ["../../../../../../../etc/passwd", "sub/a.safetensors",
-                                   "..", "", "a.safetensors/../../x.safetensors"])  # fmt: skip
-def test_an_index_entry_outside_the_directory_is_refused_before_opening_it(tmp_path, entry,
-                                                                           opened):  # fmt: skip
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "../../../../../../../etc/passwd",
+        "sub/a.safetensors",
+        "..",
+        "",
+        "a.safetensors/../../x.safetensors",
+    ],
+)
+def test_an_index_entry_outside_the_directory_is_refused_before_opening_it(tmp_path, entry, opened):
     where = write_sharded(tmp_path / "ckpt", tensors())
     (tmp_path / "ckpt" / "sub").mkdir()
     name = with_index_entry(tmp_path / "ckpt", where, entry)
@@ -159,10 +172,14 @@ def test_the_hf_cache_layout_of_symlinks_loads(tmp_path):
     snap.mkdir(parents=True)
     save_file(values, str(blobs / "0123abcd"))
     (blobs / "cfg").write_text(json.dumps(CONFIG))
-    (blobs / "idx").write_text(json.dumps({"weight_map": {n: "./model.safetensors"
-                                                          for n in values}}))  # fmt: skip
-    for name, blob in (("model.safetensors", "0123abcd"), ("config.json", "cfg"),
-                       ("model.safetensors.index.json", "idx")):  # fmt: skip
+    (blobs / "idx").write_text(
+        json.dumps({"weight_map": {n: "./model.safetensors" for n in values}})
+    )
+    for name, blob in (
+        ("model.safetensors", "0123abcd"),
+        ("config.json", "cfg"),
+        ("model.safetensors.index.json", "idx"),
+    ):
         os.symlink(os.path.join("..", "..", "blobs", blob), snap / name)
     b, want = block(), block()
     hf.load_checkpoint(str(snap), [b])
@@ -177,8 +194,14 @@ def fp8_file(path, scale):
     weight = rng.normal(size=(4, 3)).astype(ml_dtypes.float8_e4m3fn)
     # A tensor before it (its size changes with `scale`) moves the weight's offsets.
     pad = np.zeros(int(scale * 10), np.float32)
-    save_file({"a.pad": pad, "w.weight": weight, "w.weight_scale_inv": np.full((1, 1), scale,
-               np.float32)}, str(path))  # fmt: skip
+    save_file(
+        {
+            "a.pad": pad,
+            "w.weight": weight,
+            "w.weight_scale_inv": np.full((1, 1), scale, np.float32),
+        },
+        str(path),
+    )
     return weight.astype(np.float32) * scale
 
 
@@ -264,9 +287,19 @@ def damage(path, how):
         path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + header :])
 
 
-@pytest.mark.parametrize("how", ["truncated", "empty", "garbage", "header_too_long",
-                                 "lying_offsets", "lying_shape", "header_not_json",
-                                 "header_not_object"])  # fmt: skip
+@pytest.mark.parametrize(
+    "how",
+    [
+        "truncated",
+        "empty",
+        "garbage",
+        "header_too_long",
+        "lying_offsets",
+        "lying_shape",
+        "header_not_json",
+        "header_not_object",
+    ],
+)
 def test_a_damaged_shard_is_an_error_naming_it(tmp_path, how):
     write_sharded(tmp_path / "ckpt", tensors())
     shard = tmp_path / "ckpt" / "b.safetensors"
@@ -321,7 +354,7 @@ def test_an_index_naming_a_missing_shard_names_it(tmp_path):
         (dict(config=[("model_type", "mixtral")]), TypeError, "config must be"),
         (dict(ignore_extra="no"), TypeError, "ignore_extra must be a bool"),
     ],
-)  # fmt: skip
+)
 def test_load_checkpoint_arguments_of_the_wrong_type_are_named(tmp_path, kwargs, error, match):
     write_sharded(tmp_path / "ckpt", tensors())
     args = dict(path=str(tmp_path / "ckpt"), blocks={PREFIX: block()})

@@ -55,14 +55,19 @@ COERCED = [
     (changed("NLLB-MoE", moe_token_dropout="0.2"), "moe_token_dropout"),
     (changed("NLLB-MoE", batch_prioritized_routing="false"), "batch_prioritized_routing"),
     (changed("DBRX", d_model="8"), "d_model"),
-    (changed("DBRX", ffn_config={**TINY["DBRX"]["ffn_config"], "moe_top_k": "2"}),
-     "ffn_config.moe_top_k"),
-    (changed("DBRX", ffn_config={**TINY["DBRX"]["ffn_config"],
-                                 "moe_normalize_expert_weights": True}),
-     "ffn_config.moe_normalize_expert_weights"),
+    (
+        changed("DBRX", ffn_config={**TINY["DBRX"]["ffn_config"], "moe_top_k": "2"}),
+        "ffn_config.moe_top_k",
+    ),
+    (
+        changed(
+            "DBRX", ffn_config={**TINY["DBRX"]["ffn_config"], "moe_normalize_expert_weights": True}
+        ),
+        "ffn_config.moe_normalize_expert_weights",
+    ),
     (changed("DBRX", ffn_config="moe"), "ffn_config"),
     (changed("Llama-4", text_config=[1, 2]), "text_config"),
-]  # fmt: skip
+]
 
 # Values of the right type out of range: named, not passed on to fail later or run another model.
 OUT_OF_RANGE = [
@@ -93,17 +98,23 @@ LAYERS = [
     (changed("DeepSeek-V3", first_k_dense_replace="1"), "first_k_dense_replace"),
     (changed("Jamba", expert_layer_period=0), "expert_layer_period"),
     (changed("Jamba", expert_layer_offset=2), "expert_layer_offset"),  # not below the period
-    (changed("Llama-4", text_config={**TINY["Llama-4"]["text_config"],
-                                     "interleave_moe_layer_step": 0}),
-     "text_config.interleave_moe_layer_step"),
-    (changed("Llama-4", text_config={**TINY["Llama-4"]["text_config"], "moe_layers": "0"}),
-     "text_config.moe_layers"),
+    (
+        changed(
+            "Llama-4",
+            text_config={**TINY["Llama-4"]["text_config"], "interleave_moe_layer_step": 0},
+        ),
+        "text_config.interleave_moe_layer_step",
+    ),
+    (
+        changed("Llama-4", text_config={**TINY["Llama-4"]["text_config"], "moe_layers": "0"}),
+        "text_config.moe_layers",
+    ),
     (changed("Qwen2-MoE", mlp_only_layers=["1"]), "mlp_only_layers"),
     (changed("Mixtral", num_hidden_layers=2.0), "num_hidden_layers"),
     (changed("DBRX", n_layers="1"), "n_layers"),
     (changed("Switch", encoder_sparse_step=-1), "encoder_sparse_step"),
     (changed("NLLB-MoE", decoder_layers="2"), "decoder_layers"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("config,field", LAYERS)
@@ -175,8 +186,10 @@ def test_fp8_weight_block_size_of_another_shape_is_named(size, tmp_path):
     prefix = hf.layer_prefixes(config)[0]
     rng = np.random.default_rng(0)
     shapes = hf.tensor_shapes(block, prefix, "deepseek_v3")
-    save_file({k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()},
-              str(tmp_path / "model.safetensors"))  # fmt: skip
+    save_file(
+        {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()},
+        str(tmp_path / "model.safetensors"),
+    )
     if size is None:
         hf.load_checkpoint(str(tmp_path), {prefix: block})
         return

@@ -18,13 +18,28 @@ import jax_hybridep as hep
 from jax_hybridep import nn as hnn
 from jax_hybridep.nn import hf
 
-CONFIG = dict(model_type="mixtral", hidden_size=8, intermediate_size=8, num_local_experts=8,
-              num_experts_per_tok=2, num_hidden_layers=2)  # fmt: skip
+CONFIG = dict(
+    model_type="mixtral",
+    hidden_size=8,
+    intermediate_size=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+)
 PREFIX = "model.layers.0.block_sparse_moe"
-DEEPSEEK = dict(model_type="deepseek_v3", hidden_size=8, moe_intermediate_size=8,
-                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-                topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
-                num_hidden_layers=1)  # fmt: skip
+DEEPSEEK = dict(
+    model_type="deepseek_v3",
+    hidden_size=8,
+    moe_intermediate_size=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    first_k_dense_replace=0,
+    num_hidden_layers=1,
+)
 
 
 def block(config=CONFIG):
@@ -110,8 +125,9 @@ def fp8(values, names, block_size=(4, 4)):
     out = dict(values)
     for name in names:
         w = values[name]
-        scale = np.full((-(-w.shape[0] // block_size[0]), -(-w.shape[1] // block_size[1])), 0.5,
-                        np.float32)  # fmt: skip
+        scale = np.full(
+            (-(-w.shape[0] // block_size[0]), -(-w.shape[1] // block_size[1])), 0.5, np.float32
+        )
         out[name] = (w / 0.5).astype(ml_dtypes.float8_e4m3fn)
         out[name + "_scale_inv"] = scale
     return out

@@ -26,14 +26,24 @@ EXPECTED = {
     "Qwen2-MoE": ({"normalize": False}, {"shared_ff": 16, "shared_gate": True}),
     "Qwen3-MoE": ({"top_k": 3}, {}),
     "DeepSeek-V2": (
-        {"num_groups": 4, "topk_groups": 2, "group_score": "max", "normalize": False,
-         "routed_scale": 2.5},
+        {
+            "num_groups": 4,
+            "topk_groups": 2,
+            "group_score": "max",
+            "normalize": False,
+            "routed_scale": 2.5,
+        },
         {"shared_ff": 16},
     ),
     "DeepSeek-V2-Lite": ({"top_k": 3, "normalize": False, "num_groups": None}, {"shared_ff": 16}),
     "DeepSeek-V3": (
-        {"score_fn": "sigmoid", "num_groups": 4, "topk_groups": 2, "group_score": "top2_sum",
-         "routed_scale": 2.5},
+        {
+            "score_fn": "sigmoid",
+            "num_groups": 4,
+            "topk_groups": 2,
+            "group_score": "top2_sum",
+            "routed_scale": 2.5,
+        },
         {"shared_ff": 8},
     ),
     "GLM-4.5": ({"score_fn": "sigmoid", "num_groups": None, "routed_scale": 1.5}, {"shared_ff": 8}),
@@ -41,17 +51,36 @@ EXPECTED = {
     "Jamba": ({"normalize": False}, {}),
     "DBRX": ({"normalize": True}, {}),
     "Granite-MoE": ({"normalize": True}, {}),
-    "Llama-4": ({"top_k": 1, "score_fn": "sigmoid", "normalize": False},
-                {"shared_ff": 8, "weight_input": True}),
-    "GPT-OSS": ({"logit_bias": True}, {"activation": "clamped_swiglu", "glu_limit": 1.0,
-                                       "expert_bias": True}),
-    "Switch": ({"top_k": 1, "normalize": False, "logit_bias": True, "group_capacity": 2,
-                "token_group": "sequence"}, {"activation": "relu"}),
-    "NLLB-MoE": ({"top_k": 2, "logit_bias": True, "group_capacity_factor": 1.0,
-                  "token_group": "shard", "renormalize_after_drops": True,
-                  "routed_scale": pytest.approx(0.8)},
-                 {"activation": "relu", "expert_bias": True}),
-}  # fmt: skip
+    "Llama-4": (
+        {"top_k": 1, "score_fn": "sigmoid", "normalize": False},
+        {"shared_ff": 8, "weight_input": True},
+    ),
+    "GPT-OSS": (
+        {"logit_bias": True},
+        {"activation": "clamped_swiglu", "glu_limit": 1.0, "expert_bias": True},
+    ),
+    "Switch": (
+        {
+            "top_k": 1,
+            "normalize": False,
+            "logit_bias": True,
+            "group_capacity": 2,
+            "token_group": "sequence",
+        },
+        {"activation": "relu"},
+    ),
+    "NLLB-MoE": (
+        {
+            "top_k": 2,
+            "logit_bias": True,
+            "group_capacity_factor": 1.0,
+            "token_group": "shard",
+            "renormalize_after_drops": True,
+            "routed_scale": pytest.approx(0.8),
+        },
+        {"activation": "relu", "expert_bias": True},
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -69,21 +98,40 @@ def test_block_kwargs_per_family(name):
 
 def test_layer_prefixes_follow_each_family_rule():
     cases = {
-        "Qwen2-MoE": (dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]),
-                      ["model.layers.1.mlp", "model.layers.5.mlp"]),
-        "DeepSeek-V3": (dict(num_hidden_layers=4, first_k_dense_replace=2),
-                        ["model.layers.2.mlp", "model.layers.3.mlp"]),
-        "Jamba": (dict(num_hidden_layers=6), ["model.layers.1.feed_forward",
-                                              "model.layers.3.feed_forward",
-                                              "model.layers.5.feed_forward"]),
+        "Qwen2-MoE": (
+            dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]),
+            ["model.layers.1.mlp", "model.layers.5.mlp"],
+        ),
+        "DeepSeek-V3": (
+            dict(num_hidden_layers=4, first_k_dense_replace=2),
+            ["model.layers.2.mlp", "model.layers.3.mlp"],
+        ),
+        "Jamba": (
+            dict(num_hidden_layers=6),
+            [
+                "model.layers.1.feed_forward",
+                "model.layers.3.feed_forward",
+                "model.layers.5.feed_forward",
+            ],
+        ),
         "DBRX": (dict(n_layers=2), ["transformer.blocks.0.ffn", "transformer.blocks.1.ffn"]),
-        "Switch": (dict(num_layers=4, num_decoder_layers=2),
-                   ["encoder.block.1.layer.1.mlp", "encoder.block.3.layer.1.mlp",
-                    "decoder.block.1.layer.2.mlp"]),
-        "NLLB-MoE": (dict(encoder_layers=4, decoder_layers=2),
-                     ["model.encoder.layers.1.ffn", "model.encoder.layers.3.ffn",
-                      "model.decoder.layers.1.ffn"]),
-    }  # fmt: skip
+        "Switch": (
+            dict(num_layers=4, num_decoder_layers=2),
+            [
+                "encoder.block.1.layer.1.mlp",
+                "encoder.block.3.layer.1.mlp",
+                "decoder.block.1.layer.2.mlp",
+            ],
+        ),
+        "NLLB-MoE": (
+            dict(encoder_layers=4, decoder_layers=2),
+            [
+                "model.encoder.layers.1.ffn",
+                "model.encoder.layers.3.ffn",
+                "model.decoder.layers.1.ffn",
+            ],
+        ),
+    }
     for name, (overrides, want) in cases.items():
         assert hf.layer_prefixes({**TINY[name], **overrides}) == want, name
     assert hf.layer_prefixes({**TINY["Jamba"], "num_experts": 1}) == []  # every MLP dense
@@ -121,30 +169,56 @@ def test_layer_prefixes_follow_each_family_rule():
         ([("model_type", "mixtral")], TypeError, "config must be a dict"),
         ({**TINY["Mixtral"], "num_local_experts": None}, ValueError, "lacks 'num_local_experts'"),
         ({**TINY["Mixtral"], "hidden_act": "tanh"}, ValueError, "hidden_act='tanh'"),
-        ({**TINY["DBRX"], "ffn_config": {**TINY["DBRX"]["ffn_config"],
-                                         "moe_normalize_expert_weights": 2}},
-         ValueError, "moe_normalize_expert_weights=2"),
+        (
+            {
+                **TINY["DBRX"],
+                "ffn_config": {**TINY["DBRX"]["ffn_config"], "moe_normalize_expert_weights": 2},
+            },
+            ValueError,
+            "moe_normalize_expert_weights=2",
+        ),
         ({**TINY["DeepSeek-V2"], "topk_method": "noaux_tc"}, ValueError, "topk_method"),
-        ({**TINY["NLLB-MoE"], "second_expert_policy": "sampling"}, ValueError,
-         "second_expert_policy='sampling'"),
-        ({**TINY["NLLB-MoE"], "moe_eval_capacity_token_fraction": 0.5}, ValueError,
-         "moe_eval_capacity_token_fraction=0.5"),
-        ({**TINY["NLLB-MoE"], "batch_prioritized_routing": True}, ValueError,
-         "batch_prioritized_routing"),
-        ({**TINY["DBRX"], "ffn_config": {"moe_top_k": 2}}, ValueError,
-         "lacks 'ffn_config.moe_num_experts'"),
-        ({k: v for k, v in TINY["GPT-OSS"].items() if k not in ("num_experts_per_tok",
-                                                                 "experts_per_token")},
-         ValueError, r"lacks 'num_experts_per_tok' \(or 'experts_per_token'\)"),
+        (
+            {**TINY["NLLB-MoE"], "second_expert_policy": "sampling"},
+            ValueError,
+            "second_expert_policy='sampling'",
+        ),
+        (
+            {**TINY["NLLB-MoE"], "moe_eval_capacity_token_fraction": 0.5},
+            ValueError,
+            "moe_eval_capacity_token_fraction=0.5",
+        ),
+        (
+            {**TINY["NLLB-MoE"], "batch_prioritized_routing": True},
+            ValueError,
+            "batch_prioritized_routing",
+        ),
+        (
+            {**TINY["DBRX"], "ffn_config": {"moe_top_k": 2}},
+            ValueError,
+            "lacks 'ffn_config.moe_num_experts'",
+        ),
+        (
+            {
+                k: v
+                for k, v in TINY["GPT-OSS"].items()
+                if k not in ("num_experts_per_tok", "experts_per_token")
+            },
+            ValueError,
+            r"lacks 'num_experts_per_tok' \(or 'experts_per_token'\)",
+        ),
         # Fields whose HF default differs by family are required (not read as another model).
-        *[({k: v for k, v in TINY[family].items() if k != field}, ValueError, f"lacks '{field}'")
-          for family, fields in (
-              ("DeepSeek-V3", ("n_group", "routed_scaling_factor", "n_shared_experts")),
-              ("GLM-4.5", ("n_group", "routed_scaling_factor", "n_shared_experts")),
-              ("Qwen2-MoE", ("shared_expert_intermediate_size",)),
-          ) for field in fields],
+        *[
+            ({k: v for k, v in TINY[family].items() if k != field}, ValueError, f"lacks '{field}'")
+            for family, fields in (
+                ("DeepSeek-V3", ("n_group", "routed_scaling_factor", "n_shared_experts")),
+                ("GLM-4.5", ("n_group", "routed_scaling_factor", "n_shared_experts")),
+                ("Qwen2-MoE", ("shared_expert_intermediate_size",)),
+            )
+            for field in fields
+        ],
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_field(config, error, match):
     with pytest.raises(error, match=match):
         hf.block_kwargs(config)
@@ -153,8 +227,13 @@ def test_config_errors_name_the_field(config, error, match):
 def build(name, mesh_shape=(4,), axes=("ep",), **overrides):
     kwargs = hf.block_kwargs(TINY[name])
     mesh = make_mesh(mesh_shape, axes)
-    return hnn.MoEBlock(**kwargs, mesh=mesh, topology=hep.Topology.from_mesh(mesh, axes),
-                        rngs=nnx.Rngs(0), **overrides)  # fmt: skip
+    return hnn.MoEBlock(
+        **kwargs,
+        mesh=mesh,
+        topology=hep.Topology.from_mesh(mesh, axes),
+        rngs=nnx.Rngs(0),
+        **overrides,
+    )
 
 
 def random_tensors(block, prefix, model_type, dtype=np.float32, seed=0):
@@ -194,9 +273,10 @@ def test_checkpoint_directory_with_a_sharded_index_in_bf16(tmp_path):
     # The interleaved columns: gate at even, up at odd positions of gate_up_proj.
     gate_up = tensors[f"{prefixes[1]}.experts.gate_up_proj"].astype(np.float32)
     np.testing.assert_array_equal(np.asarray(blocks[1].w_gate[...]), gate_up[..., 0::2])
-    np.testing.assert_array_equal(np.asarray(blocks[1].b_up[...]),
-                                  tensors[f"{prefixes[1]}.experts.gate_up_proj_bias"][:, 1::2]
-                                  .astype(np.float32))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(blocks[1].b_up[...]),
+        tensors[f"{prefixes[1]}.experts.gate_up_proj_bias"][:, 1::2].astype(np.float32),
+    )
 
 
 def to_stacked(tensors, prefix, num_experts, names):
@@ -214,10 +294,13 @@ def to_stacked(tensors, prefix, num_experts, names):
 
 @pytest.mark.parametrize(
     "name,names",
-    [("Mixtral", ("w1", "w3", "w2")), ("Qwen2-MoE", ("gate_proj", "up_proj", "down_proj")),
-     ("DeepSeek-V3", ("gate_proj", "up_proj", "down_proj")),
-     ("Jamba", ("gate_proj", "up_proj", "down_proj"))],
-)  # fmt: skip
+    [
+        ("Mixtral", ("w1", "w3", "w2")),
+        ("Qwen2-MoE", ("gate_proj", "up_proj", "down_proj")),
+        ("DeepSeek-V3", ("gate_proj", "up_proj", "down_proj")),
+        ("Jamba", ("gate_proj", "up_proj", "down_proj")),
+    ],
+)
 def test_stacked_layout_loads_like_the_per_expert_one(name, names):
     config = TINY[name]
     prefix = hf.layer_prefixes(config)[0]
@@ -266,8 +349,9 @@ def test_experts_are_read_per_shard_in_the_placement_order():
     assert w1_reads == [(8 * e, 8 * e + 8) for e in range(8)]  # one [F, H] slice per expert
     order = np.asarray(ranks).reshape(-1)
     for name in ("w_gate", "w_up", "w_down"):
-        np.testing.assert_array_equal(np.asarray(getattr(block, name)[...]),
-                                      np.asarray(getattr(plain, name)[...])[order])  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(getattr(block, name)[...]), np.asarray(getattr(plain, name)[...])[order]
+        )
 
 
 def test_load_errors_name_every_problem():
@@ -291,8 +375,12 @@ def test_load_errors_name_every_problem():
     # GPT-OSS tensors into a block without their biases: named, not ignored.
     gpt = build("GPT-OSS")
     gpt_tensors = random_tensors(gpt, "model.layers.0.mlp", "gpt_oss")
-    plain = hnn.MoEBlock(**{**hf.block_kwargs(TINY["Mixtral"]), "d_model": 8},
-                         mesh=gpt.mesh, topology=gpt.topology, rngs=nnx.Rngs(0))  # fmt: skip
+    plain = hnn.MoEBlock(
+        **{**hf.block_kwargs(TINY["Mixtral"]), "d_model": 8},
+        mesh=gpt.mesh,
+        topology=gpt.topology,
+        rngs=nnx.Rngs(0),
+    )
     with pytest.raises(ValueError, match="router.bias' but the block has no router logit bias"):
         hf.load_block(plain, gpt_tensors, "model.layers.0.mlp")
     with pytest.raises(ValueError, match="no such safetensors file"):
@@ -314,8 +402,9 @@ def test_pooled_load_balancing_loss_is_hf_definition():
     want = 6 * np.sum(mask.mean(0) * p.mean(0)[None])
     np.testing.assert_allclose(hf.load_balancing_loss(auxes, top_k=2), want, rtol=1e-5)
     # One layer: top_k times the router's own loss over the same tokens.
-    np.testing.assert_allclose(hf.load_balancing_loss(auxes[:1], top_k=2), 2 * outs[0].aux_loss,
-                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        hf.load_balancing_loss(auxes[:1], top_k=2), 2 * outs[0].aux_loss, rtol=1e-5
+    )
 
 
 def e2m1(code):
@@ -388,7 +477,8 @@ def test_deepseek_v3_fp8_files_load_as_their_dequantized_values(tmp_path):
         np.testing.assert_array_equal(params(blocks[1])[key], value, err_msg=key)
     name = f"{prefix}.experts.0.up_proj.weight"
     with pytest.raises(ValueError, match=f"'{name}' is float8_e4m3fn without '{name}_scale_inv'"):
-        hf.load_block(blocks[2], {k: v for k, v in stored.items() if k != name + "_scale_inv"},
-                      prefix)  # fmt: skip
+        hf.load_block(
+            blocks[2], {k: v for k, v in stored.items() if k != name + "_scale_inv"}, prefix
+        )
     with pytest.raises(ValueError, match=r"in 128 x 128 blocks needs \(1, 1\)"):
         hf.load_block(blocks[2], stored, prefix)

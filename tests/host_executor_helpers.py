@@ -44,12 +44,23 @@ def build(targets: list[str]) -> None:
     BUILD.mkdir(parents=True, exist_ok=True)
     with open(BUILD / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _run([
-            _tool("cmake"), "-S", str(ROOT), "-B", str(BUILD), "-G", "Ninja",
-            f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}", "-DCMAKE_BUILD_TYPE=Release",
-            "-DJAX_HYBRIDEP_CUDA=OFF", "-DJAX_HYBRIDEP_HOST_EXECUTOR=ON",
-            f"-DJAX_HYBRIDEP_PLANTED_DIR={PLANTED}", f"-DPython_EXECUTABLE={sys.executable}",
-        ])  # fmt: skip
+        _run(
+            [
+                _tool("cmake"),
+                "-S",
+                str(ROOT),
+                "-B",
+                str(BUILD),
+                "-G",
+                "Ninja",
+                f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}",
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DJAX_HYBRIDEP_CUDA=OFF",
+                "-DJAX_HYBRIDEP_HOST_EXECUTOR=ON",
+                f"-DJAX_HYBRIDEP_PLANTED_DIR={PLANTED}",
+                f"-DPython_EXECUTABLE={sys.executable}",
+            ]
+        )
         _run([_tool("cmake"), "--build", str(BUILD), "--target", *targets])
 
 
@@ -112,10 +123,22 @@ def run_transport(
 
     if optin_smem is None:  # the opt-in shared memory of an sm_90 block, as the kernels plan it
         optin_smem = _native.limits()["shared_budget"]
-    module.configure(seed=seed, gpus=rounds[0].R, sms=sms, optin_smem=optin_smem,
-                     copy_probability=copy_probability)  # fmt: skip
-    return run_harness(module, rounds, weighted, send_blocks=send_blocks, per_rank_devices=True,
-                       sync_each_phase=False, **kw)  # fmt: skip
+    module.configure(
+        seed=seed,
+        gpus=rounds[0].R,
+        sms=sms,
+        optin_smem=optin_smem,
+        copy_probability=copy_probability,
+    )
+    return run_harness(
+        module,
+        rounds,
+        weighted,
+        send_blocks=send_blocks,
+        per_rank_devices=True,
+        sync_each_phase=False,
+        **kw,
+    )
 
 
 def seeds(count: int) -> list[int]:

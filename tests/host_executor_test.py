@@ -113,34 +113,58 @@ def test_relaxed_flag_is_a_race(hx):
 
 # Misused primitives: each is reported, naming the kernel, the thread and the source line.
 MISUSE = [
-    ("divergent_barrier", r"divergent __syncthreads: GPU 0 DivergentBarrier block \(0,0,0\) "
-                          r"thread \d+ \(warp 0 lane \d+\) reaches the barrier at "
-                          r".*probes\.cu:\d+"),
-    ("shuffle_leaves_out_own_lane", r"shuffle mask: .*lane 5\) calls __shfl_sync at "
-                                    r".*probes\.cu:\d+.* with mask 0xffffffdf, which leaves out"),
-    ("shuffle_reads_outside_mask", r"shuffle mask: .* reads lane 1\d in __shfl_sync .*outside "
-                                   r"its mask 0x0000ffff"),
+    (
+        "divergent_barrier",
+        r"divergent __syncthreads: GPU 0 DivergentBarrier block \(0,0,0\) "
+        r"thread \d+ \(warp 0 lane \d+\) reaches the barrier at "
+        r".*probes\.cu:\d+",
+    ),
+    (
+        "shuffle_leaves_out_own_lane",
+        r"shuffle mask: .*lane 5\) calls __shfl_sync at "
+        r".*probes\.cu:\d+.* with mask 0xffffffdf, which leaves out",
+    ),
+    (
+        "shuffle_reads_outside_mask",
+        r"shuffle mask: .* reads lane 1\d in __shfl_sync .*outside "
+        r"its mask 0x0000ffff",
+    ),
     # Which comes first, the exit or the ballot, is the schedule's: both are this report.
-    ("ballot_with_exited_lanes", r"(shuffle mask: .*__ballot_sync .* names lanes 0xffff0000 "
-                                 r"that have exited|warp collective with an exited lane: "
-                                 r".*BallotWithExitedLanes.* exited while other lanes of its "
-                                 r"mask wait at .*probes\.cu:\d+)"),
+    (
+        "ballot_with_exited_lanes",
+        r"(shuffle mask: .*__ballot_sync .* names lanes 0xffff0000 "
+        r"that have exited|warp collective with an exited lane: "
+        r".*BallotWithExitedLanes.* exited while other lanes of its "
+        r"mask wait at .*probes\.cu:\d+)",
+    ),
     ("tx_underflow", r"mbarrier tx-count underflow: __shared__ bar \+0 received 16 bytes more"),
     ("tx_overflow", r"mbarrier tx-count overflow: .*BulkBytes"),
     ("bulk_size", r"bulk copy misuse: .* 24 bytes, not a positive multiple of 16"),
     ("bulk_alignment", r"bulk copy misuse: .*its shared-memory address is not 16-byte aligned"),
     ("bulk_shared_overrun", r"bulk copy misuse: .*shared memory out of bounds"),
-    ("arrive_uninitialised", r"mbarrier misuse: .* on __shared__ bar \+0, which no "
-                             r"mbarrier.init initialised"),
-    ("shared_overrun", r"shared memory out of bounds: GPU 0 SharedOverrun block \(0,0,0\) thread "
-                       r"32 \(warp 1 lane 0\) writes 4 bytes at offset 128 of __shared__ a "
-                       r"\(128 bytes\) at .*probes\.cu:\d+"),
-    ("plain_race", r"data race on global memory .*PlainRace block \(\d,0,0\) .*writes it at "
-                   r".*probes\.cu:\d+ \(PlainRace\); .*PlainRace block \(\d,0,0\)"),
-    ("mbarrier_deadlock", r"deadlock: no thread can run.*\n.*MbarrierDeadlock block \(0,0,0\) warp "
-                          r"0 lanes 0-1: mbarrier.try_wait.parity 0 on __shared__ bar \+0 .*"
-                          r"\[phase 0 \(parity 0\): 1 of 2 arrivals pending"),
-]  # fmt: skip
+    (
+        "arrive_uninitialised",
+        r"mbarrier misuse: .* on __shared__ bar \+0, which no "
+        r"mbarrier.init initialised",
+    ),
+    (
+        "shared_overrun",
+        r"shared memory out of bounds: GPU 0 SharedOverrun block \(0,0,0\) thread "
+        r"32 \(warp 1 lane 0\) writes 4 bytes at offset 128 of __shared__ a "
+        r"\(128 bytes\) at .*probes\.cu:\d+",
+    ),
+    (
+        "plain_race",
+        r"data race on global memory .*PlainRace block \(\d,0,0\) .*writes it at "
+        r".*probes\.cu:\d+ \(PlainRace\); .*PlainRace block \(\d,0,0\)",
+    ),
+    (
+        "mbarrier_deadlock",
+        r"deadlock: no thread can run.*\n.*MbarrierDeadlock block \(0,0,0\) warp "
+        r"0 lanes 0-1: mbarrier.try_wait.parity 0 on __shared__ bar \+0 .*"
+        r"\[phase 0 \(parity 0\): 1 of 2 arrivals pending",
+    ),
+]
 
 
 @pytest.mark.parametrize("name, report", MISUSE, ids=[m[0] for m in MISUSE])
@@ -153,10 +177,13 @@ def test_misuse_is_reported(hx, name, report):
 def test_reading_a_bulk_copy_destination_before_its_barrier(hx, landed):
     """Before the copy landed the read is of poisoned bytes still in flight; after (the reader
     paused), it is a race with the copy, which no mbarrier wait orders. Either way, a report."""
-    report = (r"data race on dynamic shared memory \+12: .*ReadBeforeWait.* reads it at "
-              r".*probes\.cu:\d+ \(ReadBeforeWait\); the cp.async.bulk global->shared of 64 bytes"
-              if landed else r"read of a bulk copy's destination before the copy completed "
-              r"\(before its mbarrier phase completed\): .*ReadBeforeWait")  # fmt: skip
+    report = (
+        r"data race on dynamic shared memory \+12: .*ReadBeforeWait.* reads it at "
+        r".*probes\.cu:\d+ \(ReadBeforeWait\); the cp.async.bulk global->shared of 64 bytes"
+        if landed
+        else r"read of a bulk copy's destination before the copy completed "
+        r"\(before its mbarrier phase completed\): .*ReadBeforeWait"
+    )
     with pytest.raises(RuntimeError, match=report):
         probe(hx, "read_before_wait", int(landed), seed=1)
 

@@ -39,8 +39,10 @@ def _cases():
         for j, mode in enumerate(("dropless", "capacity")):
             config = (2 + i % 3, routing, mode, ("bulk", "lanes")[(i + j) % 2], 1 + (i + j) % 3)
             cases += [(*config, seed) for seed in seeds(2)]
-    cases += [(8, "random", "dropless", "bulk", 2, seeds(1)[0]),
-              (8, "hot", "capacity", "lanes", 3, seeds(1)[0])]  # fmt: skip
+    cases += [
+        (8, "random", "dropless", "bulk", 2, seeds(1)[0]),
+        (8, "hot", "capacity", "lanes", 3, seeds(1)[0]),
+    ]
     return cases
 
 

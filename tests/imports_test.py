@@ -61,8 +61,10 @@ def _imports(name: str, path: str, modules) -> set[str]:
             if node.level:  # relative: from the enclosing package, `level - 1` steps up
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules else known(base)
-                       for a in node.names]  # fmt: skip
+            targets = [
+                known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules else known(base)
+                for a in node.names
+            ]
         else:
             continue
         found.update(t for t in targets if t and t.split(".")[0] == PACKAGE and t != name)
@@ -134,8 +136,10 @@ def _seam_breaks(source: str, path: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
-            "sys.path.insert", "sys.path.append", "sys.path.extend"
-        ):  # fmt: skip
+            "sys.path.insert",
+            "sys.path.append",
+            "sys.path.extend",
+        ):
             out.append(f"{path}:{node.lineno} adds to sys.path")
             continue
         else:
@@ -148,8 +152,10 @@ def _seam_breaks(source: str, path: str) -> list[str]:
 def test_seam_checker_finds_planted_breaks():
     planted = "import sys\nsys.path.insert(0, 'x')\nfrom fp8_test import helper\nimport a.b_test\n"
     assert _seam_breaks(planted, "p.py") == [
-        "p.py:2 adds to sys.path", "p.py:3 imports a test module", "p.py:4 imports a test module"
-    ]  # fmt: skip
+        "p.py:2 adds to sys.path",
+        "p.py:3 imports a test module",
+        "p.py:4 imports a test module",
+    ]
     assert _seam_breaks("import sys\nsys.path[0] = 'root'\nfrom harness import x\n", "ok.py") == []
 
 

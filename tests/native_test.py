@@ -12,11 +12,26 @@ from jax_hybridep.exchange import cuda
 
 def test_handlers_registered():
     targets = set(_native.module().cpu_registrations())
-    one_level = {"layout", "layout_gathered", "dispatch", "combine_vjp", "combine",
-                 "return_row_values", "fp8_quantize"}  # fmt: skip
-    per_level = {"level_send", "level_pack", "expand_items", "expand_items_vjp",
-                 "item_partials", "blocks_all_to_all", "level_reduce", "level_reduce_pull",
-                 "level_pick"}  # fmt: skip
+    one_level = {
+        "layout",
+        "layout_gathered",
+        "dispatch",
+        "combine_vjp",
+        "combine",
+        "return_row_values",
+        "fp8_quantize",
+    }
+    per_level = {
+        "level_send",
+        "level_pack",
+        "expand_items",
+        "expand_items_vjp",
+        "item_partials",
+        "blocks_all_to_all",
+        "level_reduce",
+        "level_reduce_pull",
+        "level_pick",
+    }
     assert targets == {f"jax_hybridep_{name}" for name in one_level | per_level}
 
 

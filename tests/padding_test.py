@@ -35,10 +35,15 @@ def test_moe_block_ignores_poisoned_padding(monkeypatch, backend, capacity):
     x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 8, 16)), jnp.float32)
 
     def run():
-        block = hnn.MoEBlock(16, router=router, experts=hnn.ExpertConfig(d_ff=32), mesh=mesh,
-                             topology=topo, rngs=nnx.Rngs(0),
-                             dispatch=hep.DispatchConfig(num_experts=16, backend=backend,
-                                                         capacity_factor=capacity))  # fmt: skip
+        block = hnn.MoEBlock(
+            16,
+            router=router,
+            experts=hnn.ExpertConfig(d_ff=32),
+            mesh=mesh,
+            topology=topo,
+            rngs=nnx.Rngs(0),
+            dispatch=hep.DispatchConfig(num_experts=16, backend=backend, capacity_factor=capacity),
+        )
         assert block.dispatch_config.zero_padding is False
         graph, params = nnx.split(block)
 

@@ -40,16 +40,23 @@ GRID = {
     "flat_dropless": ((4,), ("ep",), ("ep",), {}),
     "flat_capacity_pad2": ((4,), ("ep",), ("ep",), dict(capacity_factor=1.0, pad_multiple=2)),
     "flat_low_capacity_scattered": (
-        (4,), ("ep",), ("ep",), dict(capacity_factor=0.5, expert_placement=SCATTERED)
+        (4,),
+        ("ep",),
+        ("ep",),
+        dict(capacity_factor=0.5, expert_placement=SCATTERED),
     ),
     "flat_row_budget_pad2": ((4,), ("ep",), ("ep",), dict(row_budget=12, pad_multiple=2)),
     "flat_strict": ((4,), ("ep",), ("ep",), dict(capacity_factor=1.0, strict=True)),
     "two_level_dropless_pad4": ((2, 2), ("node", "local"), ("node", "local"), dict(pad_multiple=4)),
     "two_level_capacity": ((2, 2), ("node", "local"), ("node", "local"), dict(capacity_factor=1.0)),
     "data_groups_capacity": ((2, 2), ("data", "ep"), ("ep",), dict(capacity_factor=1.5)),
-    "three_level_capacity": ((2, 2, 2), ("dc", "node", "local"), ("dc", "node", "local"),
-                             dict(capacity_factor=1.0)),
-}  # fmt: skip
+    "three_level_capacity": (
+        (2, 2, 2),
+        ("dc", "node", "local"),
+        ("dc", "node", "local"),
+        dict(capacity_factor=1.0),
+    ),
+}
 
 
 @functools.cache

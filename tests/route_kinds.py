@@ -96,8 +96,9 @@ class RouteKind:
     def dispatch(self, x, topk_idx, topk_weights, *, topology, config) -> hep.Dispatched:
         """`hep.dispatch` along this kind's route (inside shard_map, like `hep.dispatch`)."""
         topology, config, route = self.prepare(topology, config)
-        return dispatch_with_route(route, x, topk_idx, topk_weights, topology=topology,
-                                   config=config)  # fmt: skip
+        return dispatch_with_route(
+            route, x, topk_idx, topk_weights, topology=topology, config=config
+        )
 
 
 ROUTES = {
@@ -116,8 +117,11 @@ def on_mesh(mesh, fn, in_specs=None, out_specs=None, num_args=3):
     `num_args` inputs and for the output."""
     spec = P(tuple(mesh.axis_names))
     in_specs = (spec,) * num_args if in_specs is None else in_specs
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
-                                 out_specs=spec if out_specs is None else out_specs))  # fmt: skip
+    return jax.jit(
+        jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=spec if out_specs is None else out_specs
+        )
+    )
 
 
 def bits(a) -> np.ndarray:
@@ -136,8 +140,11 @@ def same_bits_on(kinds, build, *args):
         for name in (ROUTES[kind].reference, kind):
             if name not in out:
                 out[name] = jax.device_get(build(name)(*args))
-        pairs = zip(jax.tree_util.tree_leaves_with_path(out[kind]),
-                    jax.tree.leaves(out[ROUTES[kind].reference]), strict=True)  # fmt: skip
+        pairs = zip(
+            jax.tree_util.tree_leaves_with_path(out[kind]),
+            jax.tree.leaves(out[ROUTES[kind].reference]),
+            strict=True,
+        )
         for (path, a), b in pairs:
             np.testing.assert_array_equal(
                 bits(a), bits(b), err_msg=f"{kind}{jax.tree_util.keystr(path)}"

@@ -18,9 +18,14 @@ from jax_hybridep.exchange import cuda, host_fused, host_steps, layout_steps, ro
 
 def _topology(levels, local, single_process=True, platform="cpu") -> hep.Topology:
     names = tuple(f"a{i}" for i in range(len(levels)))
-    return hep.Topology(levels=tuple((n,) for n in names), mesh_axes=names, mesh_shape=levels,
-                        single_process=single_process, platform=platform,
-                        level_local=local)  # fmt: skip
+    return hep.Topology(
+        levels=tuple((n,) for n in names),
+        mesh_axes=names,
+        mesh_shape=levels,
+        single_process=single_process,
+        platform=platform,
+        level_local=local,
+    )
 
 
 def _kinds(route):
@@ -31,14 +36,34 @@ def _kinds(route):
     "levels,local,single,want",
     [
         ((8,), (True,), True, (layout_steps.HostLayout, (), host_fused.HostFused)),
-        ((2, 4), (True, True), True, (layout_steps.HostLayout,
-         (host_steps.HostDirectLevel, host_steps.HostDirectLevel), host_steps.HostRows)),
-        ((2, 4), (False, True), False, (layout_steps.HostGatheredLayout,
-         (host_steps.HostPackedLevel, host_steps.HostDirectLevel), host_steps.HostRows)),
-        ((8,), (False,), False, (layout_steps.HostGatheredLayout, (host_steps.HostPackedLevel,),
-         host_steps.HostRows)),
+        (
+            (2, 4),
+            (True, True),
+            True,
+            (
+                layout_steps.HostLayout,
+                (host_steps.HostDirectLevel, host_steps.HostDirectLevel),
+                host_steps.HostRows,
+            ),
+        ),
+        (
+            (2, 4),
+            (False, True),
+            False,
+            (
+                layout_steps.HostGatheredLayout,
+                (host_steps.HostPackedLevel, host_steps.HostDirectLevel),
+                host_steps.HostRows,
+            ),
+        ),
+        (
+            (8,),
+            (False,),
+            False,
+            (layout_steps.HostGatheredLayout, (host_steps.HostPackedLevel,), host_steps.HostRows),
+        ),
     ],
-)  # fmt: skip
+)
 def test_ffi_routes_on_cpu(levels, local, single, want):
     assert _kinds(routes.route_for("ffi", _topology(levels, local, single))) == want
 
@@ -77,8 +102,9 @@ def test_constructed_topology_defaults_level_local():
 def test_constructed_topology_runs_ffi_like_xla():
     """A Topology from its constructor (no level_local given) runs the ffi route, bitwise xla."""
     mesh = make_mesh((2, 4), ("node", "local"))
-    topo = hep.Topology(levels=(("node",), ("local",)), mesh_axes=("node", "local"),
-                        mesh_shape=(2, 4))  # fmt: skip
+    topo = hep.Topology(
+        levels=(("node",), ("local",)), mesh_axes=("node", "local"), mesh_shape=(2, 4)
+    )
     rng = np.random.default_rng(3)
     idx, w = random_routing(rng, 8 * 6, 2, 16, invalid_fraction=0.1)
     x = rng.standard_normal((8 * 6, 8)).astype(np.float32)

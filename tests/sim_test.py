@@ -31,8 +31,11 @@ def _flows(paths, path, size, start=None, count=None, floor=None):
 
 
 def _net(*caps, mult=None):
-    return Network(np.array(caps, float), np.ones(len(caps)) if mult is None else np.array(mult),
-                   tuple(f"l{i}" for i in range(len(caps))))  # fmt: skip
+    return Network(
+        np.array(caps, float),
+        np.ones(len(caps)) if mult is None else np.array(mult),
+        tuple(f"l{i}" for i in range(len(caps))),
+    )
 
 
 # --- water-filling -------------------------------------------------------------------------------
@@ -86,8 +89,9 @@ def test_bottleneck_elsewhere_over_time(engine):
 def test_congestion_scales_capacity_by_overload():
     # 4 flows with floor 5 need 20 on a link of 10: overload 2, exponent 1 -> capacity 5.
     cong = Congestion(exponent=1.0)
-    np.testing.assert_allclose(cong.capacity(np.array([[4.0]]), np.array([5.0]), np.array([10.0])),
-                               [5.0])  # fmt: skip
+    np.testing.assert_allclose(
+        cong.capacity(np.array([[4.0]]), np.array([5.0]), np.array([10.0])), [5.0]
+    )
     flows = _flows([[1]], [0], [1.0], count=[4], floor=np.array([5.0]))
     for engine in ENGINES:
         np.testing.assert_allclose(engine(_net(10.0), flows, cong), [0.8])  # 1.25 B/s per flow
@@ -146,11 +150,19 @@ def test_domain_of_all_dcs_sends_no_tokens_across_dcs(exchange):
 @pytest.mark.parametrize("skew", [0.0, 0.8])
 def test_aggregated_equals_every_gpu_flow(shape, skew, exchange):
     # Low bandwidth and a long RTT make the congestion term bind; it must agree too.
-    c = Datacenters(num_dcs=shape[0], gpus_per_dc=shape[1], dc_gbps=2e-4, wan_latency_s=0.05,
-                congestion_exponent=0.3, exchange=exchange)  # fmt: skip
+    c = Datacenters(
+        num_dcs=shape[0],
+        gpus_per_dc=shape[1],
+        dc_gbps=2e-4,
+        wan_latency_s=0.05,
+        congestion_exponent=0.3,
+        exchange=exchange,
+    )
     w = MoELayer(data_bytes=1e6, expert_bytes=1e5, skew=skew)
-    assert sim.step_time(c, w, 1).total_s != sim.step_time(
-        dataclasses.replace(c, congestion_exponent=0.0), w, 1).total_s  # fmt: skip
+    assert (
+        sim.step_time(c, w, 1).total_s
+        != sim.step_time(dataclasses.replace(c, congestion_exponent=0.0), w, 1).total_s
+    )
     for s in sim.divisors(c.num_dcs):
         agg = dataclasses.asdict(sim.step_time(c, w, s))
         ref = dataclasses.asdict(sim.step_time(c, w, s, aggregate=False))
@@ -223,17 +235,29 @@ def test_best_domain_is_the_minimum_over_divisors(bw, exchange):
     assert sim.best_domain(c, MoELayer()).total_s == min(times.values())
 
 
-@pytest.mark.parametrize("num_dcs,gpus,dc_gbps,expert_mb,pre_ms",
-                         [(12, 2, 1.0, 0.3, 0.0), (12, 2, 1.0, 3.0, 0.0), (12, 4, 10.0, 1.0, 2.0),
-                          (12, 2, 1.0, 2.0, 30.0), (16, 8, 1.0, 0.4, 50.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "num_dcs,gpus,dc_gbps,expert_mb,pre_ms",
+    [
+        (12, 2, 1.0, 0.3, 0.0),
+        (12, 2, 1.0, 3.0, 0.0),
+        (12, 4, 10.0, 1.0, 2.0),
+        (12, 2, 1.0, 2.0, 30.0),
+        (16, 8, 1.0, 0.4, 50.0),
+    ],
+)
 def test_planned_domain_is_the_cost_models_choice(num_dcs, gpus, dc_gbps, expert_mb, pre_ms):
     # Forward only, without latency, per-message cost, congestion or compute, the simulator and
     # the cost model time every candidate alike (the model hides the gather under the pre-expert
     # compute and counts the rest), so the plan is the simulator's best domain: S = N, 1 and 2
     # among these cases.
     c = Datacenters(num_dcs=num_dcs, gpus_per_dc=gpus, dc_gbps=dc_gbps, **BARE)
-    w = MoELayer(data_bytes=2048 * 3000, expert_bytes=expert_mb * 1e6, compute_s=0.0,
-                 pre_expert_s=pre_ms * 1e-3, forward_only=True)  # fmt: skip
+    w = MoELayer(
+        data_bytes=2048 * 3000,
+        expert_bytes=expert_mb * 1e6,
+        compute_s=0.0,
+        pre_expert_s=pre_ms * 1e-3,
+        forward_only=True,
+    )
     plan = sim.policies.plan(c, w)
     for candidate in plan.candidates:
         simulated = sim.step_time(c, w, candidate.domains[0]).total_s - w.pre_expert_s
@@ -245,8 +269,9 @@ def test_planned_domain_is_the_cost_models_choice(num_dcs, gpus, dc_gbps, expert
 
 
 def test_trends_lower_bandwidth_larger_gain_and_fixed_p_above_fixed_domain():
-    rows = sim.run_sweep(Datacenters(num_dcs=1), MoELayer(), dc_counts=(128,), domains=(8,),
-                     fractions=(0.5,))  # fmt: skip
+    rows = sim.run_sweep(
+        Datacenters(num_dcs=1), MoELayer(), dc_counts=(128,), domains=(8,), fractions=(0.5,)
+    )
     gain = {(r["policy"], r["dc_gbps"]): r["speedup"] for r in rows}
     for policy in ("fixed_domain", "fixed_p", "best"):
         series = [gain[(policy, bw)] for bw in BANDWIDTHS_GBPS]
@@ -260,16 +285,27 @@ def test_trends_at_1000_dcs():
     # imply) every policy gains more at lower bandwidth and fixed p >= fixed domain; with the
     # Table V experts (0.36 MB) the best domain (best S) still never gains more as bandwidth
     # rises. Flat exchanges break the first at 100 Gbps (docs/crossdc_simulator.md, §3).
-    rows = sim.run_sweep(Datacenters(num_dcs=1), MoELayer(expert_bytes=36e3), dc_counts=(1000,),
-                         domains=(2, 8), fractions=(0.5, 0.9))  # fmt: skip
+    rows = sim.run_sweep(
+        Datacenters(num_dcs=1),
+        MoELayer(expert_bytes=36e3),
+        dc_counts=(1000,),
+        domains=(2, 8),
+        fractions=(0.5, 0.9),
+    )
     gain = {(r["policy"], r["param"], r["dc_gbps"]): r["speedup"] for r in rows}
     for policy, param in {(r["policy"], r["param"]) for r in rows}:
         series = [gain[(policy, param, bw)] for bw in BANDWIDTHS_GBPS]
         assert all(a > b for a, b in zip(series, series[1:], strict=False)), (policy, series)
     for bw in BANDWIDTHS_GBPS:
         assert min(gain[("fixed_p", p, bw)] for p in (0.5, 0.9)) >= gain[("fixed_domain", 8, bw)]
-    rows = sim.run_sweep(Datacenters(num_dcs=1), MoELayer(), dc_counts=(1000,), domains=(),
-                         fractions=(), planned=False)  # fmt: skip
+    rows = sim.run_sweep(
+        Datacenters(num_dcs=1),
+        MoELayer(),
+        dc_counts=(1000,),
+        domains=(),
+        fractions=(),
+        planned=False,
+    )
     series = [r["speedup"] for r in rows]
     assert series[0] > 1.2 and all(a >= b for a, b in zip(series, series[1:], strict=False))
 
@@ -287,8 +323,9 @@ def test_byte_counting_gives_no_fixed_domain_gain_at_scale():
 
 def test_cli_writes_csv_and_png(tmp_path, capsys):
     csv, png = tmp_path / "s.csv", tmp_path / "s.png"
-    rows = main(["--dcs", "2", "4", "--bandwidths", "10", "--csv", str(csv), "--png", str(png),
-                 "--quiet"])  # fmt: skip
+    rows = main(
+        ["--dcs", "2", "4", "--bandwidths", "10", "--csv", str(csv), "--png", str(png), "--quiet"]
+    )
     assert len(rows) == 2 * (3 + 2 + 1 + 1)
     back = sim.read_csv(str(csv))
     assert [r["speedup"] for r in back] == pytest.approx([r["speedup"] for r in rows], rel=1e-5)
@@ -321,10 +358,12 @@ def test_compression_shrinks_the_gather_and_adds_the_shared_sync():
 
 
 def test_compressed_step_aggregated_equals_every_gpu_flow_and_stays_above_its_bound():
-    c = Datacenters(num_dcs=4, gpus_per_dc=2, dc_gbps=2e-4, wan_latency_s=0.05,
-                    congestion_exponent=0.3)  # fmt: skip
-    w = MoELayer(data_bytes=1e6, expert_bytes=1e5, skew=0.8, compression=4.0,
-                 compress_gradients=True)  # fmt: skip
+    c = Datacenters(
+        num_dcs=4, gpus_per_dc=2, dc_gbps=2e-4, wan_latency_s=0.05, congestion_exponent=0.3
+    )
+    w = MoELayer(
+        data_bytes=1e6, expert_bytes=1e5, skew=0.8, compression=4.0, compress_gradients=True
+    )
     for s in (2, 4):
         agg = dataclasses.asdict(sim.step_time(c, w, s))
         ref = dataclasses.asdict(sim.step_time(c, w, s, aggregate=False))
@@ -378,10 +417,14 @@ def test_sensitivity_varies_one_constant_at_a_time():
     from jax_hybridep.sim import sensitivity
 
     rows = sensitivity.sensitivity(
-        Datacenters(num_dcs=1), MoELayer(expert_bytes=36e3),
+        Datacenters(num_dcs=1),
+        MoELayer(expert_bytes=36e3),
         constants={"congestion_exponent": (0.0, 0.3), "msg_overhead_s": (5e-6,)},
-        bandwidths=(0.01,), num_dcs=8, domain=2, fraction=0.5,
-    )  # fmt: skip
+        bandwidths=(0.01,),
+        num_dcs=8,
+        domain=2,
+        fraction=0.5,
+    )
     assert len(rows) == 3 * 3 and {r["policy"] for r in rows} == {"fixed_domain", "fixed_p", "best"}
     ep = {(r["constant"], r["value"]): r["ep_s"] for r in rows}
     # Congestion binds at 0.01 Gbps (8 x 7 flows per uplink), so the exponent matters.

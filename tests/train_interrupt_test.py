@@ -43,8 +43,11 @@ FLAGS = [f"--{k}={getattr(TINY, k)}" for k in _NAMES] + ["--schedule_steps=1000"
 def _start(out, *extra, log):
     return subprocess.Popen(
         [sys.executable, SCRIPT, *FLAGS, f"--output_dir={out}", *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=worker_env(), text=True,
-    )  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=worker_env(),
+        text=True,
+    )
 
 
 def _wait_for(path, text, proc):
@@ -69,8 +72,11 @@ def contended(tmp_path_factory):
         assert _wait_for(out.parent / "a.log", "step     2:", a), (out.parent / "a.log").read_text()
         b = subprocess.run(
             [sys.executable, SCRIPT, *FLAGS, f"--output_dir={out}", "--steps=2"],
-            capture_output=True, text=True, env=worker_env(), timeout=300,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=worker_env(),
+            timeout=300,
+        )
         lock = json.loads((out / ".lock").read_text()) if (out / ".lock").exists() else None
         a_alive_after_b = a.poll() is None
         a.send_signal(signal.SIGTERM)
@@ -79,8 +85,14 @@ def contended(tmp_path_factory):
         if a.poll() is None:
             a.kill()
             a.wait()
-    return dict(out=out, a=a, a_log=(out.parent / "a.log").read_text(), b=b, lock=lock,
-                a_alive_after_b=a_alive_after_b)  # fmt: skip
+    return dict(
+        out=out,
+        a=a,
+        a_log=(out.parent / "a.log").read_text(),
+        b=b,
+        lock=lock,
+        a_alive_after_b=a_alive_after_b,
+    )
 
 
 def test_a_second_run_on_a_busy_output_dir_is_refused_in_one_line(contended):
@@ -121,8 +133,13 @@ def test_resume_after_sigterm_continues_bit_for_bit(contended, tmp_path):
     shutil.copytree(out, resumed_dir)
     steps = step + 2
     # As on the command line (which has no --eval_batches: its default).
-    cfg = dataclasses.replace(TINY, steps=steps, schedule_steps=1000, eval_every=1,
-                              eval_batches=main_job.TrainConfig().eval_batches)  # fmt: skip
+    cfg = dataclasses.replace(
+        TINY,
+        steps=steps,
+        schedule_steps=1000,
+        eval_every=1,
+        eval_batches=main_job.TrainConfig().eval_batches,
+    )
     resumed, text = _train(dataclasses.replace(cfg, resume=True, output_dir=str(resumed_dir)))
     assert f"resumed from step {step}" in text
     whole, _ = _train(dataclasses.replace(cfg, output_dir=str(tmp_path / "whole")))
@@ -143,8 +160,13 @@ time.sleep(120)  # a job that cannot reach its next step
 
 
 def test_a_run_that_cannot_stop_in_time_ends_at_the_deadline():
-    proc = subprocess.run([sys.executable, "-c", DEADLINE], capture_output=True, text=True,
-                          timeout=100, env=python_path_env())  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", DEADLINE],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=python_path_env(),
+    )
     assert proc.returncode == STOP_STATUS, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "train_moe.py: stopped by SIGTERM: no checkpoint committed within --stop_timeout_s=1 s; "
@@ -166,10 +188,13 @@ def test_a_held_lock_is_refused_before_anything_is_read(tmp_path, monkeypatch):
         owner = dict(pid=4242, host="elsewhere", script="train_moe.py", started=0)
         os.write(holder, json.dumps(owner).encode())
         cfg = dataclasses.replace(TINY, output_dir=str(out), resume=True)
-        with pytest.raises(main_job.FlagError, match=(
-            f"^--output_dir={out} is in use by another run \\(train_moe.py, pid 4242 on host "
-            "elsewhere, started .*\\): two runs would destroy each other's checkpoints"
-        )):  # fmt: skip
+        with pytest.raises(
+            main_job.FlagError,
+            match=(
+                f"^--output_dir={out} is in use by another run \\(train_moe.py, pid 4242 on host "
+                "elsewhere, started .*\\): two runs would destroy each other's checkpoints"
+            ),
+        ):
             main_job.train(cfg)
     finally:
         os.close(holder)
@@ -234,9 +259,13 @@ def test_command_line_deleted_manifest_is_one_line(saved, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(saved.output_dir, out)
     (out / "checkpoint" / "3" / "state" / "manifest.ocdbt").unlink()
-    proc = subprocess.run([sys.executable, SCRIPT, *FLAGS, "--steps=5", "--resume",
-                           f"--output_dir={out}"], capture_output=True, text=True,
-                          env=worker_env(), timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *FLAGS, "--steps=5", "--resume", f"--output_dir={out}"],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"train_moe.py: --resume: the checkpoint {out}/checkpoint/3 is corrupt: its state has no "

@@ -192,9 +192,13 @@ def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidt
     # At 100 Gbps with 0.1 ms per message, replicating experts over domains of 4 beats 4 token
     # exchanges (the plan at step 0); at 0.01 Gbps moving the experts costs more: fewer replicas.
     cfg = dataclasses.replace(
-        TINY, steps=4, replan_every=2, links="ep=100:0.1", link_schedule="2:ep=0.01",
+        TINY,
+        steps=4,
+        replan_every=2,
+        links="ep=100:0.1",
+        link_schedule="2:ep=0.01",
         output_dir=str(tmp_path),
-    )  # fmt: skip
+    )
     hlo = []
     metrics = main_job.train(cfg, Console(file=io.StringIO()), on_compile=hlo.append)
     replans = metrics["replans"]
@@ -279,8 +283,13 @@ def test_bad_migration_flags_are_named_when_parsed(flags, message):
 
 
 def test_migration_flags_parse_into_one_value_and_back():
-    flags = dict(domains="dc=2,node=2", domain_compression=8.0, domain_shared="mean",
-                 domain_sync_every=3, grad_compression=4.0)  # fmt: skip
+    flags = dict(
+        domains="dc=2,node=2",
+        domain_compression=8.0,
+        domain_shared="mean",
+        domain_sync_every=3,
+        grad_compression=4.0,
+    )
     m = train_config.parse_migration(**flags)
     assert m == xdc.Migration((("dc", 2), ("node", 2)), 8.0, "mean", 3, 4.0)
     assert train_config.migration_flags(m) == flags
@@ -399,10 +408,14 @@ def test_resume_refuses_another_mesh(first_run, tmp_path, monkeypatch):
     monkeypatch.setattr(main_job, "MoETransformer", _no_model)
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, mesh="node=2,local=4")
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
-    with pytest.raises(main_job.ResumeError, match=(
-        f"^--resume: the checkpoint {step_dir} was written by 1 process on --mesh=ep=8; this run "
-        "has 1 process on --mesh=node=2,local=4: resume with 1 process and --mesh=ep=8, or run"
-    )):  # fmt: skip
+    with pytest.raises(
+        main_job.ResumeError,
+        match=(
+            f"^--resume: the checkpoint {step_dir} was written by 1 process on --mesh=ep=8; "
+            "this run has 1 process on --mesh=node=2,local=4: resume with 1 process and "
+            "--mesh=ep=8, or run"
+        ),
+    ):
         main_job.train(cfg)
 
 
@@ -441,10 +454,19 @@ def test_command_line_corrupt_checkpoint_is_one_last_line(first_run, tmp_path):
         for k in ("batch", "seq_len", "d_model", "d_ff", "layers", "heads", "mesh", "eval_every")
     ]
     proc = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "train_moe.py"), *flags, "--steps=5",
-         "--resume", f"--output_dir={cfg.output_dir}"],
-        capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(EXAMPLES, "train_moe.py"),
+            *flags,
+            "--steps=5",
+            "--resume",
+            f"--output_dir={cfg.output_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"train_moe.py: --resume: the checkpoint {step_dir} is corrupt: its metadata cannot be "

@@ -32,14 +32,30 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = os.path.join(EXAMPLES, "train_moe.py")
 STOP_STATUS = 128 + signal.SIGTERM
-FLAGS = ["--batch=8", "--seq_len=32", "--d_model=32", "--d_ff=32", "--layers=1", "--heads=2",
-         "--mesh=node=2,local=4", "--heartbeat_timeout_s=10"]  # fmt: skip
+FLAGS = [
+    "--batch=8",
+    "--seq_len=32",
+    "--d_model=32",
+    "--d_ff=32",
+    "--layers=1",
+    "--heads=2",
+    "--mesh=node=2,local=4",
+    "--heartbeat_timeout_s=10",
+]
 
 
 def _process(port, index, out, *extra, count=2, **popen):
-    cmd = [sys.executable, SCRIPT, *FLAGS, f"--output_dir={out}", "--steps=3",
-           f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={count}",
-           f"--process_id={index}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        *FLAGS,
+        f"--output_dir={out}",
+        "--steps=3",
+        f"--coordinator_address=127.0.0.1:{port}",
+        f"--num_processes={count}",
+        f"--process_id={index}",
+        *extra,
+    ]
     return subprocess.Popen(cmd, env=worker_env(), text=True, **popen)
 
 
@@ -57,8 +73,9 @@ def test_a_coordinator_port_held_by_a_listener_is_refused_in_one_line(tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        proc = _process(port, 0, tmp_path, "--init_timeout_s=30", stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)  # fmt: skip
+        proc = _process(
+            port, 0, tmp_path, "--init_timeout_s=30", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         line = _one_line_exit(proc)
     assert line == (
         f"train_moe.py: --coordinator_address=127.0.0.1:{port}: port {port} is already in use on "
@@ -68,8 +85,14 @@ def test_a_coordinator_port_held_by_a_listener_is_refused_in_one_line(tmp_path):
 
 def test_another_jobs_coordinator_port_is_refused_and_that_job_left_alone(tmp_path):
     port = free_port()
-    first = _process(port, 0, tmp_path / "first", "--init_timeout_s=120",
-                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    first = _process(
+        port,
+        0,
+        tmp_path / "first",
+        "--init_timeout_s=120",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:  # until its coordinator listens
@@ -79,12 +102,24 @@ def test_another_jobs_coordinator_port_is_refused_and_that_job_left_alone(tmp_pa
             except OSError:
                 assert first.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
-        second = _process(port, 0, tmp_path / "second", "--init_timeout_s=120",
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        second = _process(
+            port,
+            0,
+            tmp_path / "second",
+            "--init_timeout_s=120",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         assert "port" in _one_line_exit(second)
         # The first job still assembles: its process 1 joins it and it trains to the end.
-        other = _process(port, 1, tmp_path / "first", "--init_timeout_s=120",
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        other = _process(
+            port,
+            1,
+            tmp_path / "first",
+            "--init_timeout_s=120",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         _, err1 = other.communicate(timeout=300)
         assert other.returncode == 0, err1[-3000:]
         first.wait(timeout=300)
@@ -98,8 +133,9 @@ def test_another_jobs_coordinator_port_is_refused_and_that_job_left_alone(tmp_pa
 
 def test_a_process_that_finds_no_coordinator_ends_in_one_line(tmp_path):
     port = free_port()  # nothing listens there
-    proc = _process(port, 1, tmp_path, "--init_timeout_s=3", stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE)  # fmt: skip
+    proc = _process(
+        port, 1, tmp_path, "--init_timeout_s=3", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     line = _one_line_exit(proc)
     assert line.startswith(
         f"train_moe.py: cannot join the job at 127.0.0.1:{port} as process 1: no coordinator "
@@ -109,8 +145,9 @@ def test_a_process_that_finds_no_coordinator_ends_in_one_line(tmp_path):
 
 def test_a_job_whose_processes_do_not_all_come_ends_in_one_line(tmp_path):
     port = free_port()
-    proc = _process(port, 0, tmp_path, "--init_timeout_s=4", stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE)  # fmt: skip
+    proc = _process(
+        port, 0, tmp_path, "--init_timeout_s=4", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     line = _one_line_exit(proc)
     assert line == (
         f"train_moe.py (process 0 of 2): cannot join the job at 127.0.0.1:{port} as process 0: "
@@ -134,17 +171,36 @@ def preempted(tmp_path_factory):
     procs = []
     for i, log in enumerate(logs):
         with open(log, "w") as f:
-            procs.append(_process(port, i, out, "--steps=1000", "--eval_every=1",
-                                  "--schedule_steps=1000", stdout=f,
-                                  stderr=subprocess.STDOUT))  # fmt: skip
+            procs.append(
+                _process(
+                    port,
+                    i,
+                    out,
+                    "--steps=1000",
+                    "--eval_every=1",
+                    "--schedule_steps=1000",
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
         while "step     2:" not in _read(logs[0]):
             assert all(p.poll() is None for p in procs), _read(logs[0]) + _read(logs[1])
             time.sleep(0.1)
         other = subprocess.run(
-            [sys.executable, SCRIPT, *FLAGS[:-2], "--mesh=ep=8", f"--output_dir={out}",
-             "--steps=2"], capture_output=True, text=True, env=worker_env(), timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                SCRIPT,
+                *FLAGS[:-2],
+                "--mesh=ep=8",
+                f"--output_dir={out}",
+                "--steps=2",
+            ],
+            capture_output=True,
+            text=True,
+            env=worker_env(),
+            timeout=300,
+        )
         procs[1].send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(timeout=300)  # hang guards, not measurements

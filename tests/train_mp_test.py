@@ -46,14 +46,24 @@ KILL_LIMIT_S = 90
 RTOL, EVAL_TOL = 1e-5, 1e-4
 # The model and run both sides train (the command line's defaults otherwise: 4 eval batches).
 FLAGS = dict(
-    batch=8, seq_len=32, d_model=32, d_ff=32, layers=1, heads=2, mesh="node=2,local=4",
-    eval_every=10, heartbeat_timeout_s=10,
-)  # fmt: skip
+    batch=8,
+    seq_len=32,
+    d_model=32,
+    d_ff=32,
+    layers=1,
+    heads=2,
+    mesh="node=2,local=4",
+    eval_every=10,
+    heartbeat_timeout_s=10,
+)
 FFI = dict(FLAGS, backend="ffi", redundant_slots=1, rebalance_every=10)
 XLA = dict(
-    FLAGS, backend="xla", replan_every=10, links="node=100:0.1,local=100:0.1",
+    FLAGS,
+    backend="xla",
+    replan_every=10,
+    links="node=100:0.1,local=100:0.1",
     link_schedule="10:node=0.01",
-)  # fmt: skip
+)
 
 
 def _argv(flags: dict) -> list[str]:
@@ -69,8 +79,10 @@ def _one_process(flags: dict, out) -> dict:
     fields = {f.name for f in dataclasses.fields(main_job.TrainConfig)}
     cfg = main_job.TrainConfig(
         **{k: v for k, v in flags.items() if k in fields},
-        steps=STEPS, output_dir=str(out), progress=False,
-    )  # fmt: skip
+        steps=STEPS,
+        output_dir=str(out),
+        progress=False,
+    )
     return main_job.train(cfg, Console(file=io.StringIO()))
 
 
@@ -79,9 +91,15 @@ def _start(flags: dict, out, port: int) -> list[subprocess.Popen]:
     procs = []
     for i in range(2):
         log = open(os.path.join(out, f"p{i}.log"), "w")  # noqa: SIM115  (the child owns it)
-        cmd = [sys.executable, SCRIPT, *_argv(flags), f"--output_dir={out}",
-               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-               f"--process_id={i}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            SCRIPT,
+            *_argv(flags),
+            f"--output_dir={out}",
+            f"--coordinator_address=127.0.0.1:{port}",
+            "--num_processes=2",
+            f"--process_id={i}",
+        ]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env()))
         log.close()
     return procs
@@ -131,8 +149,12 @@ def ffi_chain(tmp_path_factory):
             if p.poll() is None:
                 p.kill()
             p.wait()
-    killed = dict(returncode=procs[0].returncode, seconds=detection_s,
-                  log=_read(out / "p0.log"), checkpoints=sorted(os.listdir(ckpt)))  # fmt: skip
+    killed = dict(
+        returncode=procs[0].returncode,
+        seconds=detection_s,
+        log=_read(out / "p0.log"),
+        checkpoints=sorted(os.listdir(ckpt)),
+    )
     t = time.monotonic()
     resumed = _launch_local(dict(FFI, steps=STEPS), out, "--resume")
     print(f"kill detected in {detection_s:.1f} s; resumed 2 x 4 run {time.monotonic() - t:.1f} s")
@@ -231,8 +253,11 @@ def test_another_process_count_is_refused_on_resume(ffi_chain, tmp_path, monkeyp
     fields = {f.name for f in dataclasses.fields(main_job.TrainConfig)}
     cfg = main_job.TrainConfig(
         **{k: v for k, v in FFI.items() if k in fields},
-        steps=40, resume=True, output_dir=str(out), progress=False,
-    )  # fmt: skip
+        steps=40,
+        resume=True,
+        output_dir=str(out),
+        progress=False,
+    )
     step_dir = os.path.join(out, "checkpoint", str(STEPS))
     with pytest.raises(main_job.ResumeError) as err:
         main_job.train(cfg, Console(file=io.StringIO()))
@@ -257,18 +282,30 @@ def test_xla_with_replanning_across_processes_trains_like_one_process(xla_run, t
 @pytest.mark.parametrize(
     "script,flags,flag", [("train_moe.py", _argv(FLAGS), "seed"), ("cross_dc.py", [], "steps")]
 )
-def test_mismatched_flags_are_refused_under_an_auto_detected_cluster(tmp_path, script, flags,
-                                                                      flag):  # fmt: skip
+def test_mismatched_flags_are_refused_under_an_auto_detected_cluster(tmp_path, script, flags, flag):
     # JAX derives the coordinator's port from the job id: 61440 + id % 4096.
     port = _free_port(61440)
     procs = []
     for i in range(2):
-        slurm = dict(SLURM_JOB_ID=str(port - 61440), SLURM_STEP_NODELIST="127.0.0.1",
-                     SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i))  # fmt: skip
-        cmd = [sys.executable, os.path.join(EXAMPLES, script), *flags, f"--{flag}={i + 1}",
-               f"--output_dir={tmp_path}"]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=_env(**slurm)))  # fmt: skip
+        slurm = dict(
+            SLURM_JOB_ID=str(port - 61440),
+            SLURM_STEP_NODELIST="127.0.0.1",
+            SLURM_NTASKS="2",
+            SLURM_PROCID=str(i),
+            SLURM_LOCALID=str(i),
+        )
+        cmd = [
+            sys.executable,
+            os.path.join(EXAMPLES, script),
+            *flags,
+            f"--{flag}={i + 1}",
+            f"--output_dir={tmp_path}",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(**slurm)
+            )
+        )
     outputs = [p.communicate(timeout=240) for p in procs]
     for i, (p, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 1, stderr[-3000:]
@@ -283,9 +320,13 @@ def test_mismatched_flags_are_refused_under_an_auto_detected_cluster(tmp_path, s
 def test_launcher_stops_the_others_at_the_first_failure(tmp_path):
     probe = os.path.join(os.path.dirname(__file__), "launch_probe.py")
     t = time.monotonic()
-    run = subprocess.run(["bash", LAUNCH, "3", "--steps=5", f"--output_dir={tmp_path}"],
-                         capture_output=True, text=True, env=_env(SCRIPT=probe),
-                         timeout=60)  # fmt: skip
+    run = subprocess.run(
+        ["bash", LAUNCH, "3", "--steps=5", f"--output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        env=_env(SCRIPT=probe),
+        timeout=60,
+    )
     assert run.returncode == 3, run.stderr
     assert time.monotonic() - t < 30  # not the 120 s the others sleep
     assert "launch_local.sh: process 1 exited with status 3; stopped the others" in run.stderr
@@ -325,13 +366,23 @@ def _recording_processes(count: int):
     "count, message, first_call",
     [
         (2, "UNKNOWN: Gloo AllGather failed: Connection reset by peer", "await_verdict"),
-        (2, "INTERNAL: strict mode: 3 rows dropped", ("die", "train_moe.py (process 0 of 2): "
-                                                      "JaxRuntimeError: INTERNAL: strict mode: 3 "
-                                                      "rows dropped")),
-        (1, "UNKNOWN: Gloo AllGather failed", ("fail", "JaxRuntimeError: UNKNOWN: Gloo AllGather "
-                                               "failed")),
+        (
+            2,
+            "INTERNAL: strict mode: 3 rows dropped",
+            (
+                "die",
+                "train_moe.py (process 0 of 2): "
+                "JaxRuntimeError: INTERNAL: strict mode: 3 "
+                "rows dropped",
+            ),
+        ),
+        (
+            1,
+            "UNKNOWN: Gloo AllGather failed",
+            ("fail", "JaxRuntimeError: UNKNOWN: Gloo AllGather failed"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_collective_broken_by_a_dead_peer_waits_for_the_watchdog(count, message, first_call):
     """A collective that failed because a peer's connection broke waits for the liveness
     thread's verdict (which names the peer) rather than raising into the runtime's abort at

@@ -175,9 +175,16 @@ class Round:
     """Inputs of one harness round over R ranks, and the numpy model's outputs."""
 
     def __init__(
-        self, routing_name: str, dtype: str, hidden: int, R: int, T: int = 24, K: int = 3,
-        seed: int = 0, mode: str = "dropless",
-    ):  # fmt: skip
+        self,
+        routing_name: str,
+        dtype: str,
+        hidden: int,
+        R: int,
+        T: int = 24,
+        K: int = 3,
+        seed: int = 0,
+        mode: str = "dropless",
+    ):
         rng = np.random.default_rng([R, hidden, seed])
         E = 2 * R
         idx = routing(routing_name, rng, R=R, T=T, K=K, E=E)
@@ -204,10 +211,16 @@ class Round:
         rounds)."""
         as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:2] + (-1,))  # noqa: E731
         return dict(
-            x=as_bytes(self.x), dest=self.dest, row_pos=self.row_pos, weights=self.weights,
-            y=as_bytes(self.y), y_weights=self.y_weights if weighted else None, g=as_bytes(self.g),
-            scale=self.scale, values=self.values,
-        )  # fmt: skip
+            x=as_bytes(self.x),
+            dest=self.dest,
+            row_pos=self.row_pos,
+            weights=self.weights,
+            y=as_bytes(self.y),
+            y_weights=self.y_weights if weighted else None,
+            g=as_bytes(self.g),
+            scale=self.scale,
+            values=self.values,
+        )
 
     def sends(self):
         """(src, t, k, d, row) for every kept row."""
@@ -248,9 +261,14 @@ class Round:
                         combined[src, t] = combined[src, t] + rounded[src, d, t]
             combined = combined.astype(self.np_dtype)
         return dict(
-            tokens=tokens, weights=weights, recv_row_pos=recv, combined=combined,
-            redispatched=redispatched, scaled=scaled, row_values=row_values,
-        )  # fmt: skip
+            tokens=tokens,
+            weights=weights,
+            recv_row_pos=recv,
+            combined=combined,
+            redispatched=redispatched,
+            scaled=scaled,
+            row_values=row_values,
+        )
 
 
 def stacked_inputs(rounds: list[Round], weighted: bool) -> dict:
@@ -289,8 +307,9 @@ def check_round(module, got: dict, n: int, case: Round, weighted: bool, what: st
     want = case.expected(weighted)
     for key in ("tokens", "weights", "combined", "redispatched", "scaled"):
         value = got[key][n]
-        np.testing.assert_array_equal(bits(value), bits(want[key]).reshape(bits(value).shape),
-                                      err_msg=f"{what}: {key}")  # fmt: skip
+        np.testing.assert_array_equal(
+            bits(value), bits(want[key]).reshape(bits(value).shape), err_msg=f"{what}: {key}"
+        )
     for r in range(case.R):
         ref = module.cuda_slot_map(gathered(case), r, case.C, reference=True)
         for key in ("send_slot", "recv_item", "recv_rows", "row_slot", "info"):

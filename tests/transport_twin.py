@@ -45,9 +45,14 @@ def numpy_slot_map(gathered: np.ndarray, rank: int, rows: int) -> dict:
     row_weights[recv_rows[:n][filled]] = weights.reshape(S * M, K)[received][filled]
     row_slot[recv_rows[:n][filled]] = np.nonzero(filled)[0]
     last = int(recv_rows[:n][filled].max()) + 1 if filled.any() else 0
-    return dict(send_slot=send_slot, recv_item=recv_item, recv_rows=recv_rows,
-                row_weights=row_weights, row_slot=row_slot,
-                info=np.array([n, last], np.int32))  # fmt: skip
+    return dict(
+        send_slot=send_slot,
+        recv_item=recv_item,
+        recv_rows=recv_rows,
+        row_weights=row_weights,
+        row_slot=row_slot,
+        info=np.array([n, last], np.int32),
+    )
 
 
 def zero_line(lay: dict, rows: int, zero_pad_multiple: int) -> int:
@@ -57,8 +62,15 @@ def zero_line(lay: dict, rows: int, zero_pad_multiple: int) -> int:
     return min(rows, -(-int(lay["info"][1]) // zero_pad_multiple) * zero_pad_multiple)
 
 
-def numpy_permute(slots: np.ndarray, lay: dict, rows: int, zero_pad_multiple: int = 0,
-                  scale=None, fp8_hidden: int = 0, dtype=None):  # fmt: skip
+def numpy_permute(
+    slots: np.ndarray,
+    lay: dict,
+    rows: int,
+    zero_pad_multiple: int = 0,
+    scale=None,
+    fp8_hidden: int = 0,
+    dtype=None,
+):
     """(rows [C, ...], scaled or None) from the receive buffer `slots` [n, row] (typed rows, or
     with fp8_hidden uint8 FP8 wire rows dequantised to `dtype`); untouched rows are 0xab bytes,
     as the host reference leaves them."""
@@ -68,8 +80,13 @@ def numpy_permute(slots: np.ndarray, lay: dict, rows: int, zero_pad_multiple: in
         q, scales = fp8.from_wire(jnp.asarray(payload), fp8_hidden)
         payload = np.asarray(fp8.dequantize(q, scales, jnp.dtype(dtype)))
     width = payload.shape[1:]
-    out = np.frombuffer(b"\xab" * (rows * payload.dtype.itemsize * int(np.prod(width))),
-                        payload.dtype).reshape((rows,) + width).copy()  # fmt: skip
+    out = (
+        np.frombuffer(
+            b"\xab" * (rows * payload.dtype.itemsize * int(np.prod(width))), payload.dtype
+        )
+        .reshape((rows,) + width)
+        .copy()
+    )
     rows_of = lay["recv_rows"][:n]
     slot_of, k_of = np.nonzero(rows_of >= 0)
     out[rows_of[slot_of, k_of]] = payload[slot_of]
@@ -154,10 +171,12 @@ class JaxExchanges:
         recv_rows = jnp.full((padded(size * items) + 1, k), -1, jnp.int32).at[j].set(rows_here)
         recv_rows = recv_rows[:-1]
         target = jnp.where(rows_here >= 0, rows_here, plan.rows).reshape(-1)
-        row_weights = jnp.zeros(plan.rows + 1, jnp.float32).at[target].set(
-            weights.reshape(-1))[: plan.rows]  # fmt: skip
-        row_slot = jnp.full(plan.rows + 1, -1, jnp.int32).at[target].set(
-            jnp.repeat(j, k))[: plan.rows]  # fmt: skip
+        row_weights = (
+            jnp.zeros(plan.rows + 1, jnp.float32).at[target].set(weights.reshape(-1))[: plan.rows]
+        )
+        row_slot = (
+            jnp.full(plan.rows + 1, -1, jnp.int32).at[target].set(jnp.repeat(j, k))[: plan.rows]
+        )
         last = jnp.max(jnp.where(rows_here >= 0, rows_here + 1, 0), initial=0)
         info = jnp.stack([n, last]).astype(jnp.int32)
         return SlotMap(send_slot, recv_item, recv_rows, row_slot, info), row_weights

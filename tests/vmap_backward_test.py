@@ -73,8 +73,9 @@ def test_jacobians_through_fp8_wire_and_fp8_rows(setup):
     jacobians = {}
     for fp8_rows in (False, True):
         for backend in BACKENDS:
-            cfg = hep.DispatchConfig(num_experts=E, backend=backend,
-                                     wire_dtype="float8_e4m3fn", fp8_rows=fp8_rows)  # fmt: skip
+            cfg = hep.DispatchConfig(
+                num_experts=E, backend=backend, wire_dtype="float8_e4m3fn", fp8_rows=fp8_rows
+            )
 
             def step(x, idx, w, experts, cfg=cfg, fp8_rows=fp8_rows):
                 d = hep.dispatch(x, idx, w, topology=topo, config=cfg)

@@ -19,8 +19,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 def test_lanes():
     got = {h: weight_grad.lanes(h) for h in (1, 15, 16, 17, 1000, 1024, 1025, 2048, 7168)}
-    assert got == {1: 1, 15: 15, 16: 16, 17: 16, 1000: 16, 1024: 16, 1025: 32, 2048: 32,
-                   7168: 112}  # fmt: skip
+    assert got == {1: 1, 15: 15, 16: 16, 17: 16, 1000: 16, 1024: 16, 1025: 32, 2048: 32, 7168: 112}
 
 
 def _rows(rng, c, hidden, dtype, special=True):
@@ -79,10 +78,12 @@ MESH_SHAPES = {"flat": (EP,), "node2_local2": (2, 2)}  # the fused and the walke
 # RowDotT depend on the hidden size and dtype; the mesh picks the fused or the walked route).
 @pytest.mark.parametrize(
     "mesh_name,hidden,dtype",
-    [(("flat", "node2_local2")[(i + j) % 2], hidden, dtype)
-     for i, hidden in enumerate([5, 16, 40, 1040, 2100])
-     for j, dtype in enumerate(["float32", "bfloat16"])],
-)  # fmt: skip
+    [
+        (("flat", "node2_local2")[(i + j) % 2], hidden, dtype)
+        for i, hidden in enumerate([5, 16, 40, 1040, 2100])
+        for j, dtype in enumerate(["float32", "bfloat16"])
+    ],
+)
 def test_ffi_weight_gradient_is_the_xla_backends_bitwise(mesh_name, hidden, dtype):
     """Gradients of y and of the combine weights (padding rows included: their dot is with a
     row of zeros) from the fused host VJP equal the xla backend's, bit for bit."""

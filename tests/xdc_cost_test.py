@@ -216,9 +216,13 @@ def test_compressed_volumes():
 
     def vols(**kw):
         return volumes.expected_volumes(
-            sizes, domains, tokens=4, top_k=2, **_kw(expert_bytes=None, expert_matrices=mats),
+            sizes,
+            domains,
+            tokens=4,
+            top_k=2,
+            **_kw(expert_bytes=None, expert_matrices=mats),
             migration=Migration(compression=8, **kw),
-        )  # fmt: skip
+        )
 
     sent = 2 * expert_wire.topk_count(512, 8, 4) * 8
     mean, persistent = vols(shared="mean"), vols(sync_every=5)
@@ -242,9 +246,13 @@ def test_compressed_volumes():
     ]
     assert persistent.step_bytes(training=True) == pytest.approx(expected, rel=1e-12)
     plain = volumes.expected_volumes(
-        sizes, (1, 1), tokens=4, top_k=2, **_kw(expert_bytes=None, expert_matrices=mats),
+        sizes,
+        (1, 1),
+        tokens=4,
+        top_k=2,
+        **_kw(expert_bytes=None, expert_matrices=mats),
         migration=Migration(compression=8),
-    )  # fmt: skip
+    )
     assert all(v.shared_refresh_bytes == 0 for v in plain.levels)  # nothing migrates
 
 

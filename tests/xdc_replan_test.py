@@ -31,10 +31,17 @@ def _workload(**kw):
     """The example model's step: 2 layers of 8 experts (three 128 x 256 float32 matrices)."""
     d, f = 128, 256
     base = dict(
-        tokens=256, top_k=2, num_experts=8, hidden=d, act_bytes=4,
-        expert_matrices=((d, f), (d, f), (f, d)), value_bytes=4, layers=2, dense_bytes=797_184,
+        tokens=256,
+        top_k=2,
+        num_experts=8,
+        hidden=d,
+        act_bytes=4,
+        expert_matrices=((d, f), (d, f), (f, d)),
+        value_bytes=4,
+        layers=2,
+        dense_bytes=797_184,
         prefetch=True,
-    )  # fmt: skip
+    )
     return xdc.Workload(**{**base, **kw})
 
 
@@ -92,10 +99,12 @@ def test_per_layer_plans_where_the_memory_fits_some_layers_replicas():
     assert p.best.memory_bytes <= limit and p.time < 0.9 * uniform.time
     cands = [c.domains for c in uniform.candidates]
     brute = min(
-        (planner.evaluate(cluster, w, pair, memory_limit_bytes=limit) for pair in
-         itertools.product(cands, repeat=2)),
+        (
+            planner.evaluate(cluster, w, pair, memory_limit_bytes=limit)
+            for pair in itertools.product(cands, repeat=2)
+        ),
         key=lambda c: (not c.feasible, c.time),
-    )  # fmt: skip
+    )
     assert p.time == pytest.approx(brute.time, rel=1e-12)
     assert "per layer" in p.table()
 
@@ -125,8 +134,9 @@ def _counts(skewed: bool):
 
 def test_replanner_switches_on_a_bandwidth_drop_and_on_a_routing_skew():
     schedule = xdc.LinkSchedule.parse("10:dc=0.5", ["dc", "node", "local"])
-    r = xdc.Replanner(_cluster(), _workload(), every=5, schedule=schedule, min_gain=0.02,
-                      per_layer=False)  # fmt: skip
+    r = xdc.Replanner(
+        _cluster(), _workload(), every=5, schedule=schedule, min_gain=0.02, per_layer=False
+    )
     assert r.layer_domains == [(2, 1, 2)] * 2  # 10 Gbps: experts cross the WAN
     assert not r.due(3) and r.due(5)
     assert r.update(5, _counts(False)) is None  # nothing changed: keep the compiled step
@@ -172,7 +182,10 @@ def test_links_and_schedules_parse_and_name_what_is_wrong():
     assert s.gbps_at(25) == {"dc": 0.1, "node": 50.0}
     scaled = s.cluster_at(c, 20)
     assert scaled.links[0].bandwidth == scaled.links[0].uplink == pytest.approx(0.1 * GBPS)
-    for bad, message in (("x:dc=1", "'x:dc=1' is not STEP"), ("5:dc=1;2:dc=2", "must increase"),
-                         ("5:wan=1", "LEVEL one of")):  # fmt: skip
+    for bad, message in (
+        ("x:dc=1", "'x:dc=1' is not STEP"),
+        ("5:dc=1;2:dc=2", "must increase"),
+        ("5:wan=1", "LEVEL one of"),
+    ):
         with pytest.raises(ValueError, match=message):
             xdc.LinkSchedule.parse(bad, list(levels))

@@ -343,8 +343,13 @@ def test_capacity_is_per_replica_and_drops_are_counted():
 def test_moe_block_rejects_compression_it_would_ignore():
     mesh = make_mesh(SHAPE, NAMES)
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
-    kw = dict(router=hnn.RouterConfig(num_experts=E, top_k=K), experts=hnn.ExpertConfig(d_ff=F),
-              mesh=mesh, topology=topo, rngs=nnx.Rngs(0))  # fmt: skip
+    kw = dict(
+        router=hnn.RouterConfig(num_experts=E, top_k=K),
+        experts=hnn.ExpertConfig(d_ff=F),
+        mesh=mesh,
+        topology=topo,
+        rngs=nnx.Rngs(0),
+    )
     with pytest.raises(ValueError, match=r"compression=10.0, .*\) needs domains"):
         hnn.MoEBlock(H, migration=xdc.Migration(compression=10.0), **kw)
     with pytest.raises(ValueError, match=r"grad_compression=4.0\) needs domains"):

@@ -96,9 +96,11 @@ def _compressed_step(mesh, topo, migration, layers):
 
     fb_specs = tuple((every,) * len(f) for f in feedback)
     fn = jax.shard_map(
-        body, mesh=doms.mesh, in_specs=((spec,) * len(shapes), (P(),) * len(refs), fb_specs),
+        body,
+        mesh=doms.mesh,
+        in_specs=((spec,) * len(shapes), (P(),) * len(refs), fb_specs),
         out_specs=every,
-    )  # fmt: skip
+    )
 
     def loss(weights, refs, feedback):
         return jnp.sum(fn(weights, refs, feedback))
@@ -133,9 +135,16 @@ def test_sr_variants_move_in_the_program_what_volumes_and_cost_count(
     # Arrays of rank >= 1: the scalar loss's all-reduce is not the model's.
     moved = traffic.crossing_bytes(hlo, axes, operands=lambda kind, shape: len(shape) >= 1)
     vols = volumes.expected_volumes(
-        (dcs, 2), (domain, 1), tokens=1, top_k=1, num_experts=16, hidden=4, act_bytes=4,
-        expert_matrices=((8, 12), (8, 12), (12, 8)), migration=migration,
-    )  # fmt: skip
+        (dcs, 2),
+        (domain, 1),
+        tokens=1,
+        top_k=1,
+        num_experts=16,
+        hidden=4,
+        act_bytes=4,
+        expert_matrices=((8, 12), (8, 12), (12, 8)),
+        migration=migration,
+    )
     level = vols.levels[0]
     p1 = 3 * 8 * 12 * 4
     shared, grad_compressed = migration.shared, migration.grad_compression is not None

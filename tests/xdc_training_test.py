@@ -40,10 +40,15 @@ def _block(**kw):
     mesh = make_mesh(SHAPE, NAMES)
     topo = hep.Topology.from_mesh(mesh, levels=NAMES)
     return hnn.MoEBlock(
-        H, router=hnn.RouterConfig(num_experts=E, top_k=K), experts=hnn.ExpertConfig(d_ff=F),
-        mesh=mesh, topology=topo, dispatch=hep.DispatchConfig(num_experts=E, backend="xla"),
-        rngs=nnx.Rngs(0), **kw,
-    )  # fmt: skip
+        H,
+        router=hnn.RouterConfig(num_experts=E, top_k=K),
+        experts=hnn.ExpertConfig(d_ff=F),
+        mesh=mesh,
+        topology=topo,
+        dispatch=hep.DispatchConfig(num_experts=E, backend="xla"),
+        rngs=nnx.Rngs(0),
+        **kw,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -112,14 +117,22 @@ def test_sr_gather_decodes_sparse_residuals_exactly(shared):
     )
     persistent = shared == "persistent"
     spec, every = P(doms.expert_axes), P(tuple(doms.mesh.axis_names))
-    fn = jax.jit(jax.shard_map(
-        lambda w, r: doms.gather_experts(w, r if persistent else ())[0][None],
-        mesh=doms.mesh, in_specs=((spec,) * 3, (P(),) * 3), out_specs=every,
-    ))  # fmt: skip
-    plain = jax.jit(jax.shard_map(
-        lambda w: xdc.migrate.gather(w, doms.inner_axes, xdc.Migration())[0][None],
-        mesh=doms.mesh, in_specs=((spec,) * 3,), out_specs=every,
-    ))  # fmt: skip
+    fn = jax.jit(
+        jax.shard_map(
+            lambda w, r: doms.gather_experts(w, r if persistent else ())[0][None],
+            mesh=doms.mesh,
+            in_specs=((spec,) * 3, (P(),) * 3),
+            out_specs=every,
+        )
+    )
+    plain = jax.jit(
+        jax.shard_map(
+            lambda w: xdc.migrate.gather(w, doms.inner_axes, xdc.Migration())[0][None],
+            mesh=doms.mesh,
+            in_specs=((spec,) * 3,),
+            out_specs=every,
+        )
+    )
     rng = np.random.default_rng(3)
     for sparse in (True, False):
         weights, refs = _experts(shared, rng, sparse)
@@ -165,8 +178,9 @@ def _compressed_scatter(ratio):
             return jnp.sum(held * g)[None]
 
         spec = P(doms.expert_axes)  # the split mesh (dc=1, dc_domain=2): every device its own
-        return jnp.sum(jax.shard_map(body, mesh=doms.mesh, in_specs=(spec,) * 3,
-                                     out_specs=spec)(w, g, fb))  # fmt: skip
+        return jnp.sum(
+            jax.shard_map(body, mesh=doms.mesh, in_specs=(spec,) * 3, out_specs=spec)(w, g, fb)
+        )
 
     return jax.jit(jax.grad(loss, argnums=(0, 2)))
 
@@ -255,9 +269,10 @@ def test_prefetch_gathers_every_layer_at_step_start_in_one_collective():
     for prefetch, hlo in hlos.items():
         lines = _entry(hlo)
         gathers = [
-            i for i, line in enumerate(lines)
+            i
+            for i, line in enumerate(lines)
             if " all-gather(" in line and migrate.GATHER_SCOPE in line
-        ]  # fmt: skip
+        ]
         # Each rank holds E / 4 = 2 experts; the result holds both DCs' blocks.
         per_layer = 2 * 2 * expert
         sizes = [traffic.collectives(lines[i], "all-gather")[0].bytes for i in gathers]
@@ -266,11 +281,20 @@ def test_prefetch_gathers_every_layer_at_step_start_in_one_collective():
             continue
         (gather,) = gathers
         reads = _upstream(lines, gather)
-        assert all(" parameter(" in lines[j] or "fusion(" in lines[j] or " copy(" in lines[j]
-                   or "bitcast" in lines[j] or "reshape" in lines[j] or "concatenate" in lines[j]
-                   for j in reads), [lines[j] for j in reads]  # fmt: skip
+        assert all(
+            " parameter(" in lines[j]
+            or "fusion(" in lines[j]
+            or " copy(" in lines[j]
+            or "bitcast" in lines[j]
+            or "reshape" in lines[j]
+            or "concatenate" in lines[j]
+            for j in reads
+        ), [lines[j] for j in reads]
         assert not any(op in lines[j] for j in reads for op in ("all-to-all", "custom-call"))
         first_exchange = min(i for i, line in enumerate(lines) if " all-to-all(" in line)
-        first_route = min(i for i, line in enumerate(lines) if 'custom_call_target="TopK"' in line
-                          or "top_k" in line)  # fmt: skip
+        first_route = min(
+            i
+            for i, line in enumerate(lines)
+            if 'custom_call_target="TopK"' in line or "top_k" in line
+        )
         assert gather < first_exchange and gather < first_route

@@ -64,16 +64,25 @@ def workload_of(cfg: TrainConfig, dense: int) -> xdc.Workload:
     return describe_workload(model_config(cfg), cfg.batch * cfg.seq_len // RANKS, dense)
 
 
-def run_one(s: Settings, base: TrainConfig, sizes, migration: xdc.Migration, routing, dense,
-            console, name: str | None = None) -> dict:  # fmt: skip
+def run_one(
+    s: Settings,
+    base: TrainConfig,
+    sizes,
+    migration: xdc.Migration,
+    routing,
+    dense,
+    console,
+    name: str | None = None,
+) -> dict:
     """Trains `migration` over domains of `sizes` and returns its measured and predicted DC
     bytes and losses."""
     migration = over_domains(migration, sizes)
     flags_ = migration_flags(migration)
     cfg = dataclasses.replace(
-        base, migration=migration,
+        base,
+        migration=migration,
         output_dir=os.path.join(s.output_dir, name or flags_["domains"] or "plain_ep"),
-    )  # fmt: skip
+    )
     console.rule(f"{name or ''} {flags_}")
     hlo = []
     result = train(cfg, console, on_compile=hlo.append)
@@ -108,16 +117,31 @@ def base_config(s: Settings) -> TrainConfig:
 
 def _bytes_table(title: str, runs: dict) -> Table:
     table = Table(title=title)
-    for col in ("run", "experts B", "all-reduce B", "tokens B", "total B", "predicted B",
-                "of which dense", "train loss", "eval"):  # fmt: skip
+    for col in (
+        "run",
+        "experts B",
+        "all-reduce B",
+        "tokens B",
+        "total B",
+        "predicted B",
+        "of which dense",
+        "train loss",
+        "eval",
+    ):
         table.add_column(col, justify="right")
     for name, r in runs.items():
         m, p = r["measured"], r["predicted"]
         table.add_row(
-            name, f"{m['experts']:,.0f}", f"{m['all_reduce']:,.0f}", f"{m['tokens']:,.0f}",
-            f"{m['total']:,.0f}", f"{p['total']:,.0f}", f"{p['dense']:,.0f}",
-            f"{r['train_loss']:.3f}", f"{r['eval_loss']:.3f}",
-        )  # fmt: skip
+            name,
+            f"{m['experts']:,.0f}",
+            f"{m['all_reduce']:,.0f}",
+            f"{m['tokens']:,.0f}",
+            f"{m['total']:,.0f}",
+            f"{p['total']:,.0f}",
+            f"{p['dense']:,.0f}",
+            f"{r['train_loss']:.3f}",
+            f"{r['eval_loss']:.3f}",
+        )
     return table
 
 
@@ -164,8 +188,9 @@ def run_plan(s: Settings, base, dense, routing, console) -> dict:
         r = run_one(s, base, sizes, migration, routing, dense, console)
         label = name + (f", SR {r['compression']:g}" if r["compression"] else "")
         summary["runs"][label] = r
-    console.print(_bytes_table("bytes across the DC level per rank per step, and loss",
-                               summary["runs"]))  # fmt: skip
+    console.print(
+        _bytes_table("bytes across the DC level per rank per step, and loss", summary["runs"])
+    )
     for name, r in summary["runs"].items():
         console.print(
             f"{name}: tokens over all steps {r['measured']['tokens_mean']:,.0f} B/step on average; "
@@ -178,25 +203,35 @@ def run_sr_table(s: Settings, base, dense, routing, console) -> dict:
     """Plain EP, full-expert domains and the SR variants at `--domains` (default dc=2)."""
     sizes = s.domain_sizes() or (2, 1, 1)
     ratio, grad = s.migration.compression or 10.0, s.migration.grad_compression or 10.0
-    summary = dict(domains=list(sizes), compression=ratio, grad_compression=grad,
-                   sync_every=s.migration.sync_every, dense_bytes=dense, runs={})  # fmt: skip
+    summary = dict(
+        domains=list(sizes),
+        compression=ratio,
+        grad_compression=grad,
+        sync_every=s.migration.sync_every,
+        dense_bytes=dense,
+        runs={},
+    )
     plain = dataclasses.replace(s.migration, compression=None, grad_compression=None)
-    summary["runs"]["plain EP"] = run_one(s, base, (1, 1, 1), plain, routing, dense, console,
-                                          "plain_ep")  # fmt: skip
+    summary["runs"]["plain EP"] = run_one(
+        s, base, (1, 1, 1), plain, routing, dense, console, "plain_ep"
+    )
     for i, (name, sr) in enumerate(SR_TABLE):
         m = plain
         if sr is not None:
             _, shared, g = sr
-            m = dataclasses.replace(plain, compression=ratio, shared=shared,
-                                    grad_compression=grad if g else None)  # fmt: skip
+            m = dataclasses.replace(
+                plain, compression=ratio, shared=shared, grad_compression=grad if g else None
+            )
         summary["runs"][f"{name} {sizes}"] = run_one(
             s, base, sizes, m, routing, dense, console, f"sr_table_{i}"
         )
-    console.print(_bytes_table(
-        f"bytes across the DC level per rank per step and loss after {s.steps} steps (SR "
-        f"{ratio:g}x, gradients {grad:g}x, persistent refresh every {s.migration.sync_every})",
-        summary["runs"],
-    ))  # fmt: skip
+    console.print(
+        _bytes_table(
+            f"bytes across the DC level per rank per step and loss after {s.steps} steps (SR "
+            f"{ratio:g}x, gradients {grad:g}x, persistent refresh every {s.migration.sync_every})",
+            summary["runs"],
+        )
+    )
     return summary
 
 
@@ -223,31 +258,49 @@ class SkewingHook(ReplanHook):
 def run_replanning(s: Settings, base, dense, console) -> dict:
     """One run re-planned every `--replan_every` steps (`xdc.Replanner`)."""
     cfg = dataclasses.replace(
-        base, migration=s.migration, replan_every=s.replan_every,
-        links=links_spec(s), link_schedule=s.link_schedule,
+        base,
+        migration=s.migration,
+        replan_every=s.replan_every,
+        links=links_spec(s),
+        link_schedule=s.link_schedule,
         output_dir=os.path.join(s.output_dir, "replanning"),
-    )  # fmt: skip
+    )
     mesh, topology = make_mesh(cfg.mesh, global_devices())
     schedule = xdc.LinkSchedule.parse(s.link_schedule, [n for n, _ in MESH])
     replanner = xdc.Replanner(
-        describe_cluster(s), workload_of(cfg, dense), every=s.replan_every, schedule=schedule,
-        min_gain=s.min_gain, layer_domains=s.domain_sizes(),
-    )  # fmt: skip
+        describe_cluster(s),
+        workload_of(cfg, dense),
+        every=s.replan_every,
+        schedule=schedule,
+        min_gain=s.min_gain,
+        layer_domains=s.domain_sizes(),
+    )
     hook = SkewingHook(replanner, model_config(cfg), mesh, topology)
     hook.skew_at = s.skew_at
     hlo = []
     result = train(cfg, console, on_compile=hlo.append, hook=hook)
     programs = [program_bytes(text, cfg.migration.sync_every) for text in hlo]
     table = Table(title="re-plans (predicted seconds per step under that step's links and routing)")
-    for col in ("step", "WAN Gbps", "skew", "domains per layer", "changed", "current ms",
-                "chosen ms"):  # fmt: skip
+    for col in (
+        "step",
+        "WAN Gbps",
+        "skew",
+        "domains per layer",
+        "changed",
+        "current ms",
+        "chosen ms",
+    ):
         table.add_column(col, justify="right")
     for h in replanner.history:
         table.add_row(
-            str(h["step"]), f"{h['gbps']['dc']:g}", f"{h['skew']:.2f}", str(h["layer_domains"]),
-            "yes" if h["changed"] else "", f"{h['current_s'] * 1e3:.1f}",
+            str(h["step"]),
+            f"{h['gbps']['dc']:g}",
+            f"{h['skew']:.2f}",
+            str(h["layer_domains"]),
+            "yes" if h["changed"] else "",
+            f"{h['current_s'] * 1e3:.1f}",
             f"{h['chosen_s'] * 1e3:.1f}",
-        )  # fmt: skip
+        )
     console.print(table)
     changes = sum(h["changed"] for h in replanner.history)
     console.print(f"compiles: {len(hlo)} (1 + {changes} plan changes)")
@@ -257,8 +310,13 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
             "of all-reduce across the DC level per rank and step"
         )
     console.print(f"eval loss {result['final_eval_loss']:.3f}")
-    return dict(history=replanner.history, compiles=len(hlo), programs=programs,
-                eval_loss=result["final_eval_loss"], train=result["train"])  # fmt: skip
+    return dict(
+        history=replanner.history,
+        compiles=len(hlo),
+        programs=programs,
+        eval_loss=result["final_eval_loss"],
+        train=result["train"],
+    )
 
 
 SCRIPT = "cross_dc.py"
@@ -269,8 +327,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     names = [f.name for f in dataclasses.fields(Settings) if f.name != "migration"]
     try:  # before jax starts: a bad flag costs nothing
-        settings = Settings(**{n: flags.FLAGS[n].value for n in names},
-                            migration=migration_from_flags())  # fmt: skip
+        settings = Settings(
+            **{n: flags.FLAGS[n].value for n in names}, migration=migration_from_flags()
+        )
         settings.check()
     except ValueError as err:  # FlagError included
         exit_with(Processes(), SCRIPT, err)

@@ -115,8 +115,13 @@ def take(output_dir: str, script: str, processes: int = 1) -> tuple[OutputLock, 
         if not locked and previous and _alive(previous):
             os.close(fd)
             raise FlagError(_refusal(output_dir, previous, path))
-        me = dict(pid=os.getpid(), host=socket.gethostname(), script=script,
-                  processes=processes, started=time.time())  # fmt: skip
+        me = dict(
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            script=script,
+            processes=processes,
+            started=time.time(),
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         note = None
@@ -137,8 +142,9 @@ def _refusal(output_dir: str, owner: dict, path: str) -> str:
     )
 
 
-def acquire(output_dir: str, script: str, processes: Processes) -> tuple[OutputLock | None,
-                                                                         str | None]:  # fmt: skip
+def acquire(
+    output_dir: str, script: str, processes: Processes
+) -> tuple[OutputLock | None, str | None]:
     """Process 0 takes the lock for the whole job; every process raises the same FlagError when
     another run holds it. Returns (the lock on process 0, else None; a takeover note or None)."""
     held = {}

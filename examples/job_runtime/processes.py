@@ -85,8 +85,13 @@ class Processes:
             return [value]
         mine = json.dumps(value, sort_keys=True).encode()
         # A new key each time: a name may come again (cross_dc.py trains several runs in a job).
-        got = compat.kv_exchange(f"{SYNC_KEY}/exchange/{self._decisions}/{name}", self.index, mine,
-                                 self.count, DECIDE_TIMEOUT_MS)  # fmt: skip
+        got = compat.kv_exchange(
+            f"{SYNC_KEY}/exchange/{self._decisions}/{name}",
+            self.index,
+            mine,
+            self.count,
+            DECIDE_TIMEOUT_MS,
+        )
         return [json.loads(v) for v in got]
 
     def decide(self, name: str, fn: Callable[[], object]):
@@ -161,9 +166,11 @@ class Processes:
                     return
                 if "DEADLINE_EXCEEDED" in str(err):
                     continue
-                self.die(f"{prefix}: lost the coordinator (process 0): {first_line(err)}; "
-                         "stopping this process too. --resume continues from the last committed "
-                         "checkpoint")  # fmt: skip
+                self.die(
+                    f"{prefix}: lost the coordinator (process 0): {first_line(err)}; "
+                    "stopping this process too. --resume continues from the last committed "
+                    "checkpoint"
+                )
 
     def _watch(self, prefix: str) -> None:
         last_seen = {i: (None, time.monotonic()) for i in range(self.count) if i != self.index}
@@ -176,8 +183,10 @@ class Processes:
             except Exception as err:  # noqa: BLE001  (the runtime raises its own types)
                 if self._stop.is_set():
                     return
-                self.die(f"{prefix}: lost the coordinator (process 0): {first_line(err)}; "
-                         "stopping this process too")  # fmt: skip
+                self.die(
+                    f"{prefix}: lost the coordinator (process 0): {first_line(err)}; "
+                    "stopping this process too"
+                )
             now = time.monotonic()
             for peer, (value, since) in list(last_seen.items()):
                 if f"{KEY}/done/{peer}" in entries:
@@ -185,8 +194,9 @@ class Processes:
                     continue
                 failure = entries.get(f"{KEY}/failed/{peer}")
                 if failure is not None:
-                    self.die(f"{prefix}: process {peer} failed ({failure}); stopping this process "
-                             "too")  # fmt: skip
+                    self.die(
+                        f"{prefix}: process {peer} failed ({failure}); stopping this process too"
+                    )
                 alive = entries.get(f"{KEY}/alive/{peer}")
                 if alive != value:
                     last_seen[peer] = (alive, now)

@@ -71,18 +71,24 @@ class ProcessConfig:
     def check(self) -> None:
         """FlagError naming the first process flag that cannot be used."""
         given = [
-            n for n in ("coordinator_address", "num_processes", "process_id")
+            n
+            for n in ("coordinator_address", "num_processes", "process_id")
             if getattr(self, n) is not None
-        ]  # fmt: skip
+        ]
         if given and len(given) < 3:
             missing = sorted({"coordinator_address", "num_processes", "process_id"} - set(given))
             raise FlagError(
                 f"--{given[0]}={getattr(self, given[0])} needs --{' and --'.join(missing)} too "
                 "(or none of them, to run one process or the cluster the environment describes)"
             )
-        for name, low in (("num_processes", 1), ("process_id", 0), ("cpu_devices", 1),
-                          ("heartbeat_timeout_s", 2), ("init_timeout_s", 1),
-                          ("stop_timeout_s", 1)):  # fmt: skip
+        for name, low in (
+            ("num_processes", 1),
+            ("process_id", 0),
+            ("cpu_devices", 1),
+            ("heartbeat_timeout_s", 2),
+            ("init_timeout_s", 1),
+            ("stop_timeout_s", 1),
+        ):
             value = getattr(self, name)
             if value is not None and (
                 not isinstance(value, Integral) or isinstance(value, bool) or value < low
@@ -103,29 +109,33 @@ def define_flags() -> None:
     """The process flags (only when run as a script)."""
     d = ProcessConfig()
     flags.DEFINE_string(
-        "coordinator_address", None,
+        "coordinator_address",
+        None,
         "host:port of process 0 when running several processes (unset: one process, or the "
         "cluster the environment describes: SLURM, Open MPI, ...)",
-    )  # fmt: skip
+    )
     flags.DEFINE_integer("num_processes", None, "processes of the job (with --coordinator_address)")
     flags.DEFINE_integer("process_id", None, "this process's index, 0 .. num_processes - 1")
     flags.DEFINE_integer(
         "cpu_devices", None, "fake CPU devices per process (default 8 / processes when whole)"
     )
     flags.DEFINE_integer(
-        "heartbeat_timeout_s", d.heartbeat_timeout_s,
+        "heartbeat_timeout_s",
+        d.heartbeat_timeout_s,
         "a process exits when another has shown no sign of life for this long",
-    )  # fmt: skip
+    )
     flags.DEFINE_integer(
-        "init_timeout_s", d.init_timeout_s,
+        "init_timeout_s",
+        d.init_timeout_s,
         "at start-up, a process exits (naming the coordinator's address) when the coordinator "
         "or the job's other processes have not come within this many seconds",
-    )  # fmt: skip
+    )
     flags.DEFINE_integer(
-        "stop_timeout_s", d.stop_timeout_s,
+        "stop_timeout_s",
+        d.stop_timeout_s,
         "after SIGTERM (a scheduler's preemption) the job finishes its step, commits a "
         "checkpoint and exits; it exits anyway after this many seconds",
-    )  # fmt: skip
+    )
 
 
 def config_from_flags() -> ProcessConfig:
@@ -135,8 +145,14 @@ def config_from_flags() -> ProcessConfig:
 
 
 # The process flags every process must share (all but --process_id).
-SHARED_FLAGS = ("num_processes", "cpu_devices", "coordinator_address", "heartbeat_timeout_s",
-                "init_timeout_s", "stop_timeout_s")  # fmt: skip
+SHARED_FLAGS = (
+    "num_processes",
+    "cpu_devices",
+    "coordinator_address",
+    "heartbeat_timeout_s",
+    "init_timeout_s",
+    "stop_timeout_s",
+)
 
 
 def command_line_values(names) -> dict:
@@ -290,9 +306,11 @@ def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
         raise FlagError(f"cannot join the job at {where}{me}: {first_line(err)}") from None
     _quiet_native_stdout()
     processes = Processes(
-        jax.process_index(), jax.process_count(), compat.distributed_client(),
+        jax.process_index(),
+        jax.process_count(),
+        compat.distributed_client(),
         pc.heartbeat_timeout_s,
-    )  # fmt: skip
+    )
     if not processes.is_main:  # the others print nothing but errors
         logging.set_verbosity(logging.ERROR)
         py_logging.getLogger("jax").setLevel(py_logging.ERROR)

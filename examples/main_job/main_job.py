@@ -43,9 +43,15 @@ from jax_hybridep import balance
 # The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal;
 # the domain flags fix the shapes of the SR and error-feedback state).
 MODEL_FLAGS = (
-    "d_model", "d_ff", "layers", "experts", "domains", "domain_compression", "domain_shared",
+    "d_model",
+    "d_ff",
+    "layers",
+    "experts",
+    "domains",
+    "domain_compression",
+    "domain_shared",
     "grad_compression",
-)  # fmt: skip
+)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -77,8 +83,13 @@ def mesh_spec(mesh) -> str:
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
-def train(cfg: TrainConfig, console: Console | None = None, on_compile=None, hook=None,
-          processes: Processes | None = None) -> dict:  # fmt: skip
+def train(
+    cfg: TrainConfig,
+    console: Console | None = None,
+    on_compile=None,
+    hook=None,
+    processes: Processes | None = None,
+) -> dict:
     """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict.
 
     Raises FlagError (a bad flag, before any model is built; or `cfg.output_dir` in use by

@@ -129,8 +129,9 @@ class Rebalancer:
         params = balance.move_experts(params, self.tags, perms)
         opt_state = balance.move_experts(opt_state, self.tags, perms, tx=self.tx)
         model = nnx.merge(graphdef, params, rest)
-        for block, placement in zip(balance.expert_tags(model, params)[1], self.placements,
-                                    strict=True):  # fmt: skip
+        for block, placement in zip(
+            balance.expert_tags(model, params)[1], self.placements, strict=True
+        ):
             block.placement = placement
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         return graphdef, params, rest, opt_state
@@ -170,16 +171,18 @@ class Rebalancer:
         )
         if not fits:
             return graphdef, params, rest, opt_state
-        perms = [balance.permutation(q, p) for p, q in zip(placements, self.placements,
-                                                            strict=True)]  # fmt: skip
+        perms = [
+            balance.permutation(q, p) for p, q in zip(placements, self.placements, strict=True)
+        ]
         self.placements = placements
         self.loads = [None if v is None else np.asarray(v, np.float64) for v in saved["loads"]]
         return self._move(graphdef, params, rest, opt_state, perms)
 
 
 def _plain(p: balance.Placement) -> balance.Placement:
-    return balance.Placement.default(p.num_experts, p.num_ranks, p.redundant_per_rank,
-                                     p.ranks_per_node)  # fmt: skip
+    return balance.Placement.default(
+        p.num_experts, p.num_ranks, p.redundant_per_rank, p.ranks_per_node
+    )
 
 
 def rank_loads(tokens_per_slot, slots_per_rank: int) -> np.ndarray:

@@ -86,9 +86,13 @@ class ReplanHook:
                 for i in range(model_config.layers)
             ]
         replanner = xdc.Replanner(
-            cluster, workload, every=cfg.replan_every, schedule=schedule,
-            memory_limit_bytes=limit, layer_domains=start,
-        )  # fmt: skip
+            cluster,
+            workload,
+            every=cfg.replan_every,
+            schedule=schedule,
+            memory_limit_bytes=limit,
+            layer_domains=start,
+        )
         return cls(replanner, model_config, mesh, topology)
 
     @property

@@ -32,8 +32,13 @@ DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and 
 # optimizer and must equal the checkpoint's: `train_checkpoint.check_resume_flags`), and with
 # them the TrainConfig fields without a flag that may change too.
 RESUMABLE_FLAGS = (
-    "steps", "schedule_steps", "eval_every", "checkpoint_every", "backend", "output_dir",
-)  # fmt: skip
+    "steps",
+    "schedule_steps",
+    "eval_every",
+    "checkpoint_every",
+    "backend",
+    "output_dir",
+)
 RESUMABLE_FIELDS = (*RESUMABLE_FLAGS, "eval_batches", "progress", "resume")
 
 
@@ -210,12 +215,25 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
     Builds no model and creates nothing.
     """
     _check_output_dir(cfg.output_dir)  # first: nothing else is worth checking without it
-    for name, minimum in (("steps", 0), ("batch", 1), ("seq_len", 1), ("d_model", 1),
-                          ("d_ff", 1), ("layers", 1), ("heads", 1), ("experts", 1), ("top_k", 1),
-                          ("seed", 0), ("eval_every", 1), ("eval_batches", 1),
-                          ("redundant_slots", 0), ("rebalance_every", 0),
-                          ("replan_every", 0), ("schedule_steps", 0),
-                          ("checkpoint_every", 0)):  # fmt: skip
+    for name, minimum in (
+        ("steps", 0),
+        ("batch", 1),
+        ("seq_len", 1),
+        ("d_model", 1),
+        ("d_ff", 1),
+        ("layers", 1),
+        ("heads", 1),
+        ("experts", 1),
+        ("top_k", 1),
+        ("seed", 0),
+        ("eval_every", 1),
+        ("eval_batches", 1),
+        ("redundant_slots", 0),
+        ("rebalance_every", 0),
+        ("replan_every", 0),
+        ("schedule_steps", 0),
+        ("checkpoint_every", 0),
+    ):
         _check_int(name, getattr(cfg, name), minimum)
     if cfg.top_k > cfg.experts:
         raise FlagError(

@@ -81,23 +81,26 @@ def define_flags() -> None:
     )
     flags.DEFINE_float("lr", d.lr, "peak learning rate")
     flags.DEFINE_integer(
-        "schedule_steps", d.schedule_steps,
+        "schedule_steps",
+        d.schedule_steps,
         "the step the learning-rate decay ends at (0: --steps); set it to the final step count "
         "when a run will be resumed to more steps",
-    )  # fmt: skip
+    )
     flags.DEFINE_integer("seed", d.seed, "random seed (init and data order)")
     flags.DEFINE_string("output_dir", d.output_dir, "metrics, plot and checkpoint go here")
     flags.DEFINE_integer("eval_every", d.eval_every, "evaluate every this many steps")
     flags.DEFINE_integer(
-        "checkpoint_every", d.checkpoint_every,
+        "checkpoint_every",
+        d.checkpoint_every,
         "also commit a checkpoint and metrics.json every this many steps (0: only at the end)",
-    )  # fmt: skip
+    )
     flags.DEFINE_bool(
-        "resume", False,
+        "resume",
+        False,
         "restore the checkpoint in --output_dir and continue; every flag must equal the "
         f"checkpoint's except {', '.join('--' + n for n in RESUMABLE_FLAGS)}, "
         "--coordinator_address, --process_id and --heartbeat_timeout_s",
-    )  # fmt: skip
+    )
 
 
 def define_migration_flags(default: xdc.Migration, domains_help: str) -> None:
@@ -127,7 +130,10 @@ def migration_from_flags() -> xdc.Migration:
 
 def config_from_flags() -> TrainConfig:
     """The TrainConfig the parsed command-line flags describe (FlagError for a bad value)."""
-    values = {f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)
-              if f.name in flags.FLAGS}  # fmt: skip
+    values = {
+        f.name: flags.FLAGS[f.name].value
+        for f in dataclasses.fields(TrainConfig)
+        if f.name in flags.FLAGS
+    }
     values["capacity_factor"] = parse_capacity_factor(values["capacity_factor"])
     return TrainConfig(**values, migration=migration_from_flags())

@@ -28,8 +28,22 @@ from examples.moe_lm.lm_data import ShardFeeder
 from examples.moe_lm.lm_model import DATA_AXIS
 
 
-def loop(*, cfg, data, mesh, tx, state, start, history, console, on_compile, balancer, hook,
-          checkpoint, stop_due):  # fmt: skip
+def loop(
+    *,
+    cfg,
+    data,
+    mesh,
+    tx,
+    state,
+    start,
+    history,
+    console,
+    on_compile,
+    balancer,
+    hook,
+    checkpoint,
+    stop_due,
+):
     """The training loop proper from `start`, on state = (graphdef, params, rest, opt_state):
     compile once (again when `balancer` changes a placement or `hook` switches domains), step,
     evaluate, checkpoint every `cfg.checkpoint_every` steps (`checkpoint`), report progress;

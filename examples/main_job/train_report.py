@@ -89,8 +89,9 @@ def write_outputs(output_dir: str, metrics: dict, plot: bool) -> list[str]:
     return written
 
 
-def save_plot(path: str, train: list[dict], evals: list[dict], tokens_per_expert,
-              rank_load=None) -> None:  # fmt: skip
+def save_plot(
+    path: str, train: list[dict], evals: list[dict], tokens_per_expert, rank_load=None
+) -> None:
     """Loss curves (train and eval) beside the last step's tokens per expert and, given
     [layers, ranks] rows, per EP rank (with redundant slots: where the rows really went)."""
     import matplotlib

@@ -47,8 +47,11 @@ def _topology(ranks: int, per_node):
 
     if len(jax.devices()) < ranks:
         raise ValueError(f"the measurement needs {ranks} devices, jax has {len(jax.devices())}")
-    shape, names = ((ranks,), ("ep",)) if per_node is None else (
-        (ranks // per_node, per_node), ("node", "local"))  # fmt: skip
+    shape, names = (
+        ((ranks,), ("ep",))
+        if per_node is None
+        else ((ranks // per_node, per_node), ("node", "local"))
+    )
     grid = np.asarray(jax.devices()[:ranks]).reshape(shape)
     mesh = jax.sharding.Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
     return mesh, hep.Topology.from_mesh(mesh, names)
@@ -98,8 +101,18 @@ def dispatch_counts(placement: Placement | None, idx, per_node, capacity_factor,
     return int(np.sum(dropped)), int(np.max(received))
 
 
-def table_row(kind, experts, top_k, ranks, tokens, redundant, per_node, strength=1.0,
-              capacity_factor=1.0, dispatch=True) -> dict:  # fmt: skip
+def table_row(
+    kind,
+    experts,
+    top_k,
+    ranks,
+    tokens,
+    redundant,
+    per_node,
+    strength=1.0,
+    capacity_factor=1.0,
+    dispatch=True,
+) -> dict:
     """One row of docs/balance.md's table (see the module docstring)."""
     skew = Skew.make(kind, experts, top_k, strength, seed=0)
     plan, batches = planned(skew, ranks, tokens, redundant, per_node)
@@ -109,8 +122,9 @@ def table_row(kind, experts, top_k, ranks, tokens, redundant, per_node, strength
     plain = Placement.default(experts, ranks, redundant, per_node)
 
     def measured(placement):
-        return float(np.mean([imbalance(measured_rank_load(placement, b, per_node))
-                              for b in held_out]))  # fmt: skip
+        return float(
+            np.mean([imbalance(measured_rank_load(placement, b, per_node)) for b in held_out])
+        )
 
     row = dict(
         kind=kind,
@@ -143,11 +157,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m jax_hybridep.balance.bench", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--tokens", type=cli.positive_int, default=512,
-                        help="tokens per rank per batch")  # fmt: skip
+    parser.add_argument(
+        "--tokens", type=cli.positive_int, default=512, help="tokens per rank per batch"
+    )
     parser.add_argument("--capacity_factor", type=cli.positive_float, default=1.0)
-    parser.add_argument("--json", type=cli.output_path, default="",
-                        help="also write the rows here")  # fmt: skip
+    parser.add_argument("--json", type=cli.output_path, default="", help="also write the rows here")
     args = parser.parse_args(argv)
     import jax  # noqa: PLC0415
 

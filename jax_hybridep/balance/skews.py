@@ -53,8 +53,16 @@ class Skew:
         object.__setattr__(self, "popularity", tuple(float(v) for v in pop))
 
     @classmethod
-    def make(cls, kind: str, num_experts: int, top_k: int, strength: float, seed: int = 0,
-             num_groups: int = 8, topk_groups: int = 4) -> Skew:  # fmt: skip
+    def make(
+        cls,
+        kind: str,
+        num_experts: int,
+        top_k: int,
+        strength: float,
+        seed: int = 0,
+        num_groups: int = 8,
+        topk_groups: int = 4,
+    ) -> Skew:
         """A skew of `kind` with `strength` (the Zipf exponent, or the bias scale; >= 0)."""
         check_str("kind", kind, KINDS)
         check_int("num_experts", num_experts, 1)

@@ -104,11 +104,13 @@ def _ragged_layer(ranks: int, experts: int, ragged: bool):
             me = jax.lax.axis_index(AXIS)
             out_off = jnp.full(ranks, me * t * k, jnp.int32)
             buf = jnp.zeros((ranks * t * k, h_dim), x.dtype)
-            recv = jax.lax.ragged_all_to_all(rows, buf, starts, counts, out_off, recv_counts,
-                                             axis_name=AXIS)  # fmt: skip
+            recv = jax.lax.ragged_all_to_all(
+                rows, buf, starts, counts, out_off, recv_counts, axis_name=AXIS
+            )
             ebuf = jnp.full((ranks * t * k,), -1, jnp.int32)
-            recv_e = jax.lax.ragged_all_to_all(expert_sorted, ebuf, starts, counts, out_off,
-                                               recv_counts, axis_name=AXIS)  # fmt: skip
+            recv_e = jax.lax.ragged_all_to_all(
+                expert_sorted, ebuf, starts, counts, out_off, recv_counts, axis_name=AXIS
+            )
         else:
             send = jnp.zeros((ranks, t * k, h_dim), x.dtype).at[dest, slot].set(rows)
             recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True).reshape(-1, h_dim)
@@ -124,8 +126,9 @@ def _ragged_layer(ranks: int, experts: int, ragged: bool):
         y = jnp.zeros_like(recv).at[perm].set(jnp.where(valid, y_perm, 0))
         if ragged:
             src_off = jnp.arange(ranks, dtype=jnp.int32) * t * k
-            back = jax.lax.ragged_all_to_all(y, jnp.zeros_like(rows), src_off, recv_counts,
-                                             recv_starts, counts, axis_name=AXIS)  # fmt: skip
+            back = jax.lax.ragged_all_to_all(
+                y, jnp.zeros_like(rows), src_off, recv_counts, recv_starts, counts, axis_name=AXIS
+            )
         else:
             back = jax.lax.all_to_all(y.reshape(ranks, t * k, h_dim), AXIS, 0, 0, tiled=True)
             back = back[dest, slot]
@@ -153,8 +156,14 @@ def _program(layer, mesh):
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
-def measure(shape: LayerShape, backends=("ffi", "xla"), capacity_factor=None, warmup=2,
-            repeats=5, devices=None) -> dict:  # fmt: skip
+def measure(
+    shape: LayerShape,
+    backends=("ffi", "xla"),
+    capacity_factor=None,
+    warmup=2,
+    repeats=5,
+    devices=None,
+) -> dict:
     devices = devices or jax.devices()
     n = len(devices)
     mesh = jax.make_mesh((n,), (AXIS,), (AxisType.Auto,), devices=devices)
@@ -214,8 +223,9 @@ def table(result: dict) -> str:
     ]
     for row in result["rows"]:
         err = "-" if row["loss_rel_err"] is None else f"{row['loss_rel_err']:.2e}"
-        lines.append(f"{row['method']:<36} {row['median_ms']:>10.2f} {row['vs_ragged']:>9.2f}x "
-                     f"{err:>16}")  # fmt: skip
+        lines.append(
+            f"{row['method']:<36} {row['median_ms']:>10.2f} {row['vs_ragged']:>9.2f}x {err:>16}"
+        )
     return "\n".join(lines)
 
 
@@ -229,15 +239,15 @@ def main(argv=None) -> dict:
         else:
             p.add_argument(f"--{field.name}", type=cli.positive_int, default=field.default)
     p.add_argument("--backends", type=cli.choice_list(("ffi", "xla")), default=["ffi", "xla"])
-    p.add_argument("--capacity_factor", type=cli.positive_float, default=None,
-                   help="default: dropless")  # fmt: skip
+    p.add_argument(
+        "--capacity_factor", type=cli.positive_float, default=None, help="default: dropless"
+    )
     p.add_argument("--warmup", type=cli.nonnegative_int, default=2)
     p.add_argument("--repeats", type=cli.positive_int, default=5)
     p.add_argument("--json", type=cli.output_path, default="", help="JSON output path ('' to skip)")
     args = p.parse_args(argv)
     shape = LayerShape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LayerShape)})
-    result = measure(shape, tuple(args.backends), args.capacity_factor, args.warmup,
-                     args.repeats)  # fmt: skip
+    result = measure(shape, tuple(args.backends), args.capacity_factor, args.warmup, args.repeats)
     if args.json:
         report.write_json(result, args.json)
     print(table(result))

@@ -55,8 +55,12 @@ def parser() -> argparse.ArgumentParser:
         default=2,
         help="nodes of the hierarchical topology (node x local mesh)",
     )
-    p.add_argument("--routings", type=cli.choice_list(ROUTINGS), default=list(ROUTINGS),
-                   help=f"subset of {ROUTINGS}")  # fmt: skip
+    p.add_argument(
+        "--routings",
+        type=cli.choice_list(ROUTINGS),
+        default=list(ROUTINGS),
+        help=f"subset of {ROUTINGS}",
+    )
     p.add_argument(
         "--capacities",
         type=cli.capacity_list,
@@ -65,21 +69,39 @@ def parser() -> argparse.ArgumentParser:
         "opt-in DispatchConfig.row_budget = ceil(F * T * K) rows per rank; overflow is dropped "
         "and counted; compared with the dropless baselines)",
     )
-    p.add_argument("--methods", type=cli.choice_list(METHODS), default=list(METHODS),
-                   help=f"subset of {METHODS}")  # fmt: skip
-    p.add_argument("--backends", type=cli.choice_list(runner.HYBRIDEP_BACKENDS),
-                   default=["ffi", "xla"], help="hybridep backends")  # fmt: skip
-    p.add_argument("--topologies", type=cli.choice_list(runner.TOPOLOGIES),
-                   default=list(runner.TOPOLOGIES))  # fmt: skip
-    p.add_argument("--directions", type=cli.choice_list(runner.DIRECTIONS),
-                   default=list(runner.DIRECTIONS))  # fmt: skip
-    p.add_argument("--variants", type=cli.choice_list(runner.VARIANTS), default=["fusible"],
-                   help="hybridep rows straight into combine ('fusible'; XLA may fuse the xla "
-                   "backend's expansion away) and/or through an optimization_barrier "
-                   "('barrier'; every backend materialises them)")  # fmt: skip
-    p.add_argument("--zero-padding", action=argparse.BooleanOptionalAction, default=True,
-                   help="hybridep's DispatchConfig.zero_padding (--no-zero-padding: rows past "
-                   "the groups unwritten)")  # fmt: skip
+    p.add_argument(
+        "--methods",
+        type=cli.choice_list(METHODS),
+        default=list(METHODS),
+        help=f"subset of {METHODS}",
+    )
+    p.add_argument(
+        "--backends",
+        type=cli.choice_list(runner.HYBRIDEP_BACKENDS),
+        default=["ffi", "xla"],
+        help="hybridep backends",
+    )
+    p.add_argument(
+        "--topologies", type=cli.choice_list(runner.TOPOLOGIES), default=list(runner.TOPOLOGIES)
+    )
+    p.add_argument(
+        "--directions", type=cli.choice_list(runner.DIRECTIONS), default=list(runner.DIRECTIONS)
+    )
+    p.add_argument(
+        "--variants",
+        type=cli.choice_list(runner.VARIANTS),
+        default=["fusible"],
+        help="hybridep rows straight into combine ('fusible'; XLA may fuse the xla "
+        "backend's expansion away) and/or through an optimization_barrier "
+        "('barrier'; every backend materialises them)",
+    )
+    p.add_argument(
+        "--zero-padding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hybridep's DispatchConfig.zero_padding (--no-zero-padding: rows past "
+        "the groups unwritten)",
+    )
     p.add_argument(
         "--wire_dtype",
         type=cli.choice_list((NATIVE, *fp8.WIRE_DTYPES)),
@@ -87,14 +109,16 @@ def parser() -> argparse.ArgumentParser:
         help=f"comma list of hybridep's DispatchConfig.wire_dtype, each run side by side: "
         f"'{NATIVE}' (the preset's dtype) and/or {', '.join(fp8.WIRE_DTYPES)}",
     )
-    p.add_argument("--repeats", type=cli.positive_int, default=None,
-                   help="timed calls (median reported)")  # fmt: skip
-    p.add_argument("--warmup", type=cli.nonnegative_int, default=None,
-                   help="untimed calls first")  # fmt: skip
-    p.add_argument("--json", type=cli.output_path, default="bench.json",
-                   help="JSON output path ('' to skip)")  # fmt: skip
-    p.add_argument("--png", type=cli.output_path, default="bench.png",
-                   help="PNG chart path ('' to skip)")  # fmt: skip
+    p.add_argument(
+        "--repeats", type=cli.positive_int, default=None, help="timed calls (median reported)"
+    )
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=None, help="untimed calls first")
+    p.add_argument(
+        "--json", type=cli.output_path, default="bench.json", help="JSON output path ('' to skip)"
+    )
+    p.add_argument(
+        "--png", type=cli.output_path, default="bench.png", help="PNG chart path ('' to skip)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--keep-freed-memory",
@@ -150,8 +174,16 @@ def benchmark(
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     workloads = [make_inputs(preset, len(devices), r, seed) for r in routings]
-    cases = runner.build_cases(capacities, methods, backends, topologies, platform_name == "gpu",
-                               variants, zero_padding, wire_dtypes)  # fmt: skip
+    cases = runner.build_cases(
+        capacities,
+        methods,
+        backends,
+        topologies,
+        platform_name == "gpu",
+        variants,
+        zero_padding,
+        wire_dtypes,
+    )
     res = runner.run(
         preset,
         devices,
@@ -207,9 +239,20 @@ def benchmark(
 
 # The flags `benchmark` takes as they are parsed, under their own names.
 _AS_GIVEN = (
-    "routings", "capacities", "methods", "backends", "topologies", "directions", "variants",
-    "zero_padding", "repeats", "warmup", "nodes", "seed", "keep_freed_memory",
-)  # fmt: skip
+    "routings",
+    "capacities",
+    "methods",
+    "backends",
+    "topologies",
+    "directions",
+    "variants",
+    "zero_padding",
+    "repeats",
+    "warmup",
+    "nodes",
+    "seed",
+    "keep_freed_memory",
+)
 
 
 def main(argv=None) -> dict:

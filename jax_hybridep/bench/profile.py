@@ -102,10 +102,15 @@ def main(argv=None):
     p.add_argument("--topology", default="flat", choices=("flat", "hierarchical"))
     p.add_argument("--routing", default="uniform", choices=("uniform", "deepseek", "skewed"))
     p.add_argument("--steps", type=cli.positive_int, default=3)
-    p.add_argument("--hlo", type=cli.output_path, default="",
-                   help="also write the compiled HLO here")  # fmt: skip
-    p.add_argument("--zero-padding", action=argparse.BooleanOptionalAction, default=True,
-                   help="DispatchConfig.zero_padding")  # fmt: skip
+    p.add_argument(
+        "--hlo", type=cli.output_path, default="", help="also write the compiled HLO here"
+    )
+    p.add_argument(
+        "--zero-padding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="DispatchConfig.zero_padding",
+    )
     p.add_argument(
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
@@ -124,9 +129,13 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     median, per_device, hlo = profile(
-        capacity, args.backend, args.topology, args.routing, args.steps,
+        capacity,
+        args.backend,
+        args.topology,
+        args.routing,
+        args.steps,
         zero_padding=args.zero_padding,
-    )  # fmt: skip
+    )
     if args.hlo:
         make_parent_dirs(args.hlo)
         with open(args.hlo, "w") as f:

@@ -129,9 +129,13 @@ def build_cases(
     cases = []
 
     def hybridep(f, budget=None):
-        return [Case("hybridep", b, t, f, budget, v, zero_padding, w)
-                for w in wire_dtypes for v in variants for t in topologies
-                for b in backends]  # fmt: skip
+        return [
+            Case("hybridep", b, t, f, budget, v, zero_padding, w)
+            for w in wire_dtypes
+            for v in variants
+            for t in topologies
+            for b in backends
+        ]
 
     for f in capacities:
         if isinstance(f, Budget):

@@ -75,8 +75,9 @@ def gather_routing(plan: DispatchPlan, fast: steps.FastLevel, dest, pos, weights
     return jax.lax.all_gather(routing, plan.topology.levels[fast.level])
 
 
-def transport_call(plan: DispatchPlan, fast: steps.FastLevel, name, out_types, *args, like,
-                   **attrs):  # fmt: skip
+def transport_call(
+    plan: DispatchPlan, fast: steps.FastLevel, name, out_types, *args, like, **attrs
+):
     """One exchange over the fastest level: the custom call jax_hybridep_<name> with the level
     coordinate and group id last, on the configured stream (DispatchConfig.gpu_stream)."""
     local = plan.topology.level_local[fast.level]
@@ -111,43 +112,85 @@ class CudaExchanges:
         )
         return SlotMap(send_slot, recv_item, recv_rows, row_slot, info), row_weights
 
-    def dispatch(self, plan: DispatchPlan, fast: steps.FastLevel, x, slots: SlotMap,
-                 form: WireForm):  # fmt: skip
+    def dispatch(
+        self, plan: DispatchPlan, fast: steps.FastLevel, x, slots: SlotMap, form: WireForm
+    ):
         """Rows [C, H]: x's tokens (FP8 on the wire: quantised by the send when x is the tokens,
         moved as bytes when x is their wire rows; dequantised by the permute, or delivered as wire
         rows with fp8_rows)."""
         return transport_call(
-            plan, fast, "cuda_dispatch", form.handler_rows(plan, x), x, slots.send_slot,
-            slots.recv_rows, slots.row_slot, slots.info, like=(x, slots.recv_rows),
+            plan,
+            fast,
+            "cuda_dispatch",
+            form.handler_rows(plan, x),
+            x,
+            slots.send_slot,
+            slots.recv_rows,
+            slots.row_slot,
+            slots.info,
+            like=(x, slots.recv_rows),
             **row_attrs(plan, form.fp8_hidden),
-        )  # fmt: skip
+        )
 
-    def redispatch(self, plan: DispatchPlan, fast: steps.FastLevel, g, slots: SlotMap,
-                   scale=None):  # fmt: skip
+    def redispatch(self, plan: DispatchPlan, fast: steps.FastLevel, g, slots: SlotMap, scale=None):
         """Rows [C, H] of the held g [M, H]; with `scale`, also rows * scale (one pass)."""
         rows = jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype)
         common = (slots.send_slot, slots.recv_rows, slots.row_slot, slots.info)
         if scale is None:
-            return transport_call(plan, fast, "cuda_redispatch", rows, g, *common,
-                                  like=(g, slots.info), **pad_attr(plan))  # fmt: skip
-        return transport_call(plan, fast, "cuda_redispatch_scaled", (rows, rows), g, scale,
-                              *common, like=(g, scale, slots.info),
-                              **pad_attr(plan))  # fmt: skip
+            return transport_call(
+                plan,
+                fast,
+                "cuda_redispatch",
+                rows,
+                g,
+                *common,
+                like=(g, slots.info),
+                **pad_attr(plan),
+            )
+        return transport_call(
+            plan,
+            fast,
+            "cuda_redispatch_scaled",
+            (rows, rows),
+            g,
+            scale,
+            *common,
+            like=(g, scale, slots.info),
+            **pad_attr(plan),
+        )
 
-    def unpermute(self, plan: DispatchPlan, fast: steps.FastLevel, y, weights: RowWeights,
-                  slots: SlotMap):  # fmt: skip
+    def unpermute(
+        self, plan: DispatchPlan, fast: steps.FastLevel, y, weights: RowWeights, slots: SlotMap
+    ):
         """[padded(S * M), H] in y's dtype: per received slot, its rows of y summed in ascending
         k in float32 (times the weights when weighted), rounded once (local, no exchange)."""
         out = jax.ShapeDtypeStruct((slots.recv_rows.shape[0], y.shape[1]), y.dtype)
-        return call("cuda_unpermute", out, y, weights.values, slots.recv_rows, slots.info,
-                    like=(y, slots.recv_rows), plan=plan,
-                    weighted=np.bool_(weights.weighted))  # fmt: skip
+        return call(
+            "cuda_unpermute",
+            out,
+            y,
+            weights.values,
+            slots.recv_rows,
+            slots.info,
+            like=(y, slots.recv_rows),
+            plan=plan,
+            weighted=np.bool_(weights.weighted),
+        )
 
     def combine(self, plan: DispatchPlan, fast: steps.FastLevel, partials, slots: SlotMap, dest):
         """[M, H]: each held item's partials from its destinations added in ascending order."""
         out = jax.ShapeDtypeStruct((dest.shape[0], partials.shape[1]), partials.dtype)
-        return transport_call(plan, fast, "cuda_combine", out, partials, slots.recv_item,
-                              slots.info, dest, like=(partials, dest))  # fmt: skip
+        return transport_call(
+            plan,
+            fast,
+            "cuda_combine",
+            out,
+            partials,
+            slots.recv_item,
+            slots.info,
+            dest,
+            like=(partials, dest),
+        )
 
 
 @steps.pytree_record
@@ -185,8 +228,11 @@ class CudaBottom(steps.SpanningBottom):
         max_top_k = _native.limits()["max_top_k"]
         if plan.k > max_top_k:
             return f"the CUDA transport takes top-k <= {max_top_k} (topk_idx has k={plan.k})"
-        quantised_in_send = (plan.config.wire_dtype is not None and len(plan.topology.levels) == 1
-                             and plan.row_dtype != "float8_e4m3fn")  # fmt: skip
+        quantised_in_send = (
+            plan.config.wire_dtype is not None
+            and len(plan.topology.levels) == 1
+            and plan.row_dtype != "float8_e4m3fn"
+        )
         if quantised_in_send:
             token_bytes = plan.hidden * np.dtype(jnp.dtype(plan.row_dtype)).itemsize
             ranks = plan.topology.level_sizes[-1]
@@ -208,8 +254,9 @@ class CudaBottom(steps.SpanningBottom):
         tokens, scales = form.delivered(plan, tokens)
         return tokens, scales, row_weights, CudaRecord(dest, slots)
 
-    def partials(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, y,
-                 weights: RowWeights):  # fmt: skip
+    def partials(
+        self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, y, weights: RowWeights
+    ):
         partials = self.exchanges.unpermute(plan, shard.fast, y, weights, record.slots)
         return self.exchanges.combine(plan, shard.fast, partials, record.slots, record.dest)
 
@@ -219,8 +266,9 @@ class CudaBottom(steps.SpanningBottom):
     def redispatch(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, g):
         return self.exchanges.redispatch(plan, shard.fast, g, record.slots)
 
-    def combine_vjp(self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, g, y,
-                    weights):  # fmt: skip
+    def combine_vjp(
+        self, plan: DispatchPlan, shard: steps.Shard, record: CudaRecord, g, y, weights
+    ):
         # The transport writes the rows of g and the scaled rows in one pass; the weight gradient
         # is weight_grad.row_dot, as in the xla backend.
         rows, scaled = self.exchanges.redispatch(plan, shard.fast, g, record.slots, scale=weights)

@@ -34,19 +34,36 @@ class HostFused(steps.SpanningBottom):
     def _call(self, plan: DispatchPlan, shard: Shard, name, out_types, *args, like, **attrs):
         """A handler call meeting the level's ranks, with (coord, level group) last."""
         fast = shard.fast
-        return call(name, out_types, *args, fast.coord, fast.group, like=like, plan=plan,
-                    **exchange_attrs(plan, fast.size), **attrs)  # fmt: skip
+        return call(
+            name,
+            out_types,
+            *args,
+            fast.coord,
+            fast.group,
+            like=like,
+            plan=plan,
+            **exchange_attrs(plan, fast.size),
+            **attrs,
+        )
 
     def _rows(self, plan: DispatchPlan, shard: Shard, rows, weights, pos, dest, form: WireForm):
         out_types = (form.handler_rows(plan, rows), jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
-        return self._call(plan, shard, "dispatch", out_types, rows, weights, pos, dest,
-                          like=(rows, weights, pos),
-                          **row_attrs(plan, form.fp8_hidden))  # fmt: skip
+        return self._call(
+            plan,
+            shard,
+            "dispatch",
+            out_types,
+            rows,
+            weights,
+            pos,
+            dest,
+            like=(rows, weights, pos),
+            **row_attrs(plan, form.fp8_hidden),
+        )
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
         dest = steps.fast_dest(shard.fast, held.dest)
-        tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest,
-                                         form)  # fmt: skip
+        tokens, row_weights = self._rows(plan, shard, held.rows, held.weights, held.pos, dest, form)
         tokens, scales = form.delivered(plan, tokens)
         return tokens, scales, row_weights, HostFusedRecord(dest, held.pos)
 
@@ -55,21 +72,51 @@ class HostFused(steps.SpanningBottom):
         ignored = jnp.zeros(record.pos.shape, jnp.float32)
         return self._rows(plan, shard, g, ignored, record.pos, record.dest, PLAIN)[0]
 
-    def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g, y,
-                    weights):  # fmt: skip
-        out_types = (jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),
-                     jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
-        return self._call(plan, shard, "combine_vjp", out_types, g, weights, y, record.pos,
-                          record.dest, like=(g, record.pos), **row_attrs(plan))  # fmt: skip
+    def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, g, y, weights):
+        out_types = (
+            jax.ShapeDtypeStruct((plan.rows, g.shape[1]), g.dtype),
+            jax.ShapeDtypeStruct((plan.rows,), jnp.float32),
+        )
+        return self._call(
+            plan,
+            shard,
+            "combine_vjp",
+            out_types,
+            g,
+            weights,
+            y,
+            record.pos,
+            record.dest,
+            like=(g, record.pos),
+            **row_attrs(plan),
+        )
 
-    def partials(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, y,
-                 weights: RowWeights):  # fmt: skip
+    def partials(
+        self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, y, weights: RowWeights
+    ):
         out_type = jax.ShapeDtypeStruct((record.pos.shape[0], y.shape[1]), y.dtype)
-        return self._call(plan, shard, "combine", out_type, y, weights.values, record.pos,
-                          record.dest, like=(y, record.pos),
-                          weighted=np.bool_(weights.weighted))  # fmt: skip
+        return self._call(
+            plan,
+            shard,
+            "combine",
+            out_type,
+            y,
+            weights.values,
+            record.pos,
+            record.dest,
+            like=(y, record.pos),
+            weighted=np.bool_(weights.weighted),
+        )
 
     def row_values(self, plan: DispatchPlan, shard: Shard, record: HostFusedRecord, values):
         out_type = jax.ShapeDtypeStruct(record.pos.shape, jnp.float32)
-        return self._call(plan, shard, "return_row_values", out_type, values, record.pos,
-                          record.dest, like=(values, record.pos))  # fmt: skip
+        return self._call(
+            plan,
+            shard,
+            "return_row_values",
+            out_type,
+            values,
+            record.pos,
+            record.dest,
+            like=(values, record.pos),
+        )

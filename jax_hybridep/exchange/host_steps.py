@@ -51,8 +51,10 @@ def _send_types(plan: DispatchPlan, level: int, held: Items):
 
 
 def _level_attrs(plan: DispatchPlan, level: int) -> dict:
-    return dict(num_ranks=np.int64(plan.topology.level_sizes[level]),
-                stride=np.int64(plan.topology.level_strides[level]))  # fmt: skip
+    return dict(
+        num_ranks=np.int64(plan.topology.level_sizes[level]),
+        stride=np.int64(plan.topology.level_strides[level]),
+    )
 
 
 class _HostLevel:
@@ -72,18 +74,24 @@ class _HostLevel:
 
     def forward(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, g):
         ignored = jnp.zeros(record.held_dest.shape, jnp.float32)  # no routing weights wanted
-        nxt, _ = self._send(plan, level, shard,
-                            Items(g, record.held_dest, record.held_pos, ignored))  # fmt: skip
+        nxt, _ = self._send(
+            plan, level, shard, Items(g, record.held_dest, record.held_pos, ignored)
+        )
         return nxt.rows
 
     def pick(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, values):
         back = self._all_to_all(plan, level, shard, values)
         held_dest = record.held_dest
         return call(
-            "level_pick", jax.ShapeDtypeStruct(held_dest.shape, jnp.float32),
-            back, record.send_slot, held_dest, like=(back, held_dest), plan=plan,
+            "level_pick",
+            jax.ShapeDtypeStruct(held_dest.shape, jnp.float32),
+            back,
+            record.send_slot,
+            held_dest,
+            like=(back, held_dest),
+            plan=plan,
             stride=np.int64(plan.topology.level_strides[level]),
-        )  # fmt: skip
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,32 +101,52 @@ class HostDirectLevel(_HostLevel):
     def _send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
         coord, level_group = level_peer(plan, level, shard)
         *nxt, send_slot = call(
-            "level_send", _send_types(plan, level, held), held.rows, held.dest, held.pos,
-            held.weights, coord, level_group, like=(held.rows, held.dest, held.pos, held.weights),
-            plan=plan, **exchange_attrs(plan, plan.topology.level_sizes[level]),
+            "level_send",
+            _send_types(plan, level, held),
+            held.rows,
+            held.dest,
+            held.pos,
+            held.weights,
+            coord,
+            level_group,
+            like=(held.rows, held.dest, held.pos, held.weights),
+            plan=plan,
+            **exchange_attrs(plan, plan.topology.level_sizes[level]),
             stride=np.int64(plan.topology.level_strides[level]),
-        )  # fmt: skip
+        )
         return Items(*nxt), send_slot
 
     def _all_to_all(self, plan: DispatchPlan, level: int, shard: Shard, data):
         coord, level_group = level_peer(plan, level, shard)
         return call(
-            "blocks_all_to_all", jax.ShapeDtypeStruct(data.shape, data.dtype), data, coord,
-            level_group, like=(data,), plan=plan,
+            "blocks_all_to_all",
+            jax.ShapeDtypeStruct(data.shape, data.dtype),
+            data,
+            coord,
+            level_group,
+            like=(data,),
+            plan=plan,
             **exchange_attrs(plan, plan.topology.level_sizes[level]),
-        )  # fmt: skip
+        )
 
-    def reduce(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord,
-               partials):  # fmt: skip
+    def reduce(
+        self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, partials
+    ):
         # Each rank reads its peers' partials in place.
         coord, level_group = level_peer(plan, level, shard)
         send_slot = record.send_slot
         out_type = jax.ShapeDtypeStruct((send_slot.shape[0], partials.shape[1]), partials.dtype)
         return call(
-            "level_reduce_pull", out_type, partials, send_slot, coord, level_group,
-            like=(partials, send_slot), plan=plan,
+            "level_reduce_pull",
+            out_type,
+            partials,
+            send_slot,
+            coord,
+            level_group,
+            like=(partials, send_slot),
+            plan=plan,
             **exchange_attrs(plan, plan.topology.level_sizes[level]),
-        )  # fmt: skip
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,17 +155,24 @@ class HostPackedLevel(_HostLevel):
 
     def _send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
         *packed, send_slot = call(
-            "level_pack", _send_types(plan, level, held), held.rows, held.dest, held.pos,
-            held.weights, like=(held.rows, held.dest, held.pos, held.weights), plan=plan,
+            "level_pack",
+            _send_types(plan, level, held),
+            held.rows,
+            held.dest,
+            held.pos,
+            held.weights,
+            like=(held.rows, held.dest, held.pos, held.weights),
+            plan=plan,
             **_level_attrs(plan, level),
-        )  # fmt: skip
+        )
         return Items(*(level_all_to_all(plan, level, a) for a in packed)), send_slot
 
     def _all_to_all(self, plan: DispatchPlan, level: int, shard: Shard, data):
         return level_all_to_all(plan, level, data)
 
-    def reduce(self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord,
-               partials):  # fmt: skip
+    def reduce(
+        self, plan: DispatchPlan, level: int, shard: Shard, record: HostLevelRecord, partials
+    ):
         back = level_all_to_all(plan, level, partials)
         send_slot = record.send_slot
         out_type = jax.ShapeDtypeStruct((send_slot.shape[0], partials.shape[1]), partials.dtype)
@@ -154,16 +189,26 @@ class HostRowsRecord:
 
 
 def _row_types(plan: DispatchPlan, rows):
-    return (jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype),
-            jax.ShapeDtypeStruct((plan.rows,), jnp.float32))  # fmt: skip
+    return (
+        jax.ShapeDtypeStruct((plan.rows, rows.shape[1]), rows.dtype),
+        jax.ShapeDtypeStruct((plan.rows,), jnp.float32),
+    )
 
 
 def _expand_items(plan: DispatchPlan, rows, pos, weights, form: WireForm):
     """(tokens [C, ...], row weights [C]) from held rows [M, ...] and their rows/weights [M, K]
     (FP8 wire rows dequantised on the way unless fp8_rows: exchange/wire.py)."""
     out_types = (form.handler_rows(plan, rows), jax.ShapeDtypeStruct((plan.rows,), jnp.float32))
-    return call("expand_items", out_types, rows, pos, weights, like=(rows, pos), plan=plan,
-                **row_attrs(plan, form.fp8_hidden))  # fmt: skip
+    return call(
+        "expand_items",
+        out_types,
+        rows,
+        pos,
+        weights,
+        like=(rows, pos),
+        plan=plan,
+        **row_attrs(plan, form.fp8_hidden),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,19 +229,33 @@ class HostRows:
         ignored = jnp.zeros(record.held_pos.shape, jnp.float32)  # no routing weights wanted
         return _expand_items(plan, g, record.held_pos, ignored, PLAIN)[0]
 
-    def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g, y,
-                    weights):  # fmt: skip
-        return call("expand_items_vjp", _row_types(plan, g), g, record.held_pos, weights, y,
-                    like=(g, record.held_pos), plan=plan, **row_attrs(plan))  # fmt: skip
+    def combine_vjp(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, g, y, weights):
+        return call(
+            "expand_items_vjp",
+            _row_types(plan, g),
+            g,
+            record.held_pos,
+            weights,
+            y,
+            like=(g, record.held_pos),
+            plan=plan,
+            **row_attrs(plan),
+        )
 
-    def partials(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, y,
-                 weights: RowWeights):  # fmt: skip
+    def partials(
+        self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, y, weights: RowWeights
+    ):
         held_pos = record.held_pos
         return call(
-            "item_partials", jax.ShapeDtypeStruct((held_pos.shape[0], y.shape[1]), y.dtype),
-            y, weights.values, held_pos, like=(y, held_pos), plan=plan,
+            "item_partials",
+            jax.ShapeDtypeStruct((held_pos.shape[0], y.shape[1]), y.dtype),
+            y,
+            weights.values,
+            held_pos,
+            like=(y, held_pos),
+            plan=plan,
             weighted=np.bool_(weights.weighted),
-        )  # fmt: skip
+        )
 
     def row_values(self, plan: DispatchPlan, shard: Shard, record: HostRowsRecord, values):
         return item_row_values(plan, record.held_pos, values)

@@ -34,18 +34,23 @@ def gather_counts(plan: DispatchPlan, topk_idx):
     return counts, invalid, gathered
 
 
-def _layout(plan: DispatchPlan, topk_idx, row_pos, group_sizes, tokens_per_expert, dropped,
-            invalid) -> Layout:  # fmt: skip
+def _layout(
+    plan: DispatchPlan, topk_idx, row_pos, group_sizes, tokens_per_expert, dropped, invalid
+) -> Layout:
     """The Layout, with each kept (t, k)'s destination EP rank from the placement."""
     expert_rank = jnp.asarray(np.asarray(plan.expert_rank, np.int32))
     dest = jnp.where(row_pos >= 0, expert_rank[jnp.clip(topk_idx, 0, plan.num_experts - 1)], -1)
-    return Layout(row_pos, dest, group_sizes, tokens_per_expert, dropped.astype(jnp.int32),
-                  invalid)  # fmt: skip
+    return Layout(row_pos, dest, group_sizes, tokens_per_expert, dropped.astype(jnp.int32), invalid)
 
 
 def _layout_types(plan: DispatchPlan, topk_idx, dropped_dtype=jnp.int32):
-    return (i32(topk_idx.shape), i32((plan.num_slots,)), i32((plan.num_experts,)),
-            jax.ShapeDtypeStruct((), dropped_dtype), i32(()))  # fmt: skip
+    return (
+        i32(topk_idx.shape),
+        i32((plan.num_slots,)),
+        i32((plan.num_experts,)),
+        jax.ShapeDtypeStruct((), dropped_dtype),
+        i32(()),
+    )
 
 
 # ----------------------------------------------------------------------------- jnp
@@ -120,10 +125,10 @@ class JnpLayout:
         if plan.config.strict:
             # Adding the check's zero to row_pos, which every later step reads, keeps it from
             # being dead-code eliminated.
-            row_pos = row_pos + _strict_check(shard.group, all_counts, invalid_per_rank,
-                                              keep_limit)  # fmt: skip
-        return _layout(plan, topk_idx, row_pos, size_rs[shard.rank], tokens_per_expert, dropped,
-                       invalid)  # fmt: skip
+            row_pos = row_pos + _strict_check(shard.group, all_counts, invalid_per_rank, keep_limit)
+        return _layout(
+            plan, topk_idx, row_pos, size_rs[shard.rank], tokens_per_expert, dropped, invalid
+        )
 
 
 # ----------------------------------------------------------------------------- host
@@ -134,10 +139,20 @@ class HostLayout:
     """The host handler; the counts are all-gathered through the process-wide rendezvous."""
 
     def __call__(self, plan: DispatchPlan, topk_idx, shard: Shard) -> Layout:
-        return _layout(plan, topk_idx, *call(
-            "layout", _layout_types(plan, topk_idx), topk_idx, shard.rank, shard.group,
-            like=(topk_idx,), plan=plan, **layout_attrs(plan) | exchange_attrs(plan, plan.ep_size),
-        ))  # fmt: skip
+        return _layout(
+            plan,
+            topk_idx,
+            *call(
+                "layout",
+                _layout_types(plan, topk_idx),
+                topk_idx,
+                shard.rank,
+                shard.group,
+                like=(topk_idx,),
+                plan=plan,
+                **layout_attrs(plan) | exchange_attrs(plan, plan.ep_size),
+            ),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +161,21 @@ class HostGatheredLayout:
 
     def __call__(self, plan: DispatchPlan, topk_idx, shard: Shard) -> Layout:
         _, _, gathered = gather_counts(plan, topk_idx)
-        return _layout(plan, topk_idx, *call(
-            "layout_gathered", _layout_types(plan, topk_idx), topk_idx, gathered, shard.rank,
-            shard.group, like=(topk_idx, gathered), plan=plan, **layout_attrs(plan),
-        ))  # fmt: skip
+        return _layout(
+            plan,
+            topk_idx,
+            *call(
+                "layout_gathered",
+                _layout_types(plan, topk_idx),
+                topk_idx,
+                gathered,
+                shard.rank,
+                shard.group,
+                like=(topk_idx, gathered),
+                plan=plan,
+                **layout_attrs(plan),
+            ),
+        )
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -161,7 +187,18 @@ class CudaLayout:
 
     def __call__(self, plan: DispatchPlan, topk_idx, shard: Shard) -> Layout:
         _, _, gathered = gather_counts(plan, topk_idx)
-        return _layout(plan, topk_idx, *call(
-            "cuda_layout", _layout_types(plan, topk_idx, jnp.int64), topk_idx, gathered,
-            shard.rank, shard.group, like=(topk_idx, gathered), plan=plan, **layout_attrs(plan),
-        ))  # fmt: skip
+        return _layout(
+            plan,
+            topk_idx,
+            *call(
+                "cuda_layout",
+                _layout_types(plan, topk_idx, jnp.int64),
+                topk_idx,
+                gathered,
+                shard.rank,
+                shard.group,
+                like=(topk_idx, gathered),
+                plan=plan,
+                **layout_attrs(plan),
+            ),
+        )

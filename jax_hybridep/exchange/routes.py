@@ -88,8 +88,7 @@ class Implementation:
 
 def _xla(topology: Topology) -> Route:
     levels = (xla_steps.XlaLevel(),) * len(topology.levels)
-    return Route("xla", "xla", layout_steps.JnpLayout(), levels, xla_steps.XlaRows(),
-                 Carrier.SPLIT)  # fmt: skip
+    return Route("xla", "xla", layout_steps.JnpLayout(), levels, xla_steps.XlaRows(), Carrier.SPLIT)
 
 
 def _host_layout(topology: Topology) -> LayoutStep:
@@ -103,8 +102,9 @@ def _host_fused_serves(topology: Topology) -> bool:
 
 
 def _host_fused(topology: Topology) -> Route:
-    return Route("host_fused", "ffi", _host_layout(topology), (), host_fused.HostFused(),
-                 Carrier.WIRE_ROWS)  # fmt: skip
+    return Route(
+        "host_fused", "ffi", _host_layout(topology), (), host_fused.HostFused(), Carrier.WIRE_ROWS
+    )
 
 
 def _host_walked(topology: Topology) -> Route:
@@ -112,14 +112,21 @@ def _host_walked(topology: Topology) -> Route:
         host_steps.HostDirectLevel() if local else host_steps.HostPackedLevel()
         for local in topology.level_local
     )
-    return Route("host_walked", "ffi", _host_layout(topology), levels, host_steps.HostRows(),
-                 Carrier.WIRE_ROWS)  # fmt: skip
+    return Route(
+        "host_walked",
+        "ffi",
+        _host_layout(topology),
+        levels,
+        host_steps.HostRows(),
+        Carrier.WIRE_ROWS,
+    )
 
 
 def _cuda(topology: Topology) -> Route:
     slow = (xla_steps.XlaLevel(),) * (len(topology.levels) - 1)
-    return Route("cuda", "ffi", layout_steps.CudaLayout(), slow, cuda.CudaBottom(),
-                 Carrier.SEND_QUANTISES)  # fmt: skip
+    return Route(
+        "cuda", "ffi", layout_steps.CudaLayout(), slow, cuda.CudaBottom(), Carrier.SEND_QUANTISES
+    )
 
 
 IMPLEMENTATIONS: tuple[Implementation, ...] = (

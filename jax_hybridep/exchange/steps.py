@@ -65,8 +65,9 @@ class Shard:
     def of(cls, plan: DispatchPlan, rank, group) -> Shard:
         last = len(plan.topology.levels) - 1
         coord, level_group = _level_peer(plan, last, rank, group)
-        return cls(rank, group, FastLevel(last, plan.topology.level_sizes[last], coord,
-                                          level_group))  # fmt: skip
+        return cls(
+            rank, group, FastLevel(last, plan.topology.level_sizes[last], coord, level_group)
+        )
 
 
 @pytree_record

@@ -67,8 +67,9 @@ def combine_vjp(handle: Handle, g, y, weights):
     """A weighted combine's VJP: (the rows of g [T, H] times weights [C], rounded to g's dtype;
     the routing-weight gradient [C], weight_grad's order)."""
     held = _forward(handle, g)
-    return handle.route.bottom.combine_vjp(handle.plan, handle.shard, handle.bottom, held, y,
-                                           weights)  # fmt: skip
+    return handle.route.bottom.combine_vjp(
+        handle.plan, handle.shard, handle.bottom, held, y, weights
+    )
 
 
 def combine(handle: Handle, y, weights: RowWeights):

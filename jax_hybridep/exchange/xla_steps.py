@@ -87,8 +87,12 @@ class XlaLevel:
         k = plan.k
         coord, send_item, send_slot = _level_sends(plan, level, held.dest)
         meta = jnp.concatenate(
-            [_pack_metadata(send_item, coord, held.dest, -1),
-             _pack_metadata(send_item, coord, held.pos, -1)], axis=1)  # fmt: skip
+            [
+                _pack_metadata(send_item, coord, held.dest, -1),
+                _pack_metadata(send_item, coord, held.pos, -1),
+            ],
+            axis=1,
+        )
         meta = level_all_to_all(plan, level, meta)
         weights = level_all_to_all(plan, level, _pack_metadata(send_item, coord, held.weights, 0.0))
         rows = level_all_to_all(plan, level, _pack(send_item, held.rows))
@@ -101,8 +105,9 @@ class XlaLevel:
     def forward(self, plan: DispatchPlan, level: int, shard: Shard, record: XlaLevelRecord, g):
         return level_all_to_all(plan, level, _pack(record.send_item, g))
 
-    def reduce(self, plan: DispatchPlan, level: int, shard: Shard, record: XlaLevelRecord,
-               partials):  # fmt: skip
+    def reduce(
+        self, plan: DispatchPlan, level: int, shard: Shard, record: XlaLevelRecord, partials
+    ):
         size, send_slot = plan.topology.level_sizes[level], record.send_slot
         back = level_all_to_all(plan, level, partials).reshape(size, -1, partials.shape[-1])
 
@@ -169,8 +174,9 @@ class XlaRows:
         scaled = (rows.astype(jnp.float32) * weights[:, None]).astype(rows.dtype)
         return scaled, weight_grad.row_dot(plan.topology.platform, y, rows)
 
-    def partials(self, plan: DispatchPlan, shard: Shard, record: XlaRowsRecord, y,
-                 weights: RowWeights):  # fmt: skip
+    def partials(
+        self, plan: DispatchPlan, shard: Shard, record: XlaRowsRecord, y, weights: RowWeights
+    ):
         rows = y.astype(jnp.float32)
         if weights.weighted:
             # The barrier keeps XLA from contracting this multiply with the adds below into an
@@ -181,8 +187,9 @@ class XlaRows:
         acc = jnp.zeros((held_pos.shape[0], y.shape[1]), jnp.float32)
         for kk in range(plan.k):  # this rank's rows of each held item, k ascending
             pos = held_pos[:, kk]
-            acc = jnp.where((pos >= 0)[:, None], acc + rows[jnp.where(pos >= 0, pos, plan.rows)],
-                            acc)  # fmt: skip
+            acc = jnp.where(
+                (pos >= 0)[:, None], acc + rows[jnp.where(pos >= 0, pos, plan.rows)], acc
+            )
         return acc.astype(y.dtype)
 
     def row_values(self, plan: DispatchPlan, shard: Shard, record: XlaRowsRecord, values):

@@ -79,7 +79,7 @@ jax.tree_util.register_dataclass(
         "router_probs",
     ],
     meta_fields=[],
-)  # fmt: skip
+)
 
 
 def _param(rngs, shape, sharding, mesh, dtype, *, bias=False):

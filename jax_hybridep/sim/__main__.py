@@ -33,32 +33,64 @@ _CLUSTER_FLAGS = (
     ("--gpu-gbps", "gpu_gbps", "", float, "per-GPU link to the DC, Gbit/s"),
     ("--wan-latency-ms", "wan_latency_s", "ms", float, "one-way WAN latency per message (RTT/2)"),
     ("--intra-latency-us", "intra_latency_s", "us", float, None),
-    ("--msg-overhead-us", "msg_overhead_s", "us", float,
-     "per-message posting cost at the sender (serialised)"),
+    (
+        "--msg-overhead-us",
+        "msg_overhead_s",
+        "us",
+        float,
+        "per-message posting cost at the sender (serialised)",
+    ),
     ("--header-bytes", "header_bytes", "", float, "extra bytes per message"),
-    ("--min-window-bytes", "min_window_bytes", "", float,
-     "transport minimum window (floor rate = window / RTT)"),
-    ("--congestion", "congestion_exponent", "", float,
-     "goodput exponent on links whose flows' floor rates exceed capacity (0: ideal)"),
-)  # fmt: skip
+    (
+        "--min-window-bytes",
+        "min_window_bytes",
+        "",
+        float,
+        "transport minimum window (floor rate = window / RTT)",
+    ),
+    (
+        "--congestion",
+        "congestion_exponent",
+        "",
+        float,
+        "goodput exponent on links whose flows' floor rates exceed capacity (0: ideal)",
+    ),
+)
 _LAYER_FLAGS = (
     ("--data-mb", "data_bytes", "MB", float, "D, MB per rank per all-to-all"),
     ("--expert-mb", "expert_bytes", "MB", float, "P_E, expert MB per rank"),
-    ("--compute-ms", "compute_s", "ms", float,
-     "forward compute not overlapping communication (backward = 2x)"),
-    ("--pre-expert-ms", "pre_expert_s", "ms", float,
-     "Lat_PE, forward pre-expert compute hiding the all-gather (backward = 2x)"),
+    (
+        "--compute-ms",
+        "compute_s",
+        "ms",
+        float,
+        "forward compute not overlapping communication (backward = 2x)",
+    ),
+    (
+        "--pre-expert-ms",
+        "pre_expert_s",
+        "ms",
+        float,
+        "Lat_PE, forward pre-expert compute hiding the all-gather (backward = 2x)",
+    ),
     ("--skew", "skew", "", float, "Zipf exponent of routing over GPU index"),
-    ("--compression", "compression", "", float,
-     "SR compression of the forward expert all-gather, full / sent bytes (1: off; above 1 adds "
-     "the shared expert's all-reduce)"),
-)  # fmt: skip
+    (
+        "--compression",
+        "compression",
+        "",
+        float,
+        "SR compression of the forward expert all-gather, full / sent bytes (1: off; above 1 adds "
+        "the shared expert's all-reduce)",
+    ),
+)
 
 
 def _fields(args: argparse.Namespace, table) -> dict:
     """The fields `table`'s flags set, in the fields' units."""
-    return {field: _UNITS[unit][1](getattr(args, flag[2:].replace("-", "_")))
-            for flag, field, unit, _, _ in table}  # fmt: skip
+    return {
+        field: _UNITS[unit][1](getattr(args, flag[2:].replace("-", "_")))
+        for flag, field, unit, _, _ in table
+    }
 
 
 def parser() -> argparse.ArgumentParser:
@@ -150,9 +182,10 @@ def build(args: argparse.Namespace) -> tuple[Datacenters, MoELayer]:
     try:
         cluster = Datacenters(num_dcs=1, exchange=args.exchange, **_fields(args, _CLUSTER_FLAGS))
         workload = MoELayer(
-            forward_only=args.forward_only, compress_gradients=args.compress_gradients,
+            forward_only=args.forward_only,
+            compress_gradients=args.compress_gradients,
             **_fields(args, _LAYER_FLAGS),
-        )  # fmt: skip
+        )
     except ValueError as e:
         named = [f for f, field, *_ in _CLUSTER_FLAGS + _LAYER_FLAGS if f".{field} " in str(e)]
         raise ValueError(f"{' / '.join(named) or 'flags'}: {e}") from None

@@ -74,9 +74,13 @@ class Datacenters:
         for name in ("dc_gbps", "gpu_gbps"):
             _number(self, name, getattr(self, name), strict=True)
         for name in (
-            "wan_latency_s", "intra_latency_s", "msg_overhead_s", "header_bytes",
-            "min_window_bytes", "congestion_exponent",
-        ):  # fmt: skip
+            "wan_latency_s",
+            "intra_latency_s",
+            "msg_overhead_s",
+            "header_bytes",
+            "min_window_bytes",
+            "congestion_exponent",
+        ):
             _number(self, name, getattr(self, name))
         if not isinstance(self.exchange, str) or self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")

@@ -109,14 +109,35 @@ def step_time(c: Datacenters, w: MoELayer, domain: int = 1, *, aggregate: bool =
         ag_wan += 2 * (domain - 1) * (w.expert_bytes / domain + c.header_bytes)
     peers = cross_msgs + local_msgs
     if w.forward_only:
-        return StepTime(domain, fwd, fwd_ag, dispatch, combine, 0.0, 0.0,
-                        w.pre_expert_s + w.compute_s, 2 * wan + ag_wan, peers, sync)  # fmt: skip
+        return StepTime(
+            domain,
+            fwd,
+            fwd_ag,
+            dispatch,
+            combine,
+            0.0,
+            0.0,
+            w.pre_expert_s + w.compute_s,
+            2 * wan + ag_wan,
+            peers,
+            sync,
+        )
     comb_rs, rs = _exchange(c, w, domain, True, aggregate, scatter=True)
     rs_wan = (domain - 1) * (w.scatter_bytes + c.header_bytes)
     # Backward: combine^T (dispatch pattern), expert backward, dispatch^T (combine pattern) with
     # the reduce-scatter, then pre-expert backward (2x forward) that the reduce-scatter can hide
     # under.
     bwd = dispatch + 2 * w.compute_s + max(comb_rs + 2 * w.pre_expert_s, rs)
-    return StepTime(domain, fwd + bwd, fwd_ag, dispatch, combine, comb_rs, rs,
-                    3 * (w.pre_expert_s + w.compute_s), 4 * wan + (ag_wan + rs_wan), peers,
-                    sync)  # fmt: skip
+    return StepTime(
+        domain,
+        fwd + bwd,
+        fwd_ag,
+        dispatch,
+        combine,
+        comb_rs,
+        rs,
+        3 * (w.pre_expert_s + w.compute_s),
+        4 * wan + (ag_wan + rs_wan),
+        peers,
+        sync,
+    )

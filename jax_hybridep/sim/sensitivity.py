@@ -25,8 +25,18 @@ CONSTANTS = {
     "msg_overhead_s": (0.0, 1e-6, 5e-6, 20e-6),
     "wan_latency_s": (0.5e-3, 5e-3, 50e-3),
 }
-FIELDS = ("constant", "value", "dc_gbps", "num_dcs", "policy", "param", "domain", "ep_s",
-          "hybrid_s", "speedup")  # fmt: skip
+FIELDS = (
+    "constant",
+    "value",
+    "dc_gbps",
+    "num_dcs",
+    "policy",
+    "param",
+    "domain",
+    "ep_s",
+    "hybrid_s",
+    "speedup",
+)
 
 
 def sensitivity(
@@ -55,11 +65,20 @@ def sensitivity(
                     ("best", "", best_domain(c, layer)),
                 )
                 for policy, param, hy in choices:
-                    rows.append(dict(
-                        constant=name, value=value, dc_gbps=bw, num_dcs=num_dcs, policy=policy,
-                        param=param, domain=hy.domain, ep_s=ep.total_s, hybrid_s=hy.total_s,
-                        speedup=ep.total_s / hy.total_s,
-                    ))  # fmt: skip
+                    rows.append(
+                        dict(
+                            constant=name,
+                            value=value,
+                            dc_gbps=bw,
+                            num_dcs=num_dcs,
+                            policy=policy,
+                            param=param,
+                            domain=hy.domain,
+                            ep_s=ep.total_s,
+                            hybrid_s=hy.total_s,
+                            speedup=ep.total_s / hy.total_s,
+                        )
+                    )
     return rows
 
 
@@ -73,8 +92,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dcs", type=int, default=1000, help="DC count")
     p.add_argument("--bandwidths", type=float, nargs="+", default=list(BANDWIDTHS_GBPS))
     p.add_argument("--expert-mb", type=float, default=MoELayer().expert_bytes / 1e6)
-    p.add_argument("--csv", type=output_path_arg, default="sensitivity.csv",
-                   help="CSV path ('' to skip)")  # fmt: skip
+    p.add_argument(
+        "--csv", type=output_path_arg, default="sensitivity.csv", help="CSV path ('' to skip)"
+    )
     args = p.parse_args(argv)
     if args.dcs < 1 or min(args.bandwidths) <= 0 or not args.expert_mb >= 0:
         raise ValueError(

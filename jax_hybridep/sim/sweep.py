@@ -33,9 +33,20 @@ DOMAINS = (2, 4, 8)
 FRACTIONS = (0.5, 0.9)
 
 FIELDS = (
-    "dc_gbps", "num_dcs", "gpus", "policy", "param", "domain", "ep_s", "hybrid_s", "speedup",
-    "ep_wan_mb", "hybrid_wan_mb", "ep_peers", "hybrid_peers",
-)  # fmt: skip
+    "dc_gbps",
+    "num_dcs",
+    "gpus",
+    "policy",
+    "param",
+    "domain",
+    "ep_s",
+    "hybrid_s",
+    "speedup",
+    "ep_wan_mb",
+    "hybrid_wan_mb",
+    "ep_peers",
+    "hybrid_peers",
+)
 
 
 def run_sweep(
@@ -99,13 +110,23 @@ def run_sweep(
             if planned:
                 choices.append(("planned", "", timed(c, workload, planned_domain(c, workload))))
             for policy, param, hy in choices:
-                rows.append(dict(
-                    dc_gbps=bw, num_dcs=n, gpus=c.num_ranks, policy=policy, param=param,
-                    domain=hy.domain, ep_s=ep.total_s, hybrid_s=hy.total_s,
-                    speedup=ep.total_s / hy.total_s, ep_wan_mb=ep.wan_bytes_per_gpu / 1e6,
-                    hybrid_wan_mb=hy.wan_bytes_per_gpu / 1e6, ep_peers=ep.peers_per_gpu,
-                    hybrid_peers=hy.peers_per_gpu,
-                ))  # fmt: skip
+                rows.append(
+                    dict(
+                        dc_gbps=bw,
+                        num_dcs=n,
+                        gpus=c.num_ranks,
+                        policy=policy,
+                        param=param,
+                        domain=hy.domain,
+                        ep_s=ep.total_s,
+                        hybrid_s=hy.total_s,
+                        speedup=ep.total_s / hy.total_s,
+                        ep_wan_mb=ep.wan_bytes_per_gpu / 1e6,
+                        hybrid_wan_mb=hy.wan_bytes_per_gpu / 1e6,
+                        ep_peers=ep.peers_per_gpu,
+                        hybrid_peers=hy.peers_per_gpu,
+                    )
+                )
             if progress:
                 gains = " ".join(
                     f"{r['policy']}{r['param']}:{r['speedup']:.2f}" for r in rows[-len(choices) :]

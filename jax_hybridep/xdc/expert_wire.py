@@ -43,10 +43,11 @@ def _sizes(matrices: Sequence) -> list[int]:
     if isinstance(matrices, str) or not isinstance(matrices, Sequence | np.ndarray):
         raise TypeError(f"expert_matrices must be a sequence of counts or shapes, got {matrices!r}")
     return [
-        check_int("expert_matrices[i]", m, 0) if is_real(m)
+        check_int("expert_matrices[i]", m, 0)
+        if is_real(m)
         else math.prod(check_ints("expert_matrices[i]", m, 0))
         for m in matrices
-    ]  # fmt: skip
+    ]
 
 
 def expert_wire_bytes(matrices: Sequence, compression: float | None, value_bytes: int) -> int:

@@ -53,8 +53,12 @@ class Checkpoint(Mapping):
       index: the index's path, for messages.
     """
 
-    def __init__(self, files: Sequence[str], weight_map: Mapping[str, str] | None = None,
-                 index: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        files: Sequence[str],
+        weight_map: Mapping[str, str] | None = None,
+        index: str | None = None,
+    ):
         self._index = index or "the index"
         self._files: list[SafetensorsFile] = []
         try:
@@ -230,8 +234,9 @@ def _blocks(blocks, config, model_type) -> dict:
     return dict(zip(names, blocks, strict=True))
 
 
-def load_checkpoint(path, blocks, *, config: Mapping | None = None,
-                    ignore_extra: bool = False) -> dict[str, str]:  # fmt: skip
+def load_checkpoint(
+    path, blocks, *, config: Mapping | None = None, ignore_extra: bool = False
+) -> dict[str, str]:
     """Loads MoE blocks from a HuggingFace safetensors checkpoint.
 
     Every block's tensors are checked (names, shapes, dtypes, scales, tensors under a layer that
@@ -265,9 +270,13 @@ def load_checkpoint(path, blocks, *, config: Mapping | None = None,
         for prefix, block in blocks.items():
             try:
                 plans[prefix] = loader.plan_block(
-                    block, tensors, prefix, model_type=model_type, fp8_block=fp8_block,
+                    block,
+                    tensors,
+                    prefix,
+                    model_type=model_type,
+                    fp8_block=fp8_block,
                     ignore_extra=ignore_extra,
-                )  # fmt: skip
+                )
             except ValueError as err:
                 problems.append(str(err))
         if problems:

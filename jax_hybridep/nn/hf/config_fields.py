@@ -23,8 +23,13 @@ class Config:
     `get` returns a field as it is (None counts as absent, as in HF's classes); `integer`,
     `number`, `flag`, `text`, `integers` and `nested` also check its type and range."""
 
-    def __init__(self, config: Mapping, model_type: str, path: str = "",
-                 aliases: Sequence[tuple[str, ...]] = ()):  # fmt: skip
+    def __init__(
+        self,
+        config: Mapping,
+        model_type: str,
+        path: str = "",
+        aliases: Sequence[tuple[str, ...]] = (),
+    ):
         # path: where a nested config sits ("ffn_config."), so errors name the whole field.
         # aliases: groups of names for one field, the first the one asked for (`Family.aliases`).
         self.config, self.model_type, self.path = config, model_type, path
@@ -84,8 +89,16 @@ class Config:
             self.fail(key, f"is not an int {bounds}")
         return int(value)
 
-    def number(self, key: str, default=REQUIRED, low=-math.inf, high=math.inf, *,
-               above: bool = False, below: bool = False):  # fmt: skip
+    def number(
+        self,
+        key: str,
+        default=REQUIRED,
+        low=-math.inf,
+        high=math.inf,
+        *,
+        above: bool = False,
+        below: bool = False,
+    ):
         """A finite int or float in [low, high] (> low with `above`, < high with `below`)."""
         value = self.get(key, default)
         if value is default and default is not REQUIRED:

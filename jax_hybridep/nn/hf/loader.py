@@ -209,6 +209,12 @@ def load_block(
         tensors, wrong shapes or dtypes, scales that do not fit, and tensors the block cannot
         hold; nothing is set then. A read that fails (OSError) also leaves the block as it was.
     """
-    plan = plan_block(block, tensors, prefix, model_type=model_type, fp8_block=fp8_block,
-                      ignore_extra=ignore_extra)  # fmt: skip
+    plan = plan_block(
+        block,
+        tensors,
+        prefix,
+        model_type=model_type,
+        fp8_block=fp8_block,
+        ignore_extra=ignore_extra,
+    )
     return apply(plan)

@@ -92,8 +92,9 @@ class SafetensorsFile:
         self._file = os.fdopen(self._fd, "rb")
 
     def _bad(self, why: str) -> ValueError:
-        return ValueError(f"safetensors file {self.path}: {why} (truncated, damaged or not a "
-                          "safetensors file)")  # fmt: skip
+        return ValueError(
+            f"safetensors file {self.path}: {why} (truncated, damaged or not a safetensors file)"
+        )
 
     def _parse(self, size: int):
         if size < 8:
@@ -169,8 +170,9 @@ class SafetensorsFile:
         if begin == end:
             return np.zeros(shape, dtype)[index]
         try:
-            raw = np.memmap(self._file, np.uint8, "r", offset=self._data_start + begin,
-                            shape=(end - begin,))  # fmt: skip
+            raw = np.memmap(
+                self._file, np.uint8, "r", offset=self._data_start + begin, shape=(end - begin,)
+            )
             return np.array(raw.view(dtype).reshape(shape)[index])
         except (OSError, ValueError) as err:
             raise OSError(f"safetensors file {self.path}: reading tensor {name!r}: {err}") from None

@@ -96,8 +96,10 @@ class Mxfp4:
     def expected(self, num_experts: int, per_expert: tuple, dims: Mapping) -> dict[str, tuple]:
         """Every tensor it reads -> its expected shape."""
         out, groups = self.out(dims), self.inp(dims) // 32
-        return {self.blocks: (num_experts, out, groups, 16),
-                f"{self.name}_scales": (num_experts, out, groups)}  # fmt: skip
+        return {
+            self.blocks: (num_experts, out, groups, 16),
+            f"{self.name}_scales": (num_experts, out, groups),
+        }
 
     def read(self, get: Callable, experts: Sequence[int], dims: Mapping) -> np.ndarray:
         blocks, scales = get(self.blocks), get(f"{self.name}_scales")

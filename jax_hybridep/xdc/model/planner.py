@@ -39,8 +39,16 @@ from jax_hybridep.xdc.migration import Migration
 from jax_hybridep.xdc.model import cost, volumes
 
 # The Workload fields `volumes.expected_volumes` / `routed_volumes` take as they are.
-_VOLUME_FIELDS = ("num_experts", "hidden", "act_bytes", "expert_bytes", "expert_matrices",
-                  "migration", "value_bytes", "dense_bytes")  # fmt: skip
+_VOLUME_FIELDS = (
+    "num_experts",
+    "hidden",
+    "act_bytes",
+    "expert_bytes",
+    "expert_matrices",
+    "migration",
+    "value_bytes",
+    "dense_bytes",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +99,16 @@ class Workload:
 
     def __post_init__(self):
         counts = dict(
-            tokens=(self.tokens, 0), top_k=(self.top_k, 1), num_experts=(self.num_experts, 1),
-            hidden=(self.hidden, 1), act_bytes=(self.act_bytes, 1),
-            value_bytes=(self.value_bytes, 1), layers=(self.layers, 1),
-            dense_bytes=(self.dense_bytes, 0), resident_bytes=(self.resident_bytes, 0),
-        )  # fmt: skip
+            tokens=(self.tokens, 0),
+            top_k=(self.top_k, 1),
+            num_experts=(self.num_experts, 1),
+            hidden=(self.hidden, 1),
+            act_bytes=(self.act_bytes, 1),
+            value_bytes=(self.value_bytes, 1),
+            layers=(self.layers, 1),
+            dense_bytes=(self.dense_bytes, 0),
+            resident_bytes=(self.resident_bytes, 0),
+        )
         if self.expert_bytes is not None:
             counts["expert_bytes"] = (self.expert_bytes, 0)
         for name, (value, low) in counts.items():
@@ -149,9 +162,13 @@ class Workload:
         else:
             return volumes.routed_volumes(level_sizes, domains, np.asarray(routing), **common)
         return volumes.expected_volumes(
-            level_sizes, domains, tokens=self.tokens, top_k=self.top_k, expert_probs=probs,
+            level_sizes,
+            domains,
+            tokens=self.tokens,
+            top_k=self.top_k,
+            expert_probs=probs,
             **common,
-        )  # fmt: skip
+        )
 
     def cost(self, cluster: cost.Cluster, vols) -> cost.StepCost:
         """The step's cost for one `Volumes` (every layer alike) or one per layer."""

@@ -310,9 +310,15 @@ def expected_volumes(
         all-reduces over every rank (0: not counted).
     """
     level_sizes, domains = _check(
-        level_sizes, domains, num_experts, top_k, tokens=tokens, hidden=hidden,
-        act_bytes=act_bytes, dense_bytes=dense_bytes,
-    )  # fmt: skip
+        level_sizes,
+        domains,
+        num_experts,
+        top_k,
+        tokens=tokens,
+        hidden=hidden,
+        act_bytes=act_bytes,
+        dense_bytes=dense_bytes,
+    )
     experts = _experts(expert_bytes, expert_matrices, value_bytes, migration)
     if expert_probs is None:
         probs = np.full(num_experts, 1 / num_experts)
@@ -329,9 +335,17 @@ def expected_volumes(
     loads = np.stack([_to_full(level_sizes, domains, a) for a in per_group])
     local = num_experts // math.prod(level_sizes)
     return _build(
-        level_sizes, domains, loads, local=local, tokens=tokens, hidden=hidden,
-        act_bytes=act_bytes, experts=experts, exact=False, dense_bytes=dense_bytes,
-    )  # fmt: skip
+        level_sizes,
+        domains,
+        loads,
+        local=local,
+        tokens=tokens,
+        hidden=hidden,
+        act_bytes=act_bytes,
+        experts=experts,
+        exact=False,
+        dense_bytes=dense_bytes,
+    )
 
 
 def routed_volumes(
@@ -357,9 +371,13 @@ def routed_volumes(
       Others: as `expected_volumes`.
     """
     level_sizes, domains = _check(
-        level_sizes, domains, num_experts, hidden=hidden, act_bytes=act_bytes,
+        level_sizes,
+        domains,
+        num_experts,
+        hidden=hidden,
+        act_bytes=act_bytes,
         dense_bytes=dense_bytes,
-    )  # fmt: skip
+    )
     topk_idx = check_array("topk_idx", topk_idx, integer=True)
     ranks = math.prod(level_sizes)
     if topk_idx.ndim != 3 or topk_idx.shape[0] != ranks:
@@ -378,9 +396,17 @@ def routed_volumes(
     per_group = np.stack([np.stack(exact_loads(d, token_sizes)) for d in by_group], axis=1)
     loads = np.stack([_to_full(level_sizes, domains, a) for a in per_group])
     return _build(
-        level_sizes, domains, loads, local=num_experts // ranks, tokens=topk_idx.shape[1],
-        hidden=hidden, act_bytes=act_bytes, experts=experts, exact=True, dense_bytes=dense_bytes,
-    )  # fmt: skip
+        level_sizes,
+        domains,
+        loads,
+        local=num_experts // ranks,
+        tokens=topk_idx.shape[1],
+        hidden=hidden,
+        act_bytes=act_bytes,
+        experts=experts,
+        exact=True,
+        dense_bytes=dense_bytes,
+    )
 
 
 def flat_volumes(
@@ -405,9 +431,15 @@ def flat_volumes(
     check_bool("dedup", dedup)
     check_int("expert_bytes", expert_bytes, 0)
     level_sizes, _ = _check(
-        level_sizes, (1,) * len(level_sizes), num_experts, top_k, tokens=tokens, hidden=hidden,
-        act_bytes=act_bytes, dense_bytes=dense_bytes,
-    )  # fmt: skip
+        level_sizes,
+        (1,) * len(level_sizes),
+        num_experts,
+        top_k,
+        tokens=tokens,
+        hidden=hidden,
+        act_bytes=act_bytes,
+        dense_bytes=dense_bytes,
+    )
     ranks = math.prod(level_sizes)
     local = num_experts // ranks
     if dedup:

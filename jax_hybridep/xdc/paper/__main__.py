@@ -18,8 +18,9 @@ def main(argv=None) -> dict:
         description="The HybridEP paper's tables reproduced by the cost model, and the pass / "
         "fail tiers of the reproduction.",
     )
-    parser.add_argument("--json", type=output_path_arg, default="",
-                        help="write every Table V point and the tiers")  # fmt: skip
+    parser.add_argument(
+        "--json", type=output_path_arg, default="", help="write every Table V point and the tiers"
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 if a tier fails")
     args = parser.parse_args(argv)
     report = reproduction.report()

@@ -90,16 +90,24 @@ def structure_checks(random_cases: int = 2000, points: int = 10_001) -> list[dic
             same = same and rows == tables.TABLE_VII
         value = "; ".join(f"S={s}: {a}/{b}" for s, (a, b) in rows.items())
         limit = "= enumeration" + (" and = the paper's table" if g == 8 else "")
-        checks.append(_check(f"Table VII, {g} GPUs (all-to-all/all-gather pairs)", value, limit,
-                             same))  # fmt: skip
+        checks.append(
+            _check(f"Table VII, {g} GPUs (all-to-all/all-gather pairs)", value, limit, same)
+        )
     named = [case for _, case in tables.STREAM_CASES]
     ok = sum(p_star_agrees(c, points) for c in named)
-    checks.append(_check("p* = brute force, the paper's cases", f"{ok}/{len(named)}", "all",
-                         ok == len(named)))  # fmt: skip
+    checks.append(
+        _check("p* = brute force, the paper's cases", f"{ok}/{len(named)}", "all", ok == len(named))
+    )
     cases = random_stream_cases(random_cases)
     ok = sum(p_star_agrees(c, points) for c in cases)
-    checks.append(_check(f"p* = brute force, {random_cases} random cases ({points} grid points)",
-                         f"{ok}/{random_cases}", "all", ok == random_cases))  # fmt: skip
+    checks.append(
+        _check(
+            f"p* = brute force, {random_cases} random cases ({points} grid points)",
+            f"{ok}/{random_cases}",
+            "all",
+            ok == random_cases,
+        )
+    )
     return checks
 
 
@@ -107,18 +115,33 @@ def fit_checks(rows: dict[str, list[dict]]) -> list[dict]:
     checks = []
     for name, table in rows.items():
         worst = max(abs(r["tutel_err"]) for r in table) / 100
-        checks.append(_check(f"{name}: every Tutel |error %| (2 parameters, minimax over the row)",
-                             round(100 * worst, 1), f"<= {100 * TUTEL_LIMIT:.0f}%",
-                             worst <= TUTEL_LIMIT))  # fmt: skip
+        checks.append(
+            _check(
+                f"{name}: every Tutel |error %| (2 parameters, minimax over the row)",
+                round(100 * worst, 1),
+                f"<= {100 * TUTEL_LIMIT:.0f}%",
+                worst <= TUTEL_LIMIT,
+            )
+        )
         others = [abs(r["hybrid_err"]) / 100 for r in table if not r["hybrid_fit"]]
         mean, most = sum(others) / len(others), max(others)
         fitted = f"{tables.HYBRID_FIT_MB} MB"
-        checks.append(_check(f"{name}: HybridEP mean |error %| but the fitted {fitted}",
-                             round(100 * mean, 1), f"<= {100 * HYBRID_MEAN_LIMIT:.0f}%",
-                             mean <= HYBRID_MEAN_LIMIT))  # fmt: skip
-        checks.append(_check(f"{name}: every HybridEP |error %| but the fitted {fitted}",
-                             round(100 * most, 1), f"<= {100 * HYBRID_LIMIT:.0f}%",
-                             most <= HYBRID_LIMIT))  # fmt: skip
+        checks.append(
+            _check(
+                f"{name}: HybridEP mean |error %| but the fitted {fitted}",
+                round(100 * mean, 1),
+                f"<= {100 * HYBRID_MEAN_LIMIT:.0f}%",
+                mean <= HYBRID_MEAN_LIMIT,
+            )
+        )
+        checks.append(
+            _check(
+                f"{name}: every HybridEP |error %| but the fitted {fitted}",
+                round(100 * most, 1),
+                f"<= {100 * HYBRID_LIMIT:.0f}%",
+                most <= HYBRID_LIMIT,
+            )
+        )
     return checks
 
 
@@ -151,9 +174,14 @@ def shape_checks(rows: dict[str, list[dict]]) -> list[dict]:
             b[f"{key}_paper"] > a[f"{key}_paper"] for a, b in zip(m, big, strict=True)
         )
         model_order = all(b[key] > a[key] for a, b in zip(m, big, strict=True))
-        checks.append(_check(f"{system}: L (4 DCs) slower than M (2 DCs) at every size",
-                             f"paper {paper_order}, model {model_order}", "both true",
-                             paper_order and model_order))  # fmt: skip
+        checks.append(
+            _check(
+                f"{system}: L (4 DCs) slower than M (2 DCs) at every size",
+                f"paper {paper_order}, model {model_order}",
+                "both true",
+                paper_order and model_order,
+            )
+        )
     paper_order = all(b["speedup_paper"] > a["speedup_paper"] for a, b in zip(m, big, strict=True))
     gains = [(a["speedup"], b["speedup"]) for a, b in zip(m, big, strict=True)]
     model_order = all(b > a for a, b in gains)
@@ -165,7 +193,7 @@ def shape_checks(rows: dict[str, list[dict]]) -> list[dict]:
             paper_order and model_order,
         )
     )
-    return checks  # fmt: skip
+    return checks
 
 
 def points(rows: dict[str, list[dict]]) -> list[dict]:
@@ -174,13 +202,21 @@ def points(rows: dict[str, list[dict]]) -> list[dict]:
     out = []
     for name, table in rows.items():
         for r in table:
-            for system, key, fitted in (("tutel", "tutel", True),
-                                        ("hybridep", "hybrid", r["hybrid_fit"])):  # fmt: skip
-                out.append({
-                    "cluster": name, "dcs": tables.TABLE_V[name]["dcs"], "data_mb": r["data_mb"],
-                    "system": system, "paper_s": r[f"{key}_paper"], "model_s": r[key],
-                    "fit_point": bool(fitted),
-                })  # fmt: skip
+            for system, key, fitted in (
+                ("tutel", "tutel", True),
+                ("hybridep", "hybrid", r["hybrid_fit"]),
+            ):
+                out.append(
+                    {
+                        "cluster": name,
+                        "dcs": tables.TABLE_V[name]["dcs"],
+                        "data_mb": r["data_mb"],
+                        "system": system,
+                        "paper_s": r[f"{key}_paper"],
+                        "model_s": r[key],
+                        "fit_point": bool(fitted),
+                    }
+                )
     return out
 
 
@@ -189,19 +225,26 @@ def report() -> dict:
     rows = {name: tables.reproduce_table_v(name) for name in tables.TABLE_V}
     tiers = []
     for tier, (title, checks) in enumerate(
-        (("exact structure", structure_checks()), ("fit", fit_checks(rows)),
-         ("shape", shape_checks(rows))), start=1,
-    ):  # fmt: skip
-        tiers.append({"tier": tier, "name": title, "checks": checks,
-                      "pass": all(c["pass"] for c in checks)})  # fmt: skip
+        (
+            ("exact structure", structure_checks()),
+            ("fit", fit_checks(rows)),
+            ("shape", shape_checks(rows)),
+        ),
+        start=1,
+    ):
+        tiers.append(
+            {"tier": tier, "name": title, "checks": checks, "pass": all(c["pass"] for c in checks)}
+        )
     fits = {}
     for name in tables.TABLE_V:
         f = tables.fit(name)
         fits[name] = {
-            "compute_s": f.compute, "wan_gbps": f.wan_bandwidth / tables.GBPS,
-            "token_compute_ms_per_mb": 1e3 * f.token_compute, "hybrid_fit_mb": tables.HYBRID_FIT_MB,
+            "compute_s": f.compute,
+            "wan_gbps": f.wan_bandwidth / tables.GBPS,
+            "token_compute_ms_per_mb": 1e3 * f.token_compute,
+            "hybrid_fit_mb": tables.HYBRID_FIT_MB,
             "tutel_max_error": f.tutel_error,
-        }  # fmt: skip
+        }
     return {"points": points(rows), "fits": fits, "tiers": tiers}
 
 
@@ -285,8 +328,11 @@ def markdown() -> str:
                 f"{r['paper_config_err']:+.1f} |"
             )
     out.append(f"\n**Expert-size sweep** (D = {tables.SWEEP['data_mb']} MB, no compression):\n")
-    out.append("| expert MB | " + " | ".join(f"{name} speedup (domains)" for name in tables.TABLE_V)
-               + " | paper |")  # fmt: skip
+    out.append(
+        "| expert MB | "
+        + " | ".join(f"{name} speedup (domains)" for name in tables.TABLE_V)
+        + " | paper |"
+    )
     out.append("|---|" + "---|" * len(tables.TABLE_V) + "---|")
     sweeps = {name: expert_size_sweep(name) for name in tables.TABLE_V}
     for i, mb in enumerate(tables.SWEEP["expert_mb"]):

@@ -36,13 +36,21 @@ GPT_OSS_MXFP4 = dataclasses.replace(
     name="mxfp4 gate_up/down_proj_blocks, biases",
     experts={
         **GPT_OSS.experts,
-        "w_gate": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
-                        lambda a, d: a[..., 0::2]),
-        "w_up": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"],
-                      lambda a, d: a[..., 1::2]),
+        "w_gate": Mxfp4(
+            "experts.gate_up_proj",
+            lambda d: 2 * d["F"],
+            lambda d: d["H"],
+            lambda a, d: a[..., 0::2],
+        ),
+        "w_up": Mxfp4(
+            "experts.gate_up_proj",
+            lambda d: 2 * d["F"],
+            lambda d: d["H"],
+            lambda a, d: a[..., 1::2],
+        ),
         "w_down": Mxfp4("experts.down_proj", lambda d: d["H"], lambda d: d["F"], lambda a, d: a),
     },
-)  # fmt: skip
+)
 
 
 def _gpt_oss(c):

@@ -29,9 +29,11 @@ def _layer_prefixes(c):
     offset = c.integer("expert_layer_offset", low=0, high=period - 1)
     sparse = c.integer("num_experts") > 1  # one expert: every layer is a dense MLP
     return layers(
-        c, "model.layers.{i}.feed_forward", lambda i: sparse and i % period == offset,
+        c,
+        "model.layers.{i}.feed_forward",
+        lambda i: sparse and i % period == offset,
         "num_hidden_layers",
-    )  # fmt: skip
+    )
 
 
 FAMILIES = (

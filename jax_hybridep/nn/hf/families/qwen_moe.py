@@ -29,9 +29,11 @@ def _qwen2_moe(c):
 def _layer_prefixes(c):
     step, dense = c.integer("decoder_sparse_step", 1), set(c.integers("mlp_only_layers", []))
     return layers(
-        c, "model.layers.{i}.mlp", lambda i: i not in dense and (i + 1) % step == 0,
+        c,
+        "model.layers.{i}.mlp",
+        lambda i: i not in dense and (i + 1) % step == 0,
         "num_hidden_layers",
-    )  # fmt: skip
+    )
 
 
 FAMILIES = (
