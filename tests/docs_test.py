@@ -8,12 +8,17 @@
 * README.md is at most 200 lines: a newcomer's page; the rest lives in docs/.
 * Every relative link in README.md and docs/*.md resolves to a file, and every repository path
   they name (`tests/x_test.py`, `jax_hybridep/exchange/`) exists.
+* Every bare file name they give (`launch_support.h`, `xdc_*_test.py`: a source, script or doc
+  name without its folder) is the name of some file in the tree, unless it is another project's
+  file listed in `OTHER_PROJECTS_FILES`. (docs/log/ keeps history as written, and is not checked.)
 """
 
 from __future__ import annotations
 
+import fnmatch
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -49,6 +54,41 @@ REPO_PATH = re.compile(
     r"(?<![\w/.-])((?:jax_hybridep|xla_ffi|tests|examples|scripts|docs|bazel|\.ci)/[\w/.-]*\w/?)"
     r"(?![\w{*/]|\.[{*\w])"
 )
+
+
+# A file name without a folder, with an ending of the tree's own sources, scripts or docs; `*` is
+# a glob (`host_executor_*_test.py`).
+BARE_NAME = re.compile(
+    r"(?<![\w/.*-])([\w*][\w.*-]*\.(?:py|cc|h|cu|cuh|sh|md|toml|bzl|cmake|txt))(?![\w/])"
+)
+# Files of other projects the docs name (a log line's source, an anchor's file), with why.
+OTHER_PROJECTS_FILES = {
+    "client.h": "XLA's coordination client, quoted from a runtime log line (docs/multihost.md)",
+}
+
+
+def _tree_names() -> set[str]:
+    """The file names of the tree (git's tracked and untracked-but-not-ignored files)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return {pathlib.PurePosixPath(path).name for path in listed}
+
+
+def _unknown_names(text: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of each bare file name in `text` that no file of the tree is called."""
+    unknown = []
+    for m in BARE_NAME.finditer(text):
+        name = m.group(1)
+        if name in OTHER_PROJECTS_FILES:
+            continue
+        if not any(fnmatch.fnmatchcase(tree_name, name) for tree_name in names):
+            unknown.append((_line(text, m.start()), name))
+    return unknown
 
 
 def _scanned_files() -> list[pathlib.Path]:
@@ -140,3 +180,20 @@ def test_links_and_paths_resolve(page):
         if not (ROOT / m.group(1)).exists():
             missing.append(f"line {_line(text, m.start())}: path {m.group(1)}")
     assert not missing, f"{page.relative_to(ROOT)}:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_bare_file_names_name_files_of_the_tree(page):
+    unknown = _unknown_names(page.read_text(), _tree_names())
+    lines = [f"line {line}: {name}" for line, name in unknown]
+    assert not unknown, f"{page.relative_to(ROOT)} names files the tree does not have:\n" + (
+        "\n".join(lines)
+    )
+
+
+def test_a_bare_name_the_tree_does_not_have_is_found():
+    """The planted break: the header docs/host_executor.md once named after it was gone."""
+    names = {"ptx.cuh", "launch.h", "host_executor_test.py", "host_executor_planted_test.py"}
+    text = "Launches go through `LaunchKernel` (`launch_support.h`), PTX through `ptx.cuh`;\n"
+    text += "tests: `host_executor_*_test.py`, `device/launch.h`, and `docs_*_test.py`."
+    assert _unknown_names(text, names) == [(1, "launch_support.h"), (2, "docs_*_test.py")]
