@@ -152,8 +152,7 @@ def test_resume_after_sigterm_continues_bit_for_bit(contended, tmp_path):
 DEADLINE = """
 import os, signal, time
 from examples.job_runtime import preemption
-preemption.install(1)
-preemption.set_prefix("train_moe.py")
+preemption.install(1, "train_moe.py")
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(120)  # a job that cannot reach its next step
 """
@@ -185,7 +184,7 @@ def test_a_held_lock_is_refused_before_anything_is_read(tmp_path, monkeypatch):
     holder = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        owner = dict(pid=4242, host="elsewhere", script="train_moe.py", started=0)
+        owner = dict(pid=4242, host="elsewhere", job="train_moe.py", started=0)
         os.write(holder, json.dumps(owner).encode())
         cfg = dataclasses.replace(TINY, output_dir=str(out), resume=True)
         with pytest.raises(
@@ -206,7 +205,7 @@ def test_the_lock_of_a_dead_run_is_taken_over_and_released(tmp_path):
     dead.wait()  # its pid now names no process
     out = tmp_path / "out"
     out.mkdir()
-    owner = dict(pid=dead.pid, host=socket.gethostname(), script="train_moe.py", started=0)
+    owner = dict(pid=dead.pid, host=socket.gethostname(), job="train_moe.py", started=0)
     (out / ".lock").write_text(json.dumps(owner))
     metrics, text = _train(dataclasses.replace(TINY, steps=1, output_dir=str(out)))
     assert (

@@ -32,9 +32,9 @@ from numbers import Integral
 import jax
 from absl import flags, logging
 
+from examples.job_runtime import jax_private
 from examples.job_runtime.job_errors import FlagError
 from examples.job_runtime.processes import Processes, first_line
-from jax_hybridep import compat
 
 DEFAULT_CPU_DEVICES = 8  # fake CPU devices of the whole job (8 / processes each)
 SHUTDOWN_TIMEOUT_S = 30  # how long a finished process waits for the others at exit
@@ -246,16 +246,17 @@ class _Assembly:
             os._exit(1)
 
 
-def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
+def start(pc: ProcessConfig, job: str) -> Processes:
     """Joins the job `pc` (or the environment) describes, or runs alone; the result is also
     `current()`. Call before anything touches a jax backend. FlagError naming a process flag
-    that cannot be used, or the coordinator's address when the job cannot be joined."""
+    that cannot be used, or the coordinator's address when the job cannot be joined. `job`: the
+    job's name, which starts the line of a start-up that timed out."""
     global _current
     pc.check()
     detected = None
     if pc.num_processes is None:
         try:
-            detected = compat.detected_cluster()
+            detected = jax_private.detected_cluster()
         except Exception as err:  # noqa: BLE001  (a cluster module's own error)
             raise FlagError(
                 f"cannot read the cluster environment: {first_line(err)}; give "
@@ -275,7 +276,7 @@ def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address, index = pc.coordinator_address, pc.process_id
     if detected is not None:
-        address, index = compat.detected_coordinator(pc.init_timeout_s) or (None, None)
+        address, index = jax_private.detected_coordinator(pc.init_timeout_s) or (None, None)
     where = address or f"the {detected[0]} environment"
     me = "" if index is None else f" as process {index}"
     if address is not None and index == 0:
@@ -283,7 +284,7 @@ def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
     elif address is not None:
         wait_for_coordinator(address, index, pc.init_timeout_s)
     line = (
-        f"{script}{'' if index is None else f' (process {index} of {count})'}: cannot join the "
+        f"{job}{'' if index is None else f' (process {index} of {count})'}: cannot join the "
         f"job at {where}{me}: its {count} processes did not all come within "
         f"{pc.init_timeout_s} s (is every process started, with the same "
         "--coordinator_address and --num_processes?)"
@@ -308,7 +309,7 @@ def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
     processes = Processes(
         jax.process_index(),
         jax.process_count(),
-        compat.distributed_client(),
+        jax_private.distributed_client(),
         pc.heartbeat_timeout_s,
     )
     if not processes.is_main:  # the others print nothing but errors
