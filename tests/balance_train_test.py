@@ -1,4 +1,5 @@
-"""examples/train_moe.py with --redundant_slots and --rebalance_every (tiny sizes, 8 devices).
+"""The main job (`examples/train_moe/`) with --redundant_slots and --rebalance_every (tiny sizes,
+8 devices).
 
 Covers: a run that re-places its experts mid-training has the loss curve of the run without
 redundant slots (bit for bit before the first re-placement, to float32 summation order after:
@@ -17,7 +18,7 @@ import os
 import numpy as np
 import pytest
 from rich.console import Console
-from train_harness import main_job, tiny, train_config
+from train_harness import config, tiny, train_moe
 from train_harness import train as _train
 
 from jax_hybridep import xdc
@@ -64,12 +65,12 @@ def test_resume_after_a_rebalance_continues_identically(runs, monkeypatch):
     _, balanced, _, base = runs
     # The learning-rate schedule spans --steps; the stopped run takes the full run's schedule so
     # that the uninterrupted run is the reference.
-    make_optimizer = main_job.make_optimizer
+    make_optimizer = train_moe.make_optimizer
 
     def full_schedule(cfg):
         return make_optimizer(dataclasses.replace(cfg, steps=BALANCED.steps))
 
-    monkeypatch.setattr(main_job, "make_optimizer", full_schedule)
+    monkeypatch.setattr(train_moe, "make_optimizer", full_schedule)
     cfg = dataclasses.replace(BALANCED, steps=3, output_dir=str(base / "resumed"))
     first, _ = _train(cfg)
     assert [e["step"] for e in first["rebalances"]] == [2]  # the checkpoint holds a new placement
@@ -102,8 +103,8 @@ def test_bad_balance_flags_fail_before_a_model_is_built(changes, message, tmp_pa
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the flags were checked")
 
-    monkeypatch.setattr(main_job, "MoETransformer", no_model)
+    monkeypatch.setattr(train_moe, "MoETransformer", no_model)
     cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "out"), **changes)
-    with pytest.raises(train_config.FlagError, match=message):
-        main_job.train(cfg, console=Console(file=io.StringIO()))
+    with pytest.raises(config.FlagError, match=message):
+        train_moe.train(cfg, console=Console(file=io.StringIO()))
     assert not os.path.exists(cfg.output_dir)

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 
-from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime.errors import FlagError
 from examples.job_runtime.processes import Processes
 
 LOCK_NAME = ".lock"

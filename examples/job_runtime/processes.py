@@ -1,6 +1,6 @@
 """The processes of one training job on `jax.distributed`: agreement, liveness, output.
 
-`train_moe.py` and `cross_dc.py` run as one process (all local devices) or as several, one per
+The main job and the cross-DC job run as one process (all local devices) or as several, one per
 host or per local group of devices, joined by JAX's own distributed runtime (`startup.py`
 starts and joins them):
 
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import jax
 from rich.console import Console
 
-from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime.errors import FlagError
 from jax_hybridep import compat
 
 KEY = "train_moe"  # prefix of this job's keys in the runtime's key-value store
@@ -84,7 +84,7 @@ class Processes:
         if self.count == 1:
             return [value]
         mine = json.dumps(value, sort_keys=True).encode()
-        # A new key each time: a name may come again (cross_dc.py trains several runs in a job).
+        # A new key each time: a name may come again (the cross-DC job trains several runs).
         got = compat.kv_exchange(
             f"{SYNC_KEY}/exchange/{self._decisions}/{name}",
             self.index,

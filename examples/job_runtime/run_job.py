@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from examples.job_runtime import preemption, startup
-from examples.job_runtime.job_errors import FlagError, ResumeError
+from examples.job_runtime.errors import FlagError, ResumeError
 from examples.job_runtime.processes import Processes, end_unexpected, exit_with
 
 

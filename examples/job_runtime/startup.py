@@ -33,7 +33,7 @@ import jax
 from absl import flags, logging
 
 from examples.job_runtime import jax_private
-from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime.errors import FlagError
 from examples.job_runtime.processes import Processes, first_line
 
 DEFAULT_CPU_DEVICES = 8  # fake CPU devices of the whole job (8 / processes each)

@@ -1,4 +1,4 @@
-"""What a run of examples/train_moe.py depends on: its config and the config's validation.
+"""What a run of the main job depends on: its config and the config's validation.
 
 `TrainConfig` holds the flags as one value (tests build it directly); `check_config` validates every
 field before any model is built and raises `FlagError` naming the flag, its value and what is
@@ -6,7 +6,7 @@ wrong, in the library's own words where the library has a rule (e.g. experts per
 cross-DC flags (--domains, --domain_compression, --domain_shared, --domain_sync_every,
 --grad_compression) become one `xdc.Migration` in one place, `parse_migration`, and are spelled
 back by `migration_flags`. The command-line flags themselves are defined and read in
-`train_flags.py`.
+`flags.py`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import os
 import tempfile
 from numbers import Integral, Real
 
-from examples.job_runtime.job_errors import FlagError
-from examples.moe_lm.lm_data import ByteData
-from examples.moe_lm.lm_model import DATA_AXIS, make_mesh
+from examples.job_runtime.errors import FlagError
+from examples.moe_lm.data import ByteData
+from examples.moe_lm.model import DATA_AXIS, make_mesh
 from jax_hybridep import xdc
 from jax_hybridep.fp8 import WIRE_DTYPES
 from jax_hybridep.xdc.migration import SHARED_VARIANTS
@@ -29,7 +29,7 @@ DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and 
 
 
 # The flags a resumed run may change (the rest shape the model, its routing, its data or its
-# optimizer and must equal the checkpoint's: `train_checkpoint.check_resume_flags`), and with
+# optimizer and must equal the checkpoint's: `checkpoint.check_resume_flags`), and with
 # them the TrainConfig fields without a flag that may change too.
 RESUMABLE_FLAGS = (
     "steps",
@@ -49,7 +49,7 @@ class TrainConfig:
     Attributes:
       steps: total optimizer steps (a resumed run continues up to this many).
       batch, seq_len: sequences per step and bytes per sequence.
-      d_model, d_ff, layers, heads, experts, top_k: model sizes (see `lm_model.ModelConfig`).
+      d_model, d_ff, layers, heads, experts, top_k: model sizes (see `model.ModelConfig`).
       mesh: mesh axis sizes, e.g. "node=2,local=4", "ep=8" or "data=2,ep=4"; None means
         "node=2,local=<n/2>" on fake CPU devices and "ep=<all devices>" on accelerators.
       backend: dispatch/combine backend, "auto", "xla" or "ffi".
@@ -64,7 +64,7 @@ class TrainConfig:
         unset: off).
       prefetch: gather every layer's experts at step start instead of inside each layer.
       replan_every: re-plan the domains every this many steps from the measured routing and
-        `links` / `link_schedule` (0: never; `replan_hook.py`), recompiling when they change.
+        `links` / `link_schedule` (0: never; `replan.py`), recompiling when they change.
       links: the links of the mesh's EP levels for the planner, e.g. "dc=10:5:shared,node=100,
         local=3600" (Gbps[:latency ms][:shared]); link_schedule: bandwidth changes by step,
         e.g. "200:dc=1"; memory_limit_mb: per-device memory limit of the plans (0: none).
@@ -73,7 +73,7 @@ class TrainConfig:
         one scale per 128 elements, dequantised at the receiver).
       redundant_slots: per EP rank, expert slots for copies of hot experts (0: none).
       rebalance_every: re-place the experts every this many steps from the measured load
-        (`rebalance_hook.py`; 0: never).
+        (`rebalance.py`; 0: never).
       charge_sync: the balancer charges each remote replica's sync bytes (weights forward,
         gradient back) against the rows it saves; False places replicas by load alone.
       lr: peak learning rate of the warmup + cosine schedule.

@@ -1,4 +1,4 @@
-"""The flags of examples/cross_dc.py: the example's mesh, its settings as one value (`Settings`,
+"""The flags of the cross-DC job: the example's mesh, its settings as one value (`Settings`,
 checked before jax starts), the cluster they describe for the cost model, and their absl flags.
 
 The cluster is 2 datacenters x 2 nodes x 2 GPUs (`MESH`), its links described by the flags: WAN
@@ -12,8 +12,8 @@ import math
 
 from absl import flags
 
-from examples.main_job.train_config import check_output_dir, migration_flags
-from examples.main_job.train_flags import define_migration_flags
+from examples.train_moe.config import check_output_dir, migration_flags
+from examples.train_moe.flags import define_migration_flags
 from jax_hybridep import xdc
 
 MESH = (("dc", 2), ("node", 2), ("local", 2))
@@ -29,7 +29,7 @@ def _flag(default, text: str):
 class Settings:
     """The example's flags, as one value tests can build directly; the cross-DC flags
     (--domains overriding the plan, --domain_compression, ...) as one `xdc.Migration`
-    (`train_config.parse_migration`), its help that of --domains."""
+    (`train_moe.config.parse_migration`), its help that of --domains."""
 
     steps: int = _flag(150, "training steps per run")
     batch: int = _flag(16, "sequences (of 128 bytes) per step, a multiple of 8")
@@ -118,7 +118,7 @@ def describe_cluster(s: Settings) -> xdc.cost.Cluster:
 
 
 def links_spec(s: Settings) -> str:
-    """`describe_cluster`'s links as `train_moe.py --links` spells them."""
+    """`describe_cluster`'s links as the main job's --links spells them."""
     return (
         f"dc={s.wan_gbps:g}:{s.wan_latency_ms:g}:shared,node={s.node_gbps:g}:0.005,"
         f"local={s.local_gbps:g}:0.002"

@@ -21,10 +21,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.job_runtime.startup import global_devices
-from examples.main_job.main_job import model_config
-from examples.main_job.train_config import TrainConfig
-from examples.moe_lm.lm_data import ByteData, ShardFeeder
-from examples.moe_lm.lm_model import MoETransformer, dense_param_bytes, make_mesh
+from examples.moe_lm.data import ByteData, ShardFeeder
+from examples.moe_lm.model import MoETransformer, dense_param_bytes, make_mesh
+from examples.train_moe.config import TrainConfig
+from examples.train_moe.job import model_config
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
 from jax_hybridep.nn.router import route

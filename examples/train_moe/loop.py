@@ -1,6 +1,6 @@
-"""The training loop of examples/train_moe.py (`loop`): compile, step, evaluate, re-balance or
-re-plan when due, checkpoint every `--checkpoint_every` steps, report progress, stop after a step
-when SIGTERM asks (`job_runtime/preemption.py`).
+"""The training loop of the main job (`loop`): compile, step, evaluate, re-balance or re-plan
+when due, checkpoint every `--checkpoint_every` steps, report progress, stop after a step when
+SIGTERM asks (`job_runtime/preemption.py`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from examples.main_job.rebalance_hook import rank_loads
-from examples.main_job.train_report import imbalance, program_traffic, ran_backend, rebalance_line
-from examples.main_job.train_step import build_steps
-from examples.moe_lm.lm_data import ShardFeeder
-from examples.moe_lm.lm_model import DATA_AXIS
+from examples.moe_lm.data import ShardFeeder
+from examples.moe_lm.model import DATA_AXIS
+from examples.train_moe.rebalance import rank_loads
+from examples.train_moe.report import imbalance, program_traffic, ran_backend, rebalance_line
+from examples.train_moe.step import build_steps
 
 
 def loop(

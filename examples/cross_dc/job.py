@@ -1,12 +1,13 @@
-"""The cross-DC job (its command: examples/cross_dc.py, whose docstring is its --help): the main
-job's model and `train` (`examples/main_job/`) on a described cluster of 2 DCs x 2 nodes x 2 GPUs,
-once per run it compares, with the planned expert domains and with plain EP.
+"""The cross-DC job (its command: `python -m examples.cross_dc`, `__main__.py`, whose docstring is
+its --help): the main job's model and `train` (`examples/train_moe/`) on a described cluster of
+2 DCs x 2 nodes x 2 GPUs, once per run it compares, with the planned expert domains and with
+plain EP.
 
 Where it differs from the main job: its flags, their checks and the cluster they describe
-(`cross_dc_settings.py`); its three modes, the plan (`run_plan`), the SR variants side by side
+(`settings.py`); its three modes, the plan (`run_plan`), the SR variants side by side
 (`run_sr_table`) or one re-planned run with a skew of the routing (`run_replanning`,
 `SkewingHook`); the bytes across the DC level it reports beside the cost model's prediction
-(`cross_dc_bytes.py`); its summary.json. The job around it (processes, SIGTERM, one-line errors)
+(`crossing.py`); its summary.json. The job around it (processes, SIGTERM, one-line errors)
 is the one both jobs run in (`examples/job_runtime/`).
 """
 
@@ -22,8 +23,8 @@ from flax import nnx
 from rich.console import Console
 from rich.table import Table
 
-from examples.cross_dc_job.cross_dc_bytes import first_step, measure, predict, program_bytes
-from examples.cross_dc_job.cross_dc_settings import (
+from examples.cross_dc.crossing import first_step, measure, predict, program_bytes
+from examples.cross_dc.settings import (
     MESH,
     RANKS,
     Settings,
@@ -35,12 +36,14 @@ from examples.job_runtime import startup
 from examples.job_runtime.processes import Processes, exit_with
 from examples.job_runtime.run_job import run_job
 from examples.job_runtime.startup import global_devices
-from examples.main_job.main_job import model_config, train
-from examples.main_job.replan_hook import ReplanHook
-from examples.main_job.train_config import TrainConfig, migration_flags
-from examples.main_job.train_flags import migration_from_flags
-from examples.moe_lm.lm_model import describe_workload, make_mesh
+from examples.moe_lm.model import describe_workload, make_mesh
+from examples.train_moe.config import TrainConfig, migration_flags
+from examples.train_moe.flags import migration_from_flags
+from examples.train_moe.job import model_config, train
+from examples.train_moe.replan import ReplanHook
 from jax_hybridep import xdc
+
+NAME = "cross_dc"  # the command's and the package's name; it starts the lines the job ends with
 
 SR_TABLE = (  # name, (SR ratio, shared expert, gradient compression) or None (full experts)
     ("full experts", None),
@@ -85,7 +88,7 @@ def run_one(
     )
     console.rule(f"{name or ''} {flags_}")
     hlo = []
-    result = train(cfg, console, on_compile=hlo.append)
+    result = train(cfg, console, on_compile=hlo.append, job=NAME)
     workload = workload_of(cfg, dense)
     token_levels = [n for (n, g), size in zip(MESH, sizes, strict=True) if g // size > 1]
     return dict(
@@ -278,7 +281,7 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
     hook = SkewingHook(replanner, model_config(cfg), mesh, topology)
     hook.skew_at = s.skew_at
     hlo = []
-    result = train(cfg, console, on_compile=hlo.append, hook=hook)
+    result = train(cfg, console, on_compile=hlo.append, hook=hook, job=NAME)
     programs = [program_bytes(text, cfg.migration.sync_every) for text in hlo]
     table = Table(title="re-plans (predicted seconds per step under that step's links and routing)")
     for col in (
@@ -319,9 +322,6 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
     )
 
 
-SCRIPT = "cross_dc.py"
-
-
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -332,18 +332,19 @@ def main(argv):
         )
         settings.check()
     except ValueError as err:  # FlagError included
-        exit_with(Processes(), SCRIPT, err)
+        exit_with(Processes(), NAME, err)
 
     def body(processes):
         console = processes.console()
         console.width = max(console.width, 132)
         run(settings, console)
 
-    run_job(SCRIPT, [*names, *migration_flags(xdc.Migration())], body)
+    run_job(NAME, [*names, *migration_flags(xdc.Migration())], body)
 
 
 def command_line() -> None:
-    """The command line (examples/cross_dc.py): defines the flags, then runs `main` under absl."""
+    """The command line (`python -m examples.cross_dc`): defines the flags, then runs `main`
+    under absl."""
     define_flags()
     startup.define_flags()
     app.run(main)

@@ -1,6 +1,6 @@
-"""The command line of examples/train_moe.py: one absl flag per `TrainConfig` field, and the
-`TrainConfig` the parsed flags describe (`train_config.py` validates it). The cross-DC job
-(`examples/cross_dc_job/`) shares the cross-DC flags (`define_migration_flags`,
+"""The command line of the main job: one absl flag per `TrainConfig` field, and the
+`TrainConfig` the parsed flags describe (`config.py` validates it). The cross-DC job
+(`examples/cross_dc/`) shares the cross-DC flags (`define_migration_flags`,
 `migration_from_flags`).
 
 Flags are defined only when a script runs, so that importing these modules, e.g. from a test,
@@ -13,7 +13,7 @@ import dataclasses
 
 from absl import flags
 
-from examples.main_job.train_config import (
+from examples.train_moe.config import (
     BACKENDS,
     DROPLESS,
     RESUMABLE_FLAGS,

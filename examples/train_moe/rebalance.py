@@ -1,4 +1,4 @@
-"""Expert load balancing in examples/train_moe.py (--redundant_slots, --rebalance_every).
+"""Expert load balancing in the main job (--redundant_slots, --rebalance_every).
 
 `Rebalancer` keeps a moving average of each MoE block's `tokens_per_expert`, re-places the
 experts every --rebalance_every steps with `jax_hybridep.balance.plan_placement` (a block keeps

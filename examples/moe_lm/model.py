@@ -52,7 +52,7 @@ class ModelConfig:
       wire_dtype: None (the model's dtype) or "float8_e4m3fn": FP8 on the wire for dispatch.
       balance: the blocks' expert load balancing (`balance.BalanceConfig`: redundant slots for
         copies of hot experts; a placement even without them, so the main job's re-balancing,
-        `examples/main_job/rebalance_hook.py`, can move experts between ranks); None: none.
+        `examples/train_moe/rebalance.py`, can move experts between ranks); None: none.
       prefetch: gather every layer's experts at step start, before the first layer.
       layer_domains: per layer, its domain sizes ((axis, S), ...) (() for plain EP); overrides
         migration.domains.
