@@ -11,20 +11,19 @@ cannot be combined fail before a model is built.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 
 import numpy as np
 import pytest
 from rich.console import Console
-from train_harness import config, tiny, train_moe
+from train_harness import config, replace, tiny, train_moe
 from train_harness import train as _train
 
 from jax_hybridep import xdc
 
 TINY = tiny(steps=4, eval_batches=1)
-BALANCED = dataclasses.replace(TINY, redundant_slots=1, rebalance_every=2)
+BALANCED = replace(TINY, redundant_slots=1, rebalance_every=2)
 
 
 pytestmark = pytest.mark.usefixtures("no_backend_override")
@@ -33,8 +32,8 @@ pytestmark = pytest.mark.usefixtures("no_backend_override")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("balance_train")
-    plain, _ = _train(dataclasses.replace(TINY, output_dir=str(base / "plain")))
-    balanced, text = _train(dataclasses.replace(BALANCED, output_dir=str(base / "balanced")))
+    plain, _ = _train(replace(TINY, output_dir=str(base / "plain")))
+    balanced, text = _train(replace(BALANCED, output_dir=str(base / "balanced")))
     return plain, balanced, text, base
 
 
@@ -57,7 +56,7 @@ def test_rebalancing_keeps_the_loss_curve(runs):
     )
     # Per-rank load: 8 ranks, every routed row counted once.
     assert np.shape(balanced["rank_load"]) == (1, 8)
-    assert sum(balanced["rank_load"][0]) == TINY.batch * TINY.seq_len * TINY.top_k
+    assert sum(balanced["rank_load"][0]) == TINY.batch * TINY.seq_len * TINY.model.top_k
     assert all(r["rank_imbalance"] >= 1.0 for r in balanced["train"])
 
 
@@ -68,13 +67,13 @@ def test_resume_after_a_rebalance_continues_identically(runs, monkeypatch):
     make_optimizer = train_moe.make_optimizer
 
     def full_schedule(cfg):
-        return make_optimizer(dataclasses.replace(cfg, steps=BALANCED.steps))
+        return make_optimizer(replace(cfg, steps=BALANCED.steps))
 
     monkeypatch.setattr(train_moe, "make_optimizer", full_schedule)
-    cfg = dataclasses.replace(BALANCED, steps=3, output_dir=str(base / "resumed"))
+    cfg = replace(BALANCED, steps=3, output_dir=str(base / "resumed"))
     first, _ = _train(cfg)
     assert [e["step"] for e in first["rebalances"]] == [2]  # the checkpoint holds a new placement
-    resumed, text = _train(dataclasses.replace(cfg, steps=4, resume=True))
+    resumed, text = _train(replace(cfg, steps=4, resume=True))
     assert "resumed from step 3" in text
 
     def untimed(metrics):
@@ -104,7 +103,7 @@ def test_bad_balance_flags_fail_before_a_model_is_built(changes, message, tmp_pa
         raise AssertionError("a model was built before the flags were checked")
 
     monkeypatch.setattr(train_moe, "MoETransformer", no_model)
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "out"), **changes)
+    cfg = replace(TINY, output_dir=str(tmp_path / "out"), **changes)
     with pytest.raises(config.FlagError, match=message):
         train_moe.train(cfg, console=Console(file=io.StringIO()))
     assert not os.path.exists(cfg.output_dir)

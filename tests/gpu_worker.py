@@ -87,7 +87,8 @@ def _train(n, names):
     """Training losses of the example MoE LM on both backends (a few steps, tiny sizes)."""
     from rich.console import Console  # noqa: PLC0415
 
-    from examples.train_moe import job  # noqa: PLC0415  (the repository root on PYTHONPATH)
+    from examples.moe_lm.model import ModelConfig  # noqa: PLC0415  (the root on PYTHONPATH)
+    from examples.train_moe import job  # noqa: PLC0415
 
     mesh = ",".join(
         f"{a}={s}" for a, s in zip(names, (n,) if len(names) == 1 else (2, n // 2), strict=True)
@@ -98,15 +99,11 @@ def _train(n, names):
             steps=8,
             batch=8,
             seq_len=32,
-            d_model=64,
-            d_ff=64,
-            layers=2,
-            heads=2,
+            model=ModelConfig(d_model=64, d_ff=64, layers=2, heads=2, backend=backend),
             mesh=mesh,
             eval_every=4,
             eval_batches=2,
             progress=False,
-            backend=backend,
             output_dir=f"/tmp/jax_hybridep_gpu_train_{backend}",
         )
         metrics = job.train(cfg, console=Console(file=open(os.devnull, "w")))  # noqa: SIM115

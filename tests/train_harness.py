@@ -4,7 +4,6 @@ command lines, run from the repository root as README runs them)."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import sys
@@ -12,6 +11,8 @@ import sys
 from rich.console import Console
 
 from examples.cross_dc import job as cross_dc  # noqa: F401  (re-exported: the cross-DC job)
+from examples.job_runtime.flag_fields import replace
+from examples.moe_lm.model import ModelConfig
 from examples.train_moe import (  # noqa: F401  (re-exported: the main job's parts)
     checkpoint,
     config,
@@ -29,10 +30,7 @@ TINY = train_moe.TrainConfig(
     steps=3,
     batch=8,
     seq_len=32,
-    d_model=32,
-    d_ff=32,
-    layers=1,
-    heads=2,
+    model=ModelConfig(d_model=32, d_ff=32, layers=1, heads=2),
     mesh="ep=8",
     eval_every=2,
     eval_batches=2,
@@ -41,7 +39,8 @@ TINY = train_moe.TrainConfig(
 
 
 def tiny(**changes) -> train_moe.TrainConfig:
-    return dataclasses.replace(TINY, **changes)
+    """TINY with `changes`, named as their flags (`flag_fields.replace`: `tiny(heads=4)`)."""
+    return replace(TINY, **changes)
 
 
 def train(cfg):

@@ -15,7 +15,6 @@ tests/train_mp_faults_test.py):
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import os
@@ -28,7 +27,16 @@ import time
 
 import pytest
 from mp_launch import worker_env
-from train_harness import ROOT, TINY, TRAIN_MOE, checkpoint, python_path_env, train_moe
+from train_harness import (
+    ROOT,
+    TINY,
+    TRAIN_MOE,
+    checkpoint,
+    config,
+    python_path_env,
+    replace,
+    train_moe,
+)
 from train_harness import train as _train
 
 pytestmark = pytest.mark.usefixtures("no_backend_override")
@@ -36,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("no_backend_override")
 STOP_STATUS = 128 + signal.SIGTERM
 # TINY on the command line; the schedule ends at 1000 steps, whatever --steps says.
 _NAMES = ("batch", "seq_len", "d_model", "d_ff", "layers", "heads", "mesh")
-FLAGS = [f"--{k}={getattr(TINY, k)}" for k in _NAMES] + ["--schedule_steps=1000"]
+FLAGS = [f"--{k}={config.flag_values(TINY)[k]}" for k in _NAMES] + ["--schedule_steps=1000"]
 
 
 def _start(out, *extra, log):
@@ -134,16 +142,16 @@ def test_resume_after_sigterm_continues_bit_for_bit(contended, tmp_path):
     shutil.copytree(out, resumed_dir)
     steps = step + 2
     # As on the command line (which has no --eval_batches: its default).
-    cfg = dataclasses.replace(
+    cfg = replace(
         TINY,
         steps=steps,
         schedule_steps=1000,
         eval_every=1,
         eval_batches=train_moe.TrainConfig().eval_batches,
     )
-    resumed, text = _train(dataclasses.replace(cfg, resume=True, output_dir=str(resumed_dir)))
+    resumed, text = _train(replace(cfg, resume=True, output_dir=str(resumed_dir)))
     assert f"resumed from step {step}" in text
-    whole, _ = _train(dataclasses.replace(cfg, output_dir=str(tmp_path / "whole")))
+    whole, _ = _train(replace(cfg, output_dir=str(tmp_path / "whole")))
     assert [r["step"] for r in resumed["train"]] == list(range(steps))
     for key in ("loss", "ce", "aux", "grad_norm", "dropped"):
         assert [r[key] for r in resumed["train"]] == [r[key] for r in whole["train"]], key
@@ -187,7 +195,7 @@ def test_a_held_lock_is_refused_before_anything_is_read(tmp_path, monkeypatch):
         fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         owner = dict(pid=4242, host="elsewhere", job="train_moe", started=0)
         os.write(holder, json.dumps(owner).encode())
-        cfg = dataclasses.replace(TINY, output_dir=str(out), resume=True)
+        cfg = replace(TINY, output_dir=str(out), resume=True)
         with pytest.raises(
             train_moe.FlagError,
             match=(
@@ -208,7 +216,7 @@ def test_the_lock_of_a_dead_run_is_taken_over_and_released(tmp_path):
     out.mkdir()
     owner = dict(pid=dead.pid, host=socket.gethostname(), job="train_moe", started=0)
     (out / ".lock").write_text(json.dumps(owner))
-    metrics, text = _train(dataclasses.replace(TINY, steps=1, output_dir=str(out)))
+    metrics, text = _train(replace(TINY, steps=1, output_dir=str(out)))
     assert (
         f"{out}: the run that held it before (train_moe, pid {dead.pid} on host "
         f"{socket.gethostname()}, started" in text
@@ -221,7 +229,7 @@ def test_the_lock_of_a_dead_run_is_taken_over_and_released(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A finished tiny run's output directory (its checkpoint at step 3)."""
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path_factory.mktemp("saved")))
+    cfg = replace(TINY, output_dir=str(tmp_path_factory.mktemp("saved")))
     _train(cfg)
     return cfg
 

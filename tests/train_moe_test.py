@@ -37,10 +37,12 @@ from train_harness import (
     config,
     job_flags,
     python_path_env,
+    replace,
     train_moe,
 )
 from train_harness import train as _train
 
+from examples.job_runtime import flag_fields
 from jax_hybridep import traffic, xdc
 from jax_hybridep.xdc.runtime import migrate
 from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
@@ -50,7 +52,7 @@ pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path_factory.mktemp("train_moe")))
+    cfg = replace(TINY, output_dir=str(tmp_path_factory.mktemp("train_moe")))
     metrics, text = _train(cfg)
     # A copy as the run left it, for the tests that break it (the resume test extends the run).
     shutil.copytree(cfg.output_dir, cfg.output_dir + "_pristine")
@@ -61,7 +63,7 @@ def _copy_of_first_run(first_run, tmp_path, **changes):
     cfg = first_run[0]
     out = tmp_path / "run"
     shutil.copytree(cfg.output_dir + "_pristine", out)
-    return dataclasses.replace(cfg, output_dir=str(out), **changes)
+    return replace(cfg, output_dir=str(out), **changes)
 
 
 def test_short_run_writes_its_outputs(first_run):
@@ -72,9 +74,9 @@ def test_short_run_writes_its_outputs(first_run):
     assert [r["step"] for r in metrics["eval"]] == [0, 2, 3]
     losses = [r["loss"] for r in metrics["train"]] + [r["loss"] for r in metrics["eval"]]
     assert all(math.isfinite(v) for v in losses)
-    assert len(metrics["tokens_per_expert"]) == cfg.layers
+    assert len(metrics["tokens_per_expert"]) == cfg.model.layers
     # Top-2 over 8 experts: every token lands twice, none dropped (dropless by default).
-    assert sum(metrics["tokens_per_expert"][0]) == cfg.batch * cfg.seq_len * cfg.top_k
+    assert sum(metrics["tokens_per_expert"][0]) == cfg.batch * cfg.seq_len * cfg.model.top_k
     assert all(r["dropped"] == 0 for r in metrics["train"])
     with open(os.path.join(cfg.output_dir, "train_moe.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -102,7 +104,7 @@ checkpoint.save({ckpt!r}, 5, dict(w=np.ones(3, np.float32)), dict(steps=5))
 def test_resume_continues_from_the_saved_step_after_a_crashed_save(first_run):
     cfg, first, _ = first_run
     # Flags that may change on resume: the steps, the backend (bitwise alike), the eval cadence.
-    cfg = dataclasses.replace(cfg, steps=5, resume=True, backend="xla", eval_every=1)
+    cfg = replace(cfg, steps=5, resume=True, backend="xla", eval_every=1)
     ckpt = os.path.join(cfg.output_dir, "checkpoint")
     code = CRASH_AT_COMMIT.format(ckpt=ckpt)
     env = python_path_env(JAX_PLATFORMS="cpu")
@@ -128,7 +130,7 @@ def test_xla_and_ffi_backends_train_identically(tmp_path):
     # A capacity that drops rows and a data axis beside EP exercise drops and EP groups too.
     runs = {}
     for backend in ("xla", "ffi"):
-        cfg = dataclasses.replace(
+        cfg = replace(
             TINY,
             steps=20,
             eval_every=10,
@@ -156,7 +158,7 @@ def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(t
         ("dc", {"dc": 2}, None),
         ("sr", {"dc": 2}, 8.0),
     ):
-        cfg = dataclasses.replace(
+        cfg = replace(
             TINY,
             steps=4,
             mesh="dc=2,node=2,local=2",
@@ -193,7 +195,7 @@ def _no_model(*args, **kwargs):
 def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidth(tmp_path):
     # At 100 Gbps with 0.1 ms per message, replicating experts over domains of 4 beats 4 token
     # exchanges (the plan at step 0); at 0.01 Gbps moving the experts costs more: fewer replicas.
-    cfg = dataclasses.replace(
+    cfg = replace(
         TINY,
         steps=4,
         replan_every=2,
@@ -262,7 +264,7 @@ def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidt
 )
 def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monkeypatch):
     monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "out"), **changes)
+    cfg = replace(TINY, output_dir=str(tmp_path / "out"), **changes)
     with pytest.raises(train_moe.FlagError, match=message):
         train_moe.train(cfg)
     assert not os.path.exists(cfg.output_dir)  # nothing written either
@@ -310,14 +312,14 @@ def test_output_dir_that_cannot_be_written_is_a_flag_error(tmp_path, monkeypatch
     monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
     monkeypatch.setattr(train_moe.ByteData, "load", _no_model)  # checked before the data too
     (tmp_path / "file").write_text("")
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / where))
+    cfg = replace(TINY, output_dir=str(tmp_path / where))
     with pytest.raises(train_moe.FlagError, match=message):
         config.check_config(cfg, [], None)
 
 
 def test_dropless_is_spelled_none():
     parse = config.parse_capacity_factor
-    assert TINY.capacity_factor is None and config.TrainConfig().capacity_factor is None
+    assert TINY.model.capacity_factor is None and config.TrainConfig().model.capacity_factor is None
     assert parse(None) is None and parse("none") is None and parse("None") is None
     assert parse("1.25") == 1.25
     with pytest.raises(train_moe.FlagError, match=r"--capacity_factor=x must be a number > 0"):
@@ -346,7 +348,7 @@ def test_command_line_flag_error_is_one_line():
 
 def test_resume_without_a_checkpoint_names_the_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "never_ran"), resume=True)
+    cfg = replace(TINY, output_dir=str(tmp_path / "never_ran"), resume=True)
     ckpt = os.path.join(cfg.output_dir, "checkpoint")
     with pytest.raises(train_moe.ResumeError, match=f"no checkpoint directory {ckpt} "):
         train_moe.train(cfg)
@@ -436,7 +438,7 @@ def test_restore_names_the_flags_of_a_state_that_does_not_fit(first_run):
 
 
 def test_steps_zero_names_only_what_it_wrote(tmp_path):
-    cfg = dataclasses.replace(TINY, steps=0, output_dir=str(tmp_path / "out"))
+    cfg = replace(TINY, steps=0, output_dir=str(tmp_path / "out"))
     metrics, text = _train(cfg)
     lines = text.strip().splitlines()
     assert lines[-2] == f"wrote metrics.json to {cfg.output_dir}"
@@ -452,7 +454,7 @@ def test_command_line_corrupt_checkpoint_is_one_last_line(first_run, tmp_path):
     with open(os.path.join(step_dir, "state", "manifest.ocdbt"), "r+b") as f:
         f.truncate(7)
     flags = [
-        f"--{k}={getattr(cfg, k)}"
+        f"--{k}={config.flag_values(cfg)[k]}"
         for k in ("batch", "seq_len", "d_model", "d_ff", "layers", "heads", "mesh", "eval_every")
     ]
     proc = subprocess.run(
@@ -485,6 +487,49 @@ def test_resume_help_lists_the_flags_that_may_change():
     text = flags.FLAGS["resume"].help
     for name in config.RESUMABLE_FLAGS:
         assert f"--{name}" in text and name in flags.FLAGS, (name, text)
+
+
+def test_every_flag_is_its_field_and_reads_back_as_the_config(monkeypatch):
+    """One source per setting: each flag has its field's default and help (the model's fields
+    among them, under their own names), the parsed defaults read back as `TrainConfig()`, a
+    changed flag lands in its field, and a checkpoint records exactly the flags (and the two
+    fields without one)."""
+    from absl import flags  # noqa: PLC0415
+
+    if "resume" not in flags.FLAGS:
+        job_flags.define_flags()
+    defaults = config.TrainConfig()
+    made = flag_fields.flag_fields(defaults)
+    assert {f.name for f, _ in made} >= {"d_model", "heads", "backend", "wire_dtype", "seed"}
+    for field, default in made:
+        if field.name not in job_flags.CUSTOM:
+            flag = flags.FLAGS[field.name]
+            assert flag.default == default and flag.help.endswith(field.metadata["help"]), (
+                field.name
+            )
+    assert flags.FLAGS["capacity_factor"].default == config.DROPLESS
+    assert job_flags.config_from_flags() == defaults
+    monkeypatch.setattr(flags.FLAGS["d_model"], "value", 64)
+    monkeypatch.setattr(flags.FLAGS["capacity_factor"], "value", "1.5")
+    monkeypatch.setattr(flags.FLAGS["domains"], "value", "ep=2")
+    got = job_flags.config_from_flags()
+    assert got == replace(
+        defaults, d_model=64, capacity_factor=1.5, migration=xdc.Migration((("ep", 2),))
+    )
+    migration = set(config.migration_flags(xdc.Migration()))
+    recorded = set(config.flag_values(defaults))
+    assert (
+        recorded - {"eval_batches", "progress"}
+        == {f.name for f, _ in made} - {"migration"} | migration
+    )
+    assert all(name in flags.FLAGS for name in recorded - {"eval_batches", "progress"})
+
+
+def test_a_setting_is_changed_by_its_flag_name():
+    assert replace(TINY, heads=4, steps=9).model.heads == 4
+    assert replace(TINY, heads=4).model == dataclasses.replace(TINY.model, heads=4)
+    with pytest.raises(TypeError, match="TrainConfig has no field nope"):
+        replace(TINY, nope=1)
 
 
 def test_resume_with_a_corrupt_metrics_file(first_run, tmp_path, monkeypatch):

@@ -19,7 +19,6 @@ The runs are shared, for CI's time:
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -34,7 +33,7 @@ import numpy as np
 import pytest
 from mp_launch import worker_env
 from rich.console import Console
-from train_harness import CROSS_DC, ROOT, TRAIN_MOE, train_moe
+from train_harness import CROSS_DC, ROOT, TRAIN_MOE, config, replace, train_moe
 
 from examples.job_runtime.processes import Processes, end_unexpected
 
@@ -76,9 +75,10 @@ def _env(**extra) -> dict[str, str]:
 
 def _one_process(flags: dict, out) -> dict:
     """The 1 process x 8 devices run of `flags` (in this process, the first 8 devices)."""
-    fields = {f.name for f in dataclasses.fields(train_moe.TrainConfig)}
-    cfg = train_moe.TrainConfig(
-        **{k: v for k, v in flags.items() if k in fields},
+    names = config.flag_values(train_moe.TrainConfig())  # the main job's (not the process's)
+    cfg = replace(
+        train_moe.TrainConfig(),
+        **{k: v for k, v in flags.items() if k in names},
         steps=STEPS,
         output_dir=str(out),
         progress=False,
@@ -249,9 +249,10 @@ def test_another_process_count_is_refused_on_resume(ffi_chain, tmp_path, monkeyp
     monkeypatch.setattr(train_moe, "MoETransformer", no_model)
     out = tmp_path / "copy"
     shutil.copytree(ffi_chain["out"], out)
-    fields = {f.name for f in dataclasses.fields(train_moe.TrainConfig)}
-    cfg = train_moe.TrainConfig(
-        **{k: v for k, v in FFI.items() if k in fields},
+    names = config.flag_values(train_moe.TrainConfig())
+    cfg = replace(
+        train_moe.TrainConfig(),
+        **{k: v for k, v in FFI.items() if k in names},
         steps=40,
         resume=True,
         output_dir=str(out),

@@ -30,8 +30,8 @@ from examples.job_runtime.errors import (
 from examples.job_runtime.processes import Processes
 from examples.job_runtime.run_job import run_job
 from examples.job_runtime.startup import global_devices
-from examples.moe_lm.data import VOCAB_SIZE, ByteData
-from examples.moe_lm.model import ModelConfig, MoETransformer, make_mesh
+from examples.moe_lm.data import ByteData
+from examples.moe_lm.model import MoETransformer, make_mesh
 from examples.train_moe import checkpoint, replan
 from examples.train_moe.config import TrainConfig, check_config, flag_values
 from examples.train_moe.flags import config_from_flags, define_flags
@@ -39,7 +39,6 @@ from examples.train_moe.loop import loop
 from examples.train_moe.rebalance import Rebalancer
 from examples.train_moe.report import metrics_of, write_outputs
 from examples.train_moe.step import make_optimizer
-from jax_hybridep import balance
 
 NAME = "train_moe"  # the command's and the package's name; it starts the lines the job ends with
 
@@ -55,30 +54,6 @@ MODEL_FLAGS = (
     "domain_shared",
     "grad_compression",
 )
-
-
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model `cfg` trains."""
-    return ModelConfig(
-        vocab_size=VOCAB_SIZE,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        layers=cfg.layers,
-        heads=cfg.heads,
-        experts=cfg.experts,
-        top_k=cfg.top_k,
-        capacity_factor=cfg.capacity_factor,
-        backend=cfg.backend,
-        migration=cfg.migration,
-        wire_dtype=cfg.wire_dtype,
-        # A placement (even without redundant slots) lets the rebalancer move experts.
-        balance=(
-            balance.BalanceConfig(cfg.redundant_slots)
-            if cfg.redundant_slots or cfg.rebalance_every
-            else None
-        ),
-        prefetch=cfg.prefetch,
-    )
 
 
 def mesh_spec(mesh) -> str:
@@ -143,7 +118,7 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
         defaults = flag_values(TrainConfig())
         checkpoint.check_resume_flags(ckpt_dir, start, saved.meta, meta, defaults)
         old_metrics = checkpoint.read_metrics(metrics_path)
-    model_cfg = model_config(cfg)
+    model_cfg = cfg.built_model
     if hook is None and cfg.replan_every:
         hook = replan.ReplanHook.from_config(cfg, model_cfg, mesh, topology)
     if hook is not None:

@@ -97,7 +97,7 @@ def loop(
     console.print(
         f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}"
         f"{f' in {count} processes' if count > 1 else ''}, "
-        f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}), "
+        f"{cfg.model.layers} layers x {cfg.model.experts} experts (top-{cfg.model.top_k}), "
         f"{cfg.batch}x{cfg.seq_len} bytes/step; compiled in {time.perf_counter() - t0:.1f}s"
     )
     console.print(f"backend: {backend}")
