@@ -64,56 +64,6 @@ def kv_exchange(prefix: str, rank: int, mine: bytes, count: int, timeout_ms: int
     return [client.blocking_key_value_get_bytes(f"{prefix}/{r}", timeout_ms) for r in range(count)]
 
 
-def distributed_client():
-    """The `jax.distributed` runtime client (its key-value store and barriers: `key_value_set`,
-    `key_value_dir_get`, `blocking_key_value_get`, `wait_at_barrier`), or None when
-    `jax.distributed` is not initialised. Private JAX API."""
-    from jax._src import distributed  # noqa: PLC0415
-
-    return distributed.global_state.client
-
-
-def _detected_env():
-    """The cluster environment class `jax.distributed.initialize()` would detect by itself
-    (SLURM, Open MPI, ...; not the opt-in ones such as mpi4py), or None. Private JAX API."""
-    from jax._src import clusters  # noqa: PLC0415
-
-    for env in clusters.ClusterEnv._cluster_types:
-        if not env.opt_in_only_method and env.is_env_present():
-            return env
-    return None
-
-
-def detected_cluster() -> tuple[str, int] | None:
-    """(name, process count) of the cluster environment `jax.distributed.initialize()` would
-    detect by itself, or None when the environment describes none. Reads environment variables
-    (on a cloud TPU VM also its metadata server), starts nothing. Private JAX API."""
-    env = _detected_env()
-    return None if env is None else (env.__name__, env.get_process_count())
-
-
-def detected_coordinator(timeout_s: int) -> tuple[str, int] | None:
-    """(coordinator address, this process's index) of the cluster environment that
-    `detected_cluster` finds, as `jax.distributed.initialize()` would derive them (the address
-    honours JAX_COORDINATOR_ADDRESS and JAX_COORDINATOR_PORT), or None when there is none or it
-    cannot say. Private JAX API."""
-    import os  # noqa: PLC0415
-
-    env = _detected_env()
-    if env is None:
-        return None
-    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if address is None:
-        port = os.environ.get("JAX_COORDINATOR_PORT")
-        try:
-            address = env.get_coordinator_address(
-                timeout_secs=timeout_s, override_coordinator_port=port
-            )
-        except TypeError:  # a jax without the port override
-            address = env.get_coordinator_address(timeout_secs=timeout_s)
-    return address, env.get_process_id()
-
-
 def on_gpu_stream(fn, stream):
     """fn() traced onto GPU stream `stream` ("collective" or an int >= 1) with XLA's stream
     annotation (`jax.experimental.compute_on`), its results in device memory."""

@@ -1,4 +1,4 @@
-"""Compares the per-step records of train_moe.py runs (metrics.json), timing left out.
+"""Compares the per-step records of main-job runs (metrics.json), timing left out.
 
     python scripts/compare_metrics.py STEPS REFERENCE.json OTHER.json [...]
 

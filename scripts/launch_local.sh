@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Runs N processes of examples/train_moe.py on this machine as one jax.distributed job (fake CPU
-# devices, gloo collectives): multi-host without a cluster. docs/multihost.md has the details.
+# Runs N processes of a job (`python -m examples.train_moe`, the main job, or MODULE's) on this
+# machine as one jax.distributed job (fake CPU devices, gloo collectives): multi-host without a
+# cluster. docs/multihost.md has the details.
 #
 #   bash scripts/launch_local.sh N [flags...]       # e.g. 2 --mesh=node=2,local=4 --steps=30
-#   SCRIPT=examples/cross_dc.py bash scripts/launch_local.sh 2 --steps=30
+#   MODULE=examples.cross_dc bash scripts/launch_local.sh 2 --steps=30
 #
-# Every process gets the same flags plus --coordinator_address (a free port on 127.0.0.1),
+# Every process runs `$PYTHON -m $MODULE` (the repository root first on PYTHONPATH, so from any
+# directory) with the same flags plus --coordinator_address (a free port on 127.0.0.1),
 # --num_processes and --process_id. Each one's output goes to <output_dir>/logs/process_<i>.log
-# (output_dir: the last --output_dir= given, else /tmp/<script name>); process 0's is also shown
-# here. Exits with the first non-zero status of a process, after stopping the others (SIGTERM,
-# then SIGKILL after 10 s), naming that process and its log; 0 when every process exits 0.
-# PYTHON (default: the repository's .venv) and JAX_PLATFORMS (default: cpu) may be set.
+# (output_dir: the last --output_dir= given, else /tmp/<MODULE's last part>, e.g. /tmp/cross_dc);
+# process 0's is also shown here. Exits with the first non-zero status of a process, after
+# stopping the others (SIGTERM, then SIGKILL after 10 s), naming that process and its log; 0 when
+# every process exits 0. PYTHON (default: the repository's .venv) and JAX_PLATFORMS (default:
+# cpu) may be set.
 set -uo pipefail
 
 if [ $# -lt 1 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
@@ -20,10 +23,9 @@ fi
 num=$1
 shift
 root="$(cd "$(dirname "$0")/.." && pwd)"
-script="${SCRIPT:-$root/examples/train_moe.py}"
+module="${MODULE:-examples.train_moe}"
 python="${PYTHON:-$root/.venv/bin/python}"
-name="$(basename "$script" .py)"
-out="/tmp/$name"
+out="/tmp/${module##*.}"
 for flag in "$@"; do
   case "$flag" in --output_dir=*) out="${flag#--output_dir=}" ;; esac
 done
@@ -35,13 +37,14 @@ fi
 port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" || exit 2
 
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 # gRPC honours proxy variables: the coordinator on 127.0.0.1 must be reached directly.
 unset http_proxy https_proxy HTTP_PROXY HTTPS_PROXY all_proxy ALL_PROXY
 
 pids=()
 for ((i = 0; i < num; i++)); do
   : >"$logs/process_$i.log" # here, before the follower below opens it
-  "$python" "$script" "$@" --coordinator_address="127.0.0.1:$port" --num_processes="$num" \
+  "$python" -m "$module" "$@" --coordinator_address="127.0.0.1:$port" --num_processes="$num" \
     --process_id="$i" >>"$logs/process_$i.log" 2>&1 &
   pids+=($!)
 done

@@ -1,4 +1,5 @@
-"""examples/train_moe.py with --redundant_slots and --rebalance_every (tiny sizes, 8 devices).
+"""The main job (`examples/train_moe/`) with --redundant_slots and --rebalance_every (tiny sizes,
+8 devices).
 
 Covers: a run that re-places its experts mid-training has the loss curve of the run without
 redundant slots (bit for bit before the first re-placement, to float32 summation order after:
@@ -10,20 +11,19 @@ cannot be combined fail before a model is built.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 
 import numpy as np
 import pytest
 from rich.console import Console
-from train_harness import main_job, tiny, train_config
+from train_harness import config, replace, tiny, train_moe
 from train_harness import train as _train
 
 from jax_hybridep import xdc
 
 TINY = tiny(steps=4, eval_batches=1)
-BALANCED = dataclasses.replace(TINY, redundant_slots=1, rebalance_every=2)
+BALANCED = replace(TINY, redundant_slots=1, rebalance_every=2)
 
 
 pytestmark = pytest.mark.usefixtures("no_backend_override")
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.usefixtures("no_backend_override")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("balance_train")
-    plain, _ = _train(dataclasses.replace(TINY, output_dir=str(base / "plain")))
-    balanced, text = _train(dataclasses.replace(BALANCED, output_dir=str(base / "balanced")))
+    plain, _ = _train(replace(TINY, output_dir=str(base / "plain")))
+    balanced, text = _train(replace(BALANCED, output_dir=str(base / "balanced")))
     return plain, balanced, text, base
 
 
@@ -56,7 +56,7 @@ def test_rebalancing_keeps_the_loss_curve(runs):
     )
     # Per-rank load: 8 ranks, every routed row counted once.
     assert np.shape(balanced["rank_load"]) == (1, 8)
-    assert sum(balanced["rank_load"][0]) == TINY.batch * TINY.seq_len * TINY.top_k
+    assert sum(balanced["rank_load"][0]) == TINY.batch * TINY.seq_len * TINY.model.top_k
     assert all(r["rank_imbalance"] >= 1.0 for r in balanced["train"])
 
 
@@ -64,16 +64,16 @@ def test_resume_after_a_rebalance_continues_identically(runs, monkeypatch):
     _, balanced, _, base = runs
     # The learning-rate schedule spans --steps; the stopped run takes the full run's schedule so
     # that the uninterrupted run is the reference.
-    make_optimizer = main_job.make_optimizer
+    make_optimizer = train_moe.make_optimizer
 
     def full_schedule(cfg):
-        return make_optimizer(dataclasses.replace(cfg, steps=BALANCED.steps))
+        return make_optimizer(replace(cfg, steps=BALANCED.steps))
 
-    monkeypatch.setattr(main_job, "make_optimizer", full_schedule)
-    cfg = dataclasses.replace(BALANCED, steps=3, output_dir=str(base / "resumed"))
+    monkeypatch.setattr(train_moe, "make_optimizer", full_schedule)
+    cfg = replace(BALANCED, steps=3, output_dir=str(base / "resumed"))
     first, _ = _train(cfg)
     assert [e["step"] for e in first["rebalances"]] == [2]  # the checkpoint holds a new placement
-    resumed, text = _train(dataclasses.replace(cfg, steps=4, resume=True))
+    resumed, text = _train(replace(cfg, steps=4, resume=True))
     assert "resumed from step 3" in text
 
     def untimed(metrics):
@@ -102,8 +102,8 @@ def test_bad_balance_flags_fail_before_a_model_is_built(changes, message, tmp_pa
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the flags were checked")
 
-    monkeypatch.setattr(main_job, "MoETransformer", no_model)
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "out"), **changes)
-    with pytest.raises(train_config.FlagError, match=message):
-        main_job.train(cfg, console=Console(file=io.StringIO()))
+    monkeypatch.setattr(train_moe, "MoETransformer", no_model)
+    cfg = replace(TINY, output_dir=str(tmp_path / "out"), **changes)
+    with pytest.raises(config.FlagError, match=message):
+        train_moe.train(cfg, console=Console(file=io.StringIO()))
     assert not os.path.exists(cfg.output_dir)

@@ -1,8 +1,8 @@
-"""examples/cross_dc.py at a tiny size, in-process: plan, train plain EP, the plan and SR-compressed
-domains with gradient compression, and the bytes across the DC level measured (compiled step,
-first step's copies) equal to the model's prediction from the same run's routing, dense gradients
-included; a re-planned run switching domains at a bandwidth drop trains like plain EP with one
-more compile; bad flags rejected before any model is built."""
+"""The cross-DC job (`python -m examples.cross_dc`) at a tiny size, in-process: plan, train plain
+EP, the plan and SR-compressed domains with gradient compression, and the bytes across the DC
+level measured (compiled step, first step's copies) equal to the model's prediction from the same
+run's routing, dense gradients included; a re-planned run switching domains at a bandwidth drop
+trains like plain EP with one more compile; bad flags rejected before any model is built."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import dataclasses
 import io
 import math
 import subprocess
-import sys
 
 import pytest
 from rich.console import Console
-from train_harness import EXAMPLES, cross_dc_job
+from train_harness import CROSS_DC, ROOT, cross_dc
 
 from jax_hybridep import xdc
 
@@ -29,16 +28,16 @@ pytestmark = pytest.mark.usefixtures("no_backend_override")
 def example(tmp_path_factory):
     out = tmp_path_factory.mktemp("cross_dc")
     console = Console(file=io.StringIO(), width=160)
-    s = cross_dc_job.Settings(steps=4, output_dir=str(out))
-    base = cross_dc_job.base_config(s)
-    dense, routing = cross_dc_job.first_step(base)
-    summary = cross_dc_job.run(s, console, first=(dense, routing))
+    s = cross_dc.Settings(steps=4, output_dir=str(out))
+    base = cross_dc.base_config(s)
+    dense, routing = cross_dc.first_step(base)
+    summary = cross_dc.run(s, console, first=(dense, routing))
     # SR compression on a DC-level domain, the persistent shared expert refreshed every 2 steps,
     # the gradients compressed too.
     sr = dataclasses.replace(
         s, migration=xdc.Migration({"dc": 2}, 10.0, sync_every=2, grad_compression=10.0)
     )
-    compressed = cross_dc_job.run_one(sr, base, (2, 1, 1), sr.migration, routing, dense, console)
+    compressed = cross_dc.run_one(sr, base, (2, 1, 1), sr.migration, routing, dense, console)
     return summary, compressed, console.file.getvalue()
 
 
@@ -84,11 +83,11 @@ def test_compressed_domains_measured_equal_predicted(example):
 
 def test_replanning_switches_at_a_bandwidth_drop_and_trains_like_plain_ep(example, tmp_path):
     summary, _, _ = example
-    s = cross_dc_job.Settings(
+    s = cross_dc.Settings(
         steps=4, replan_every=2, link_schedule="2:dc=0.01", output_dir=str(tmp_path)
     )
     console = Console(file=io.StringIO(), width=160)
-    out = cross_dc_job.run(s, console, first=(summary["dense_bytes"], None))
+    out = cross_dc.run(s, console, first=(summary["dense_bytes"], None))
     first, second = out["history"]
     # Planned at 10 Gbps: experts cross the WAN; at 0.01 Gbps tokens do (fewer bytes).
     assert first["changed"] and first["layer_domains"][0][0] == 1 == first["layer_domains"][1][0]
@@ -121,20 +120,20 @@ BAD = [
 @pytest.mark.parametrize("bad,message", BAD, ids=[m for _, m in BAD])
 def test_settings_name_the_bad_flag(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        cross_dc_job.Settings(**bad).check()
+        cross_dc.Settings(**bad).check()
 
 
 def test_cli_rejects_a_bad_flag_before_building_a_model(tmp_path):
-    # The cross-DC flags parse into one xdc.Migration (train_config.parse_migration) first.
+    # The cross-DC flags parse into one xdc.Migration (the main job's config.parse_migration).
     message = "--domain_compression=1.0 must be a finite number > 1"
     out = subprocess.run(
-        [sys.executable, "cross_dc.py", "--domain_compression=1.0", f"--output_dir={tmp_path}"],
-        cwd=EXAMPLES,
+        [*CROSS_DC, "--domain_compression=1.0", f"--output_dir={tmp_path}"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]  # one line, the last
-    assert last == f"cross_dc.py: {message} (a compression ratio; leave it unset for none)"
+    assert last == f"cross_dc: {message} (a compression ratio; leave it unset for none)"
     assert not any(tmp_path.iterdir())  # nothing trained, nothing written

@@ -8,8 +8,8 @@ dropless and a capacity, weighted and unweighted combine, it runs the MoE block 
 tests/harness.py on the ffi backend (CUDA handlers) and on the xla backend, values and gradients,
 and twice on ffi (the registered windows are reused); `--levels=hier` splits the GPUs as
 (node=2, local=N/2), the node level going through XLA all-to-alls. `--train` also trains the
-example MoE LM (examples/train_moe.py) a few steps on both backends (the `examples` package
-imported from the repository root: on PYTHONPATH, as tests/gpu_jax_test.py and
+example MoE LM (the main job, `examples/train_moe/`) a few steps on both backends (the `examples`
+package imported from the repository root: on PYTHONPATH, as tests/gpu_jax_test.py and
 scripts/gpu_check.sh set it). Prints one JSON line: per
 case, whether dispatch outputs are bitwise equal, the largest relative combine/gradient
 difference, whether those are bitwise, and whether the program ran the CUDA handlers; the
@@ -87,29 +87,26 @@ def _train(n, names):
     """Training losses of the example MoE LM on both backends (a few steps, tiny sizes)."""
     from rich.console import Console  # noqa: PLC0415
 
-    from examples.main_job import main_job  # noqa: PLC0415  (the repository root on PYTHONPATH)
+    from examples.moe_lm.model import ModelConfig  # noqa: PLC0415  (the root on PYTHONPATH)
+    from examples.train_moe import job  # noqa: PLC0415
 
     mesh = ",".join(
         f"{a}={s}" for a, s in zip(names, (n,) if len(names) == 1 else (2, n // 2), strict=True)
     )
     losses = {}
     for backend in ("ffi", "xla"):
-        cfg = main_job.TrainConfig(
+        cfg = job.TrainConfig(
             steps=8,
             batch=8,
             seq_len=32,
-            d_model=64,
-            d_ff=64,
-            layers=2,
-            heads=2,
+            model=ModelConfig(d_model=64, d_ff=64, layers=2, heads=2, backend=backend),
             mesh=mesh,
             eval_every=4,
             eval_batches=2,
             progress=False,
-            backend=backend,
             output_dir=f"/tmp/jax_hybridep_gpu_train_{backend}",
         )
-        metrics = main_job.train(cfg, console=Console(file=open(os.devnull, "w")))  # noqa: SIM115
+        metrics = job.train(cfg, console=Console(file=open(os.devnull, "w")))  # noqa: SIM115
         losses[backend] = dict(
             backend=metrics["backend"], train=[r["loss"] for r in metrics["train"]]
         )

@@ -7,9 +7,10 @@ module named by the package. An import circle is a strongly connected set of two
 the test names every one it finds.
 
 The tests and the examples import one another by name, never by path: no file under tests/ or
-examples/ imports a `*_test` module (shared helpers live in their own modules) or adds to
-`sys.path` (pytest puts tests/ and the repository root there; the examples' two scripts, run by
-path, replace their own folder with the root).
+examples/ imports a `*_test` module (shared helpers live in their own modules) or edits `sys.path`
+(adds to it or assigns into it: pytest puts tests/ and the repository root there, and the
+examples' two jobs run as modules from the root, `python -m examples.train_moe`, where Python
+puts the root there itself).
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def test_no_import_circle_in_jax_hybridep():
 
 
 def _seam_breaks(source: str, path: str) -> list[str]:
-    """Where `source` imports a test module or adds to sys.path."""
+    """Where `source` imports a test module or edits sys.path (a call that adds to it, an
+    assignment to it or into it)."""
     out = []
     for node in ast.walk(ast.parse(source, path)):
         if isinstance(node, ast.Import):
@@ -142,6 +144,12 @@ def _seam_breaks(source: str, path: str) -> list[str]:
         ):
             out.append(f"{path}:{node.lineno} adds to sys.path")
             continue
+        elif isinstance(node, ast.Assign | ast.AugAssign) and any(
+            ast.unparse(t).startswith("sys.path")
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        ):
+            out.append(f"{path}:{node.lineno} assigns to sys.path")
+            continue
         else:
             continue
         if any(name.rpartition(".")[2].endswith("_test") for name in names):
@@ -150,13 +158,19 @@ def _seam_breaks(source: str, path: str) -> list[str]:
 
 
 def test_seam_checker_finds_planted_breaks():
-    planted = "import sys\nsys.path.insert(0, 'x')\nfrom fp8_test import helper\nimport a.b_test\n"
+    planted = (
+        "import sys\nsys.path.insert(0, 'x')\nfrom fp8_test import helper\nimport a.b_test\n"
+        "sys.path[0] = 'root'\nsys.path += ['x']\n"
+    )
     assert _seam_breaks(planted, "p.py") == [
         "p.py:2 adds to sys.path",
         "p.py:3 imports a test module",
         "p.py:4 imports a test module",
+        "p.py:5 assigns to sys.path",
+        "p.py:6 assigns to sys.path",
     ]
-    assert _seam_breaks("import sys\nsys.path[0] = 'root'\nfrom harness import x\n", "ok.py") == []
+    clean = "import sys\npaths = list(sys.path)\nfrom harness import x\n"
+    assert _seam_breaks(clean, "ok.py") == []
 
 
 def test_tests_and_examples_import_no_test_module_and_leave_sys_path_alone():

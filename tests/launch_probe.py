@@ -1,4 +1,5 @@
-"""A stand-in for train_moe.py under scripts/launch_local.sh (tests/train_mp_test.py): no jax.
+"""A stand-in for the main job under scripts/launch_local.sh (tests/train_mp_test.py runs it as
+`MODULE=launch_probe`, tests/ on PYTHONPATH): no jax.
 
 Records its pid and flags in <output_dir>/probe_<process_id>.json, then process 1 exits with
 status 3 at once while the others sleep (the launcher must stop them and exit 3).

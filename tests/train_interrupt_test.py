@@ -1,4 +1,4 @@
-"""The main job, examples/train_moe.py, interrupted or contended (one process; several:
+"""The main job, `python -m examples.train_moe`, interrupted or contended (one process; several:
 tests/train_mp_faults_test.py):
 
 * a scheduler's SIGTERM ends a run after its current step with a committed checkpoint, one line
@@ -15,7 +15,6 @@ tests/train_mp_faults_test.py):
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import os
@@ -28,21 +27,30 @@ import time
 
 import pytest
 from mp_launch import worker_env
-from train_harness import EXAMPLES, TINY, main_job, python_path_env, train_checkpoint
+from train_harness import (
+    ROOT,
+    TINY,
+    TRAIN_MOE,
+    checkpoint,
+    config,
+    python_path_env,
+    replace,
+    train_moe,
+)
 from train_harness import train as _train
 
 pytestmark = pytest.mark.usefixtures("no_backend_override")
 
-SCRIPT = os.path.join(EXAMPLES, "train_moe.py")
 STOP_STATUS = 128 + signal.SIGTERM
 # TINY on the command line; the schedule ends at 1000 steps, whatever --steps says.
 _NAMES = ("batch", "seq_len", "d_model", "d_ff", "layers", "heads", "mesh")
-FLAGS = [f"--{k}={getattr(TINY, k)}" for k in _NAMES] + ["--schedule_steps=1000"]
+FLAGS = [f"--{k}={config.flag_values(TINY)[k]}" for k in _NAMES] + ["--schedule_steps=1000"]
 
 
 def _start(out, *extra, log):
     return subprocess.Popen(
-        [sys.executable, SCRIPT, *FLAGS, f"--output_dir={out}", *extra],
+        [*TRAIN_MOE, *FLAGS, f"--output_dir={out}", *extra],
+        cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
         env=worker_env(),
@@ -71,7 +79,8 @@ def contended(tmp_path_factory):
     try:
         assert _wait_for(out.parent / "a.log", "step     2:", a), (out.parent / "a.log").read_text()
         b = subprocess.run(
-            [sys.executable, SCRIPT, *FLAGS, f"--output_dir={out}", "--steps=2"],
+            [*TRAIN_MOE, *FLAGS, f"--output_dir={out}", "--steps=2"],
+            cwd=ROOT,
             capture_output=True,
             text=True,
             env=worker_env(),
@@ -102,7 +111,7 @@ def test_a_second_run_on_a_busy_output_dir_is_refused_in_one_line(contended):
     host = socket.gethostname()
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(contended["lock"]["started"]))
     assert b.stderr.strip().splitlines() == [
-        f"train_moe.py: --output_dir={contended['out']} is in use by another run (train_moe.py, "
+        f"train_moe: --output_dir={contended['out']} is in use by another run (train_moe, "
         f"pid {a.pid} on host {host}, started {started}): "
         "two runs would destroy each other's checkpoints; wait for it to end, stop it, or use "
         f"another --output_dir (its lock: {contended['out']}/.lock)"
@@ -114,7 +123,7 @@ def test_sigterm_commits_a_checkpoint_and_ends_in_one_line(contended):
     a, log, out = contended["a"], contended["a_log"], contended["out"]
     assert a.returncode == STOP_STATUS, log[-3000:]
     last = log.strip().splitlines()[-1]
-    prefix = "train_moe.py: stopped by SIGTERM after step "
+    prefix = "train_moe: stopped by SIGTERM after step "
     assert last.startswith(prefix), log[-3000:]
     step = int(last[len(prefix) :].split()[0])
     assert last == (
@@ -133,16 +142,16 @@ def test_resume_after_sigterm_continues_bit_for_bit(contended, tmp_path):
     shutil.copytree(out, resumed_dir)
     steps = step + 2
     # As on the command line (which has no --eval_batches: its default).
-    cfg = dataclasses.replace(
+    cfg = replace(
         TINY,
         steps=steps,
         schedule_steps=1000,
         eval_every=1,
-        eval_batches=main_job.TrainConfig().eval_batches,
+        eval_batches=train_moe.TrainConfig().eval_batches,
     )
-    resumed, text = _train(dataclasses.replace(cfg, resume=True, output_dir=str(resumed_dir)))
+    resumed, text = _train(replace(cfg, resume=True, output_dir=str(resumed_dir)))
     assert f"resumed from step {step}" in text
-    whole, _ = _train(dataclasses.replace(cfg, output_dir=str(tmp_path / "whole")))
+    whole, _ = _train(replace(cfg, output_dir=str(tmp_path / "whole")))
     assert [r["step"] for r in resumed["train"]] == list(range(steps))
     for key in ("loss", "ce", "aux", "grad_norm", "dropped"):
         assert [r[key] for r in resumed["train"]] == [r[key] for r in whole["train"]], key
@@ -152,8 +161,7 @@ def test_resume_after_sigterm_continues_bit_for_bit(contended, tmp_path):
 DEADLINE = """
 import os, signal, time
 from examples.job_runtime import preemption
-preemption.install(1)
-preemption.set_prefix("train_moe.py")
+preemption.install(1, "train_moe")
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(120)  # a job that cannot reach its next step
 """
@@ -169,7 +177,7 @@ def test_a_run_that_cannot_stop_in_time_ends_at_the_deadline():
     )
     assert proc.returncode == STOP_STATUS, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "train_moe.py: stopped by SIGTERM: no checkpoint committed within --stop_timeout_s=1 s; "
+        "train_moe: stopped by SIGTERM: no checkpoint committed within --stop_timeout_s=1 s; "
         "exiting (--resume continues from the last committed checkpoint)"
     ]
 
@@ -179,23 +187,23 @@ def _no_model(*args, **kwargs):
 
 
 def test_a_held_lock_is_refused_before_anything_is_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
     out = tmp_path / "out"
     out.mkdir()
     holder = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        owner = dict(pid=4242, host="elsewhere", script="train_moe.py", started=0)
+        owner = dict(pid=4242, host="elsewhere", job="train_moe", started=0)
         os.write(holder, json.dumps(owner).encode())
-        cfg = dataclasses.replace(TINY, output_dir=str(out), resume=True)
+        cfg = replace(TINY, output_dir=str(out), resume=True)
         with pytest.raises(
-            main_job.FlagError,
+            train_moe.FlagError,
             match=(
-                f"^--output_dir={out} is in use by another run \\(train_moe.py, pid 4242 on host "
+                f"^--output_dir={out} is in use by another run \\(train_moe, pid 4242 on host "
                 "elsewhere, started .*\\): two runs would destroy each other's checkpoints"
             ),
         ):
-            main_job.train(cfg)
+            train_moe.train(cfg)
     finally:
         os.close(holder)
     assert os.listdir(out) == [".lock"]  # nothing read, nothing written
@@ -206,11 +214,11 @@ def test_the_lock_of_a_dead_run_is_taken_over_and_released(tmp_path):
     dead.wait()  # its pid now names no process
     out = tmp_path / "out"
     out.mkdir()
-    owner = dict(pid=dead.pid, host=socket.gethostname(), script="train_moe.py", started=0)
+    owner = dict(pid=dead.pid, host=socket.gethostname(), job="train_moe", started=0)
     (out / ".lock").write_text(json.dumps(owner))
-    metrics, text = _train(dataclasses.replace(TINY, steps=1, output_dir=str(out)))
+    metrics, text = _train(replace(TINY, steps=1, output_dir=str(out)))
     assert (
-        f"{out}: the run that held it before (train_moe.py, pid {dead.pid} on host "
+        f"{out}: the run that held it before (train_moe, pid {dead.pid} on host "
         f"{socket.gethostname()}, started" in text
     )
     assert "is gone; its lock was taken over" in text
@@ -221,7 +229,7 @@ def test_the_lock_of_a_dead_run_is_taken_over_and_released(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A finished tiny run's output directory (its checkpoint at step 3)."""
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path_factory.mktemp("saved")))
+    cfg = replace(TINY, output_dir=str(tmp_path_factory.mktemp("saved")))
     _train(cfg)
     return cfg
 
@@ -245,11 +253,11 @@ def test_a_checkpoint_with_files_removed_is_refused_before_orbax_reads_it(
     removed, message = REMOVED[what]
     target = out / "checkpoint" / "3" / removed
     shutil.rmtree(target) if target.is_dir() else target.unlink()
-    monkeypatch.setattr(train_checkpoint.ocp.CheckpointManager, "restore", no_orbax_read)
-    monkeypatch.setattr(train_checkpoint.ocp.CheckpointManager, "item_metadata", no_orbax_read)
+    monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "restore", no_orbax_read)
+    monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "item_metadata", no_orbax_read)
     ckpt = str(out / "checkpoint")
-    with pytest.raises(main_job.ResumeError) as err:
-        train_checkpoint.read_saved(ckpt, train_checkpoint.latest(ckpt))
+    with pytest.raises(train_moe.ResumeError) as err:
+        checkpoint.read_saved(ckpt, checkpoint.latest(ckpt))
     assert f"the checkpoint {ckpt}/3 {message}" in str(err.value)
     assert "AssertionError" not in str(err.value)
 
@@ -260,7 +268,8 @@ def test_command_line_deleted_manifest_is_one_line(saved, tmp_path):
     shutil.copytree(saved.output_dir, out)
     (out / "checkpoint" / "3" / "state" / "manifest.ocdbt").unlink()
     proc = subprocess.run(
-        [sys.executable, SCRIPT, *FLAGS, "--steps=5", "--resume", f"--output_dir={out}"],
+        [*TRAIN_MOE, *FLAGS, "--steps=5", "--resume", f"--output_dir={out}"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         env=worker_env(),
@@ -268,6 +277,6 @@ def test_command_line_deleted_manifest_is_one_line(saved, tmp_path):
     )
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"train_moe.py: --resume: the checkpoint {out}/checkpoint/3 is corrupt: its state has no "
+        f"train_moe: --resume: the checkpoint {out}/checkpoint/3 is corrupt: its state has no "
         "manifest.ocdbt (files were removed?); run without --resume to start afresh"
     ], proc.stderr

@@ -1,4 +1,5 @@
-"""The main job, examples/train_moe.py, end to end at tiny sizes (in-process, first 8 devices).
+"""The main job (`python -m examples.train_moe`) end to end at tiny sizes (in-process, first 8
+devices).
 
 Covers: a short run writes its plot, checkpoint, metrics and `eval loss:` line with finite losses;
 `resume` restores that checkpoint exactly and continues from its step (on another backend, with
@@ -29,16 +30,19 @@ import numpy as np
 import pytest
 from rich.console import Console
 from train_harness import (
-    EXAMPLES,
+    ROOT,
     TINY,
-    main_job,
+    TRAIN_MOE,
+    checkpoint,
+    config,
+    job_flags,
     python_path_env,
-    train_checkpoint,
-    train_config,
-    train_flags,
+    replace,
+    train_moe,
 )
 from train_harness import train as _train
 
+from examples.job_runtime import flag_fields
 from jax_hybridep import traffic, xdc
 from jax_hybridep.xdc.runtime import migrate
 from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
@@ -48,7 +52,7 @@ pytestmark = pytest.mark.usefixtures("no_backend_override")
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path_factory.mktemp("train_moe")))
+    cfg = replace(TINY, output_dir=str(tmp_path_factory.mktemp("train_moe")))
     metrics, text = _train(cfg)
     # A copy as the run left it, for the tests that break it (the resume test extends the run).
     shutil.copytree(cfg.output_dir, cfg.output_dir + "_pristine")
@@ -59,7 +63,7 @@ def _copy_of_first_run(first_run, tmp_path, **changes):
     cfg = first_run[0]
     out = tmp_path / "run"
     shutil.copytree(cfg.output_dir + "_pristine", out)
-    return dataclasses.replace(cfg, output_dir=str(out), **changes)
+    return replace(cfg, output_dir=str(out), **changes)
 
 
 def test_short_run_writes_its_outputs(first_run):
@@ -70,9 +74,9 @@ def test_short_run_writes_its_outputs(first_run):
     assert [r["step"] for r in metrics["eval"]] == [0, 2, 3]
     losses = [r["loss"] for r in metrics["train"]] + [r["loss"] for r in metrics["eval"]]
     assert all(math.isfinite(v) for v in losses)
-    assert len(metrics["tokens_per_expert"]) == cfg.layers
+    assert len(metrics["tokens_per_expert"]) == cfg.model.layers
     # Top-2 over 8 experts: every token lands twice, none dropped (dropless by default).
-    assert sum(metrics["tokens_per_expert"][0]) == cfg.batch * cfg.seq_len * cfg.top_k
+    assert sum(metrics["tokens_per_expert"][0]) == cfg.batch * cfg.seq_len * cfg.model.top_k
     assert all(r["dropped"] == 0 for r in metrics["train"])
     with open(os.path.join(cfg.output_dir, "train_moe.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -86,21 +90,21 @@ def test_short_run_writes_its_outputs(first_run):
 CRASH_AT_COMMIT = """
 import os
 import numpy as np
-from examples.main_job import train_checkpoint
+from examples.train_moe import checkpoint
 rename = os.rename
 def crash(src, dst, *args, **kwargs):
     if os.path.basename(os.fspath(dst)) == "5":
         os._exit(17)
     return rename(src, dst, *args, **kwargs)
 os.rename = crash
-train_checkpoint.save({ckpt!r}, 5, dict(w=np.ones(3, np.float32)), dict(steps=5))
+checkpoint.save({ckpt!r}, 5, dict(w=np.ones(3, np.float32)), dict(steps=5))
 """
 
 
 def test_resume_continues_from_the_saved_step_after_a_crashed_save(first_run):
     cfg, first, _ = first_run
     # Flags that may change on resume: the steps, the backend (bitwise alike), the eval cadence.
-    cfg = dataclasses.replace(cfg, steps=5, resume=True, backend="xla", eval_every=1)
+    cfg = replace(cfg, steps=5, resume=True, backend="xla", eval_every=1)
     ckpt = os.path.join(cfg.output_dir, "checkpoint")
     code = CRASH_AT_COMMIT.format(ckpt=ckpt)
     env = python_path_env(JAX_PLATFORMS="cpu")
@@ -126,7 +130,7 @@ def test_xla_and_ffi_backends_train_identically(tmp_path):
     # A capacity that drops rows and a data axis beside EP exercise drops and EP groups too.
     runs = {}
     for backend in ("xla", "ffi"):
-        cfg = dataclasses.replace(
+        cfg = replace(
             TINY,
             steps=20,
             eval_every=10,
@@ -154,7 +158,7 @@ def test_expert_domains_train_like_plain_ep_and_move_experts_instead_of_tokens(t
         ("dc", {"dc": 2}, None),
         ("sr", {"dc": 2}, 8.0),
     ):
-        cfg = dataclasses.replace(
+        cfg = replace(
             TINY,
             steps=4,
             mesh="dc=2,node=2,local=2",
@@ -191,7 +195,7 @@ def _no_model(*args, **kwargs):
 def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidth(tmp_path):
     # At 100 Gbps with 0.1 ms per message, replicating experts over domains of 4 beats 4 token
     # exchanges (the plan at step 0); at 0.01 Gbps moving the experts costs more: fewer replicas.
-    cfg = dataclasses.replace(
+    cfg = replace(
         TINY,
         steps=4,
         replan_every=2,
@@ -200,7 +204,7 @@ def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidt
         output_dir=str(tmp_path),
     )
     hlo = []
-    metrics = main_job.train(cfg, Console(file=io.StringIO()), on_compile=hlo.append)
+    metrics = train_moe.train(cfg, Console(file=io.StringIO()), on_compile=hlo.append)
     replans = metrics["replans"]
     assert [(r["step"], r["changed"]) for r in replans] == [(2, True), (4, False)]
     assert replans[0]["gbps"] == {"ep": 0.01}
@@ -259,10 +263,10 @@ def test_replan_every_switches_domains_when_the_link_schedule_drops_the_bandwidt
     ],
 )
 def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monkeypatch):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "out"), **changes)
-    with pytest.raises(main_job.FlagError, match=message):
-        main_job.train(cfg)
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    cfg = replace(TINY, output_dir=str(tmp_path / "out"), **changes)
+    with pytest.raises(train_moe.FlagError, match=message):
+        train_moe.train(cfg)
     assert not os.path.exists(cfg.output_dir)  # nothing written either
 
 
@@ -278,8 +282,8 @@ def test_bad_flags_fail_before_a_model_is_built(changes, message, tmp_path, monk
     ],
 )
 def test_bad_migration_flags_are_named_when_parsed(flags, message):
-    with pytest.raises(main_job.FlagError, match=message):
-        train_config.parse_migration(**flags)
+    with pytest.raises(train_moe.FlagError, match=message):
+        config.parse_migration(**flags)
 
 
 def test_migration_flags_parse_into_one_value_and_back():
@@ -290,10 +294,10 @@ def test_migration_flags_parse_into_one_value_and_back():
         domain_sync_every=3,
         grad_compression=4.0,
     )
-    m = train_config.parse_migration(**flags)
+    m = config.parse_migration(**flags)
     assert m == xdc.Migration((("dc", 2), ("node", 2)), 8.0, "mean", 3, 4.0)
-    assert train_config.migration_flags(m) == flags
-    assert train_config.parse_migration() == xdc.Migration()
+    assert config.migration_flags(m) == flags
+    assert config.parse_migration() == xdc.Migration()
 
 
 @pytest.mark.parametrize(
@@ -305,59 +309,59 @@ def test_migration_flags_parse_into_one_value_and_back():
     ],
 )
 def test_output_dir_that_cannot_be_written_is_a_flag_error(tmp_path, monkeypatch, where, message):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
-    monkeypatch.setattr(main_job.ByteData, "load", _no_model)  # checked before the data too
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
+    monkeypatch.setattr(train_moe.ByteData, "load", _no_model)  # checked before the data too
     (tmp_path / "file").write_text("")
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / where))
-    with pytest.raises(main_job.FlagError, match=message):
-        train_config.check_config(cfg, [], None)
+    cfg = replace(TINY, output_dir=str(tmp_path / where))
+    with pytest.raises(train_moe.FlagError, match=message):
+        config.check_config(cfg, [], None)
 
 
 def test_dropless_is_spelled_none():
-    parse = train_config.parse_capacity_factor
-    assert TINY.capacity_factor is None and train_config.TrainConfig().capacity_factor is None
+    parse = config.parse_capacity_factor
+    assert TINY.model.capacity_factor is None and config.TrainConfig().model.capacity_factor is None
     assert parse(None) is None and parse("none") is None and parse("None") is None
     assert parse("1.25") == 1.25
-    with pytest.raises(main_job.FlagError, match=r"--capacity_factor=x must be a number > 0"):
+    with pytest.raises(train_moe.FlagError, match=r"--capacity_factor=x must be a number > 0"):
         parse("x")
 
 
 def test_command_line_flag_error_is_one_line():
     """The issue's example: --mesh=ep=3 on 8 devices ends with the library-style message."""
-    script = os.path.join(EXAMPLES, "train_moe.py")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
-        [sys.executable, script, "--mesh=ep=3", "--output_dir=/nonexistent/never/made"],
+        [*TRAIN_MOE, "--mesh=ep=3", "--output_dir=/nonexistent/never/made"],
         capture_output=True,
         text=True,
+        cwd=ROOT,
         env=env,
         timeout=300,
     )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "train_moe.py: --experts=8 is not divisible by the EP size 3 of --mesh=ep=3 (EP axes "
+        "train_moe: --experts=8 is not divisible by the EP size 3 of --mesh=ep=3 (EP axes "
         "('ep',): every axis but 'data'); each EP rank holds experts / EP of them"
     )
 
 
 def test_resume_without_a_checkpoint_names_the_directory(tmp_path, monkeypatch):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # found on disk, first
-    cfg = dataclasses.replace(TINY, output_dir=str(tmp_path / "never_ran"), resume=True)
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
+    cfg = replace(TINY, output_dir=str(tmp_path / "never_ran"), resume=True)
     ckpt = os.path.join(cfg.output_dir, "checkpoint")
-    with pytest.raises(main_job.ResumeError, match=f"no checkpoint directory {ckpt} "):
-        main_job.train(cfg)
+    with pytest.raises(train_moe.ResumeError, match=f"no checkpoint directory {ckpt} "):
+        train_moe.train(cfg)
 
 
 def test_resume_from_an_emptied_step_directory(first_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # found on disk, first
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5)
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
     shutil.rmtree(step_dir)
     os.mkdir(step_dir)
-    with pytest.raises(main_job.ResumeError, match=f"the checkpoint {step_dir} is empty"):
-        main_job.train(cfg)
+    with pytest.raises(train_moe.ResumeError, match=f"the checkpoint {step_dir} is empty"):
+        train_moe.train(cfg)
 
 
 def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
@@ -367,8 +371,8 @@ def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
         for name in files:
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"\x00garbage")
-    with pytest.raises(main_job.ResumeError, match=f"the checkpoint {step_dir} is corrupt"):
-        main_job.train(cfg)
+    with pytest.raises(train_moe.ResumeError, match=f"the checkpoint {step_dir} is corrupt"):
+        train_moe.train(cfg)
 
 
 @pytest.mark.parametrize(
@@ -391,11 +395,11 @@ def test_resume_from_a_corrupt_checkpoint(first_run, tmp_path):
 def test_resume_refuses_a_checkpoint_of_another_model(
     first_run, tmp_path, monkeypatch, changes, flag, theirs, ours
 ):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # refused from the meta, first
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # refused from the meta, first
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, **changes)
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
-    with pytest.raises(main_job.ResumeError) as excinfo:
-        main_job.train(cfg)
+    with pytest.raises(train_moe.ResumeError) as excinfo:
+        train_moe.train(cfg)
     message = str(excinfo.value)
     assert message.startswith(
         f"--resume: the checkpoint {step_dir} was written with --{flag}={theirs}, this run has "
@@ -405,36 +409,36 @@ def test_resume_refuses_a_checkpoint_of_another_model(
 
 
 def test_resume_refuses_another_mesh(first_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5, mesh="node=2,local=4")
     step_dir = os.path.join(cfg.output_dir, "checkpoint", "3")
     with pytest.raises(
-        main_job.ResumeError,
+        train_moe.ResumeError,
         match=(
             f"^--resume: the checkpoint {step_dir} was written by 1 process on --mesh=ep=8; "
             "this run has 1 process on --mesh=node=2,local=4: resume with 1 process and "
             "--mesh=ep=8, or run"
         ),
     ):
-        main_job.train(cfg)
+        train_moe.train(cfg)
 
 
 def test_restore_names_the_flags_of_a_state_that_does_not_fit(first_run):
     """The state's own check, behind the flags' (a checkpoint whose meta lacks a flag)."""
     cfg = first_run[0]
     ckpt = os.path.join(cfg.output_dir + "_pristine", "checkpoint")
-    saved = train_checkpoint.read_saved(ckpt, 3)
+    saved = checkpoint.read_saved(ckpt, 3)
     meta = dict(saved.meta, d_model=64)
     target = dict(params=dict(w=np.zeros(3, np.float32)))
-    with pytest.raises(main_job.ResumeError) as excinfo:
-        train_checkpoint.restore(ckpt, 3, target, saved, meta, main_job.MODEL_FLAGS)
+    with pytest.raises(train_moe.ResumeError) as excinfo:
+        checkpoint.restore(ckpt, 3, target, saved, meta, train_moe.MODEL_FLAGS)
     message = str(excinfo.value)
     assert message.startswith(f"--resume: the checkpoint {ckpt}/3 does not fit this run's model: ")
     assert "it was written with --d_model=32 (this run: 64)" in message
 
 
 def test_steps_zero_names_only_what_it_wrote(tmp_path):
-    cfg = dataclasses.replace(TINY, steps=0, output_dir=str(tmp_path / "out"))
+    cfg = replace(TINY, steps=0, output_dir=str(tmp_path / "out"))
     metrics, text = _train(cfg)
     lines = text.strip().splitlines()
     assert lines[-2] == f"wrote metrics.json to {cfg.output_dir}"
@@ -450,13 +454,12 @@ def test_command_line_corrupt_checkpoint_is_one_last_line(first_run, tmp_path):
     with open(os.path.join(step_dir, "state", "manifest.ocdbt"), "r+b") as f:
         f.truncate(7)
     flags = [
-        f"--{k}={getattr(cfg, k)}"
+        f"--{k}={config.flag_values(cfg)[k]}"
         for k in ("batch", "seq_len", "d_model", "d_ff", "layers", "heads", "mesh", "eval_every")
     ]
     proc = subprocess.run(
         [
-            sys.executable,
-            os.path.join(EXAMPLES, "train_moe.py"),
+            *TRAIN_MOE,
             *flags,
             "--steps=5",
             "--resume",
@@ -464,12 +467,13 @@ def test_command_line_corrupt_checkpoint_is_one_last_line(first_run, tmp_path):
         ],
         capture_output=True,
         text=True,
+        cwd=ROOT,
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
         timeout=300,
     )
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"train_moe.py: --resume: the checkpoint {step_dir} is corrupt: its metadata cannot be "
+        f"train_moe: --resume: the checkpoint {step_dir} is corrupt: its metadata cannot be "
         "read (ValueError); run without --resume to start afresh"
     ), proc.stderr
     assert "Traceback" not in proc.stderr and "Event loop" not in proc.stderr
@@ -479,17 +483,60 @@ def test_resume_help_lists_the_flags_that_may_change():
     from absl import flags  # noqa: PLC0415
 
     if "resume" not in flags.FLAGS:
-        train_flags.define_flags()
+        job_flags.define_flags()
     text = flags.FLAGS["resume"].help
-    for name in train_config.RESUMABLE_FLAGS:
+    for name in config.RESUMABLE_FLAGS:
         assert f"--{name}" in text and name in flags.FLAGS, (name, text)
 
 
+def test_every_flag_is_its_field_and_reads_back_as_the_config(monkeypatch):
+    """One source per setting: each flag has its field's default and help (the model's fields
+    among them, under their own names), the parsed defaults read back as `TrainConfig()`, a
+    changed flag lands in its field, and a checkpoint records exactly the flags (and the two
+    fields without one)."""
+    from absl import flags  # noqa: PLC0415
+
+    if "resume" not in flags.FLAGS:
+        job_flags.define_flags()
+    defaults = config.TrainConfig()
+    made = flag_fields.flag_fields(defaults)
+    assert {f.name for f, _ in made} >= {"d_model", "heads", "backend", "wire_dtype", "seed"}
+    for field, default in made:
+        if field.name not in job_flags.CUSTOM:
+            flag = flags.FLAGS[field.name]
+            assert flag.default == default and flag.help.endswith(field.metadata["help"]), (
+                field.name
+            )
+    assert flags.FLAGS["capacity_factor"].default == config.DROPLESS
+    assert job_flags.config_from_flags() == defaults
+    monkeypatch.setattr(flags.FLAGS["d_model"], "value", 64)
+    monkeypatch.setattr(flags.FLAGS["capacity_factor"], "value", "1.5")
+    monkeypatch.setattr(flags.FLAGS["domains"], "value", "ep=2")
+    got = job_flags.config_from_flags()
+    assert got == replace(
+        defaults, d_model=64, capacity_factor=1.5, migration=xdc.Migration((("ep", 2),))
+    )
+    migration = set(config.migration_flags(xdc.Migration()))
+    recorded = set(config.flag_values(defaults))
+    assert (
+        recorded - {"eval_batches", "progress"}
+        == {f.name for f, _ in made} - {"migration"} | migration
+    )
+    assert all(name in flags.FLAGS for name in recorded - {"eval_batches", "progress"})
+
+
+def test_a_setting_is_changed_by_its_flag_name():
+    assert replace(TINY, heads=4, steps=9).model.heads == 4
+    assert replace(TINY, heads=4).model == dataclasses.replace(TINY.model, heads=4)
+    with pytest.raises(TypeError, match="TrainConfig has no field nope"):
+        replace(TINY, nope=1)
+
+
 def test_resume_with_a_corrupt_metrics_file(first_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(main_job, "MoETransformer", _no_model)  # found on disk, first
+    monkeypatch.setattr(train_moe, "MoETransformer", _no_model)  # found on disk, first
     cfg = _copy_of_first_run(first_run, tmp_path, resume=True, steps=5)
     path = os.path.join(cfg.output_dir, "metrics.json")
     with open(path, "w") as f:
         f.write('{"train": [')
-    with pytest.raises(main_job.ResumeError, match=f"--resume: {path} cannot be read"):
-        main_job.train(cfg)
+    with pytest.raises(train_moe.ResumeError, match=f"--resume: {path} cannot be read"):
+        train_moe.train(cfg)

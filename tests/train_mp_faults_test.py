@@ -1,4 +1,5 @@
-"""examples/train_moe.py as several processes when start-up or the job goes wrong:
+"""The main job (`python -m examples.train_moe`) as several processes when start-up or the job
+goes wrong:
 
 * start-up ends in one line naming the coordinator's address, before the runtime starts or before
   its own timeout aborts the process natively: process 0 whose port another program holds (a
@@ -19,18 +20,16 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 from mp_launch import free_port, worker_env
-from train_harness import EXAMPLES
+from train_harness import ROOT, TRAIN_MOE
 
 from examples.job_runtime.processes import Processes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-SCRIPT = os.path.join(EXAMPLES, "train_moe.py")
 STOP_STATUS = 128 + signal.SIGTERM
 FLAGS = [
     "--batch=8",
@@ -46,8 +45,7 @@ FLAGS = [
 
 def _process(port, index, out, *extra, count=2, **popen):
     cmd = [
-        sys.executable,
-        SCRIPT,
+        *TRAIN_MOE,
         *FLAGS,
         f"--output_dir={out}",
         "--steps=3",
@@ -56,7 +54,7 @@ def _process(port, index, out, *extra, count=2, **popen):
         f"--process_id={index}",
         *extra,
     ]
-    return subprocess.Popen(cmd, env=worker_env(), text=True, **popen)
+    return subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), text=True, **popen)
 
 
 def _one_line_exit(proc) -> str:
@@ -78,7 +76,7 @@ def test_a_coordinator_port_held_by_a_listener_is_refused_in_one_line(tmp_path):
         )
         line = _one_line_exit(proc)
     assert line == (
-        f"train_moe.py: --coordinator_address=127.0.0.1:{port}: port {port} is already in use on "
+        f"train_moe: --coordinator_address=127.0.0.1:{port}: port {port} is already in use on "
         "this host (another job's coordinator?); start the job on a free port"
     )
 
@@ -138,7 +136,7 @@ def test_a_process_that_finds_no_coordinator_ends_in_one_line(tmp_path):
     )
     line = _one_line_exit(proc)
     assert line.startswith(
-        f"train_moe.py: cannot join the job at 127.0.0.1:{port} as process 1: no coordinator "
+        f"train_moe: cannot join the job at 127.0.0.1:{port} as process 1: no coordinator "
         "answered there within 3 s ("
     ), line
 
@@ -150,7 +148,7 @@ def test_a_job_whose_processes_do_not_all_come_ends_in_one_line(tmp_path):
     )
     line = _one_line_exit(proc)
     assert line == (
-        f"train_moe.py (process 0 of 2): cannot join the job at 127.0.0.1:{port} as process 0: "
+        f"train_moe (process 0 of 2): cannot join the job at 127.0.0.1:{port} as process 0: "
         "its 2 processes did not all come within 4 s (is every process started, with the same "
         "--coordinator_address and --num_processes?)"
     )
@@ -189,8 +187,7 @@ def preempted(tmp_path_factory):
             time.sleep(0.1)
         other = subprocess.run(
             [
-                sys.executable,
-                SCRIPT,
+                *TRAIN_MOE,
                 *FLAGS[:-2],
                 "--mesh=ep=8",
                 f"--output_dir={out}",
@@ -198,6 +195,7 @@ def preempted(tmp_path_factory):
             ],
             capture_output=True,
             text=True,
+            cwd=ROOT,
             env=worker_env(),
             timeout=300,
         )
@@ -216,7 +214,7 @@ def test_sigterm_to_one_process_stops_the_job_after_one_step_with_a_checkpoint(p
     out, procs, logs = preempted["out"], preempted["procs"], preempted["logs"]
     assert [p.returncode for p in procs] == [STOP_STATUS, STOP_STATUS], logs[0][-2000:] + logs[1]
     last = logs[0].strip().splitlines()[-1]
-    prefix = "train_moe.py (process 0 of 2): stopped by SIGTERM after step "
+    prefix = "train_moe (process 0 of 2): stopped by SIGTERM after step "
     assert last.startswith(prefix), logs[0][-3000:]
     step = int(last[len(prefix) :].split()[0])
     assert last.endswith(f"checkpoint/{step}/ committed in {out}; --resume continues from it")
@@ -232,7 +230,7 @@ def test_the_jobs_output_dir_lock_refuses_another_run(preempted):
     assert other.returncode == 1, other.stderr[-3000:]
     lines = other.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        f"train_moe.py: --output_dir={preempted['out']} is in use by another run (train_moe.py, "
+        f"train_moe: --output_dir={preempted['out']} is in use by another run (train_moe, "
         f"pid {procs[0].pid} on host {socket.gethostname()}"
     ), other.stderr
 
@@ -262,16 +260,16 @@ def test_the_coordinators_watch_names_a_lost_coordinator_at_once():
     timeout = Exception("DEADLINE_EXCEEDED: Deadline Exceeded")
     lost = Exception("UNAVAILABLE: Stream removed (Socket closed)")
     processes = Watched(1, 2, _Client([timeout, lost]))
-    processes._watch_coordinator("train_moe.py (process 1 of 2)")
+    processes._watch_coordinator("train_moe (process 1 of 2)")
     assert lines == [
-        "train_moe.py (process 1 of 2): lost the coordinator (process 0): Exception: UNAVAILABLE: "
+        "train_moe (process 1 of 2): lost the coordinator (process 0): Exception: UNAVAILABLE: "
         "Stream removed (Socket closed); stopping this process too. --resume continues from the "
         "last committed checkpoint"
     ]
     assert processes._client.calls == 2  # a wait that timed out is waited again
     finished = Watched(1, 2, _Client([lost]))
     finished._stop.set()  # this process finished: its client's shutdown ends the wait quietly
-    finished._watch_coordinator("train_moe.py (process 1 of 2)")
+    finished._watch_coordinator("train_moe (process 1 of 2)")
     released = Watched(1, 2, _Client(["1"]))  # `finish` set the key it waits on
-    released._watch_coordinator("train_moe.py (process 1 of 2)")
+    released._watch_coordinator("train_moe (process 1 of 2)")
     assert len(lines) == 1

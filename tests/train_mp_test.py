@@ -1,5 +1,6 @@
-"""examples/train_moe.py as 2 processes x 4 CPU devices on jax.distributed (gloo), against the same
-flags in 1 process x 8 devices, a killed process, a resume, and the local launcher.
+"""The main job (`python -m examples.train_moe`) as 2 processes x 4 CPU devices on jax.distributed
+(gloo), against the same flags in 1 process x 8 devices, a killed process, a resume, and the
+local launcher.
 
 The runs are shared, for CI's time:
 * `ffi_chain`: 2 processes (`--mesh=node=2,local=4`, expert re-balancing every 10 steps, a
@@ -11,14 +12,13 @@ The runs are shared, for CI's time:
   re-balancing decisions, and process 1's log shows that it printed nothing.
 * `xla_run`: `launch_local.sh 2 --backend=xla`, re-planning at step 10 under a bandwidth drop.
 * A job started under a (fake) SLURM environment, JAX's auto-detection joining it, with another
-  --seed on process 1 (train_moe.py; cross_dc.py: another --steps): both processes refuse
+  --seed on process 1 (the main job; the cross-DC job: another --steps): both processes refuse
   before training.
-* The launcher with a stand-in script (no jax): the first non-zero status ends the others.
+* The launcher with a stand-in module (no jax): the first non-zero status ends the others.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -33,14 +33,13 @@ import numpy as np
 import pytest
 from mp_launch import worker_env
 from rich.console import Console
-from train_harness import EXAMPLES, ROOT, main_job
+from train_harness import CROSS_DC, ROOT, TRAIN_MOE, config, replace, train_moe
 
 from examples.job_runtime.processes import Processes, end_unexpected
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.sh")
-SCRIPT = os.path.join(EXAMPLES, "train_moe.py")
 STEPS = 30
 KILL_LIMIT_S = 90
 RTOL, EVAL_TOL = 1e-5, 1e-4
@@ -76,31 +75,33 @@ def _env(**extra) -> dict[str, str]:
 
 def _one_process(flags: dict, out) -> dict:
     """The 1 process x 8 devices run of `flags` (in this process, the first 8 devices)."""
-    fields = {f.name for f in dataclasses.fields(main_job.TrainConfig)}
-    cfg = main_job.TrainConfig(
-        **{k: v for k, v in flags.items() if k in fields},
+    names = config.flag_values(train_moe.TrainConfig())  # the main job's (not the process's)
+    cfg = replace(
+        train_moe.TrainConfig(),
+        **{k: v for k, v in flags.items() if k in names},
         steps=STEPS,
         output_dir=str(out),
         progress=False,
     )
-    return main_job.train(cfg, Console(file=io.StringIO()))
+    return train_moe.train(cfg, Console(file=io.StringIO()))
 
 
 def _start(flags: dict, out, port: int) -> list[subprocess.Popen]:
-    """2 processes of train_moe.py, each one's output in <out>/p<i>.log."""
+    """2 processes of the main job, each one's output in <out>/p<i>.log."""
     procs = []
     for i in range(2):
         log = open(os.path.join(out, f"p{i}.log"), "w")  # noqa: SIM115  (the child owns it)
         cmd = [
-            sys.executable,
-            SCRIPT,
+            *TRAIN_MOE,
             *_argv(flags),
             f"--output_dir={out}",
             f"--coordinator_address=127.0.0.1:{port}",
             "--num_processes=2",
             f"--process_id={i}",
         ]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env()))
+        procs.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=_env())
+        )
         log.close()
     return procs
 
@@ -201,9 +202,7 @@ def test_a_killed_process_ends_the_other_naming_it(ffi_chain):
     assert killed["returncode"] not in (0, None), killed["log"][-3000:]
     assert killed["seconds"] < KILL_LIMIT_S, killed
     last = killed["log"].strip().splitlines()[-1]
-    assert last.startswith("train_moe.py (process 0 of 2): process 1 is gone: no sign of life"), (
-        last
-    )
+    assert last.startswith("train_moe (process 0 of 2): process 1 is gone: no sign of life"), last
     assert any(n.isdigit() for n in killed["checkpoints"]), killed["checkpoints"]
 
 
@@ -247,20 +246,21 @@ def test_another_process_count_is_refused_on_resume(ffi_chain, tmp_path, monkeyp
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the checkpoint was refused")
 
-    monkeypatch.setattr(main_job, "MoETransformer", no_model)
+    monkeypatch.setattr(train_moe, "MoETransformer", no_model)
     out = tmp_path / "copy"
     shutil.copytree(ffi_chain["out"], out)
-    fields = {f.name for f in dataclasses.fields(main_job.TrainConfig)}
-    cfg = main_job.TrainConfig(
-        **{k: v for k, v in FFI.items() if k in fields},
+    names = config.flag_values(train_moe.TrainConfig())
+    cfg = replace(
+        train_moe.TrainConfig(),
+        **{k: v for k, v in FFI.items() if k in names},
         steps=40,
         resume=True,
         output_dir=str(out),
         progress=False,
     )
     step_dir = os.path.join(out, "checkpoint", str(STEPS))
-    with pytest.raises(main_job.ResumeError) as err:
-        main_job.train(cfg, Console(file=io.StringIO()))
+    with pytest.raises(train_moe.ResumeError) as err:
+        train_moe.train(cfg, Console(file=io.StringIO()))
     assert str(err.value).startswith(
         f"--resume: the checkpoint {step_dir} was written by 2 processes on "
         "--mesh=node=2,local=4; this run has 1 process on --mesh=node=2,local=4: resume with 2 "
@@ -280,9 +280,12 @@ def test_xla_with_replanning_across_processes_trains_like_one_process(xla_run, t
 
 
 @pytest.mark.parametrize(
-    "script,flags,flag", [("train_moe.py", _argv(FLAGS), "seed"), ("cross_dc.py", [], "steps")]
+    "job,command,flags,flag",
+    [("train_moe", TRAIN_MOE, _argv(FLAGS), "seed"), ("cross_dc", CROSS_DC, [], "steps")],
 )
-def test_mismatched_flags_are_refused_under_an_auto_detected_cluster(tmp_path, script, flags, flag):
+def test_mismatched_flags_are_refused_under_an_auto_detected_cluster(
+    tmp_path, job, command, flags, flag
+):
     # JAX derives the coordinator's port from the job id: 61440 + id % 4096.
     port = _free_port(61440)
     procs = []
@@ -295,15 +298,19 @@ def test_mismatched_flags_are_refused_under_an_auto_detected_cluster(tmp_path, s
             SLURM_LOCALID=str(i),
         )
         cmd = [
-            sys.executable,
-            os.path.join(EXAMPLES, script),
+            *command,
             *flags,
             f"--{flag}={i + 1}",
             f"--output_dir={tmp_path}",
         ]
         procs.append(
             subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(**slurm)
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env=_env(**slurm),
             )
         )
     outputs = [p.communicate(timeout=240) for p in procs]
@@ -311,20 +318,19 @@ def test_mismatched_flags_are_refused_under_an_auto_detected_cluster(tmp_path, s
         assert p.returncode == 1, stderr[-3000:]
         assert stdout == ""
         assert stderr.strip().splitlines()[-1] == (
-            f"{script} (process {i} of 2): --{flag} differs between processes: process 0 has "
+            f"{job} (process {i} of 2): --{flag} differs between processes: process 0 has "
             f"1, process 1 has 2; start every process with the same flags"
         )
     assert os.listdir(tmp_path) == []  # refused before anything was written
 
 
 def test_launcher_stops_the_others_at_the_first_failure(tmp_path):
-    probe = os.path.join(os.path.dirname(__file__), "launch_probe.py")
     t = time.monotonic()
     run = subprocess.run(
         ["bash", LAUNCH, "3", "--steps=5", f"--output_dir={tmp_path}"],
         capture_output=True,
         text=True,
-        env=_env(SCRIPT=probe),
+        env=_env(MODULE="launch_probe", PYTHONPATH=os.path.dirname(__file__)),
         timeout=60,
     )
     assert run.returncode == 3, run.stderr
@@ -371,7 +377,7 @@ def _recording_processes(count: int):
             "INTERNAL: strict mode: 3 rows dropped",
             (
                 "die",
-                "train_moe.py (process 0 of 2): "
+                "train_moe (process 0 of 2): "
                 "JaxRuntimeError: INTERNAL: strict mode: 3 "
                 "rows dropped",
             ),
@@ -392,7 +398,7 @@ def test_a_collective_broken_by_a_dead_peer_waits_for_the_watchdog(count, messag
     processes = _recording_processes(count)
     err = jax.errors.JaxRuntimeError(message)
     with pytest.raises((SystemExit, jax.errors.JaxRuntimeError)):
-        end_unexpected(processes, "train_moe.py", err)
+        end_unexpected(processes, "train_moe", err)
     assert processes.calls[0] == first_call
     if first_call == "await_verdict":  # no verdict came: the error's own line ends the run
         assert processes.calls[1][0] == "die" and "Gloo AllGather failed" in processes.calls[1][1]

@@ -2,5 +2,8 @@
 `jax.distributed`: `run_job.py` (the job from start to its one-line end), `startup.py` (the
 process flags, start-up and its checks), `processes.py` (agreement, decisions, liveness, output),
 `preemption.py` (SIGTERM: stop after a step with a committed checkpoint), `output_lock.py` (one job
-per output directory) and `job_errors.py` (the errors that end a job in one line).
+per output directory), `errors.py` (the errors that end a job in one line), `flag_fields.py`
+(flags made from config fields: each setting written once) and `jax_private.py` (the private jax
+API start-up and agreement need). Each job passes its own name, which starts every line it ends
+with.
 """

@@ -2,13 +2,13 @@
 
 Two runs writing one `--output_dir` destroy each other's run (each checkpoint save deletes the
 other's temporaries and steps). So process 0 of a job holds an exclusive `flock` on
-`<output_dir>/.lock` for the whole run, with its pid, host and start time written in it; the other
-processes of a multi-process job share it (they learn process 0's outcome, `Processes.decide`),
-and a second job is refused in one line naming the holder. The kernel drops a `flock` when its
-process ends however it ends (a crash, SIGKILL), so a lock file left by a dead job is stale by
-construction: the next run takes it over and says whose it was. On a filesystem without working
-locks (`flock` refused), the pid and host in the file decide: a live pid on this host, or any
-other host, holds it (delete the file when that run is gone).
+`<output_dir>/.lock` for the whole run, with its job's name, pid, host and start time written in
+it; the other processes of a multi-process job share it (they learn process 0's outcome,
+`Processes.decide`), and a second job is refused in one line naming the holder. The kernel drops
+a `flock` when its process ends however it ends (a crash, SIGKILL), so a lock file left by a dead
+job is stale by construction: the next run takes it over and says whose it was. On a filesystem
+without working locks (`flock` refused), the pid and host in the file decide: a live pid on this
+host, or any other host, holds it (delete the file when that run is gone).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import socket
 import time
 
-from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime.errors import FlagError
 from examples.job_runtime.processes import Processes
 
 LOCK_NAME = ".lock"
@@ -69,9 +69,7 @@ def _describe(owner: dict) -> str:
         if (isinstance(started, int | float))
         else ""
     )
-    return (
-        f"{owner.get('script', 'a run')}, pid {owner.get('pid')} on host {owner.get('host')}{since}"
-    )
+    return f"{owner.get('job', 'a run')}, pid {owner.get('pid')} on host {owner.get('host')}{since}"
 
 
 def _alive(owner: dict) -> bool:
@@ -92,9 +90,10 @@ def _read(fd: int) -> str:
     return os.read(fd, 65536).decode("utf-8", "replace")
 
 
-def take(output_dir: str, script: str, processes: int = 1) -> tuple[OutputLock, str | None]:
+def take(output_dir: str, job: str, processes: int = 1) -> tuple[OutputLock, str | None]:
     """(the lock of `output_dir`, a note when a dead run's lock was taken over); FlagError naming
-    the holder when another run holds it."""
+    the holder when another run holds it. `job`: the name (e.g. "train_moe") a run refused by
+    this one is told."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK_NAME)
     for _ in range(10):  # a holder may remove the file between our open and our lock
@@ -118,7 +117,7 @@ def take(output_dir: str, script: str, processes: int = 1) -> tuple[OutputLock, 
         me = dict(
             pid=os.getpid(),
             host=socket.gethostname(),
-            script=script,
+            job=job,
             processes=processes,
             started=time.time(),
         )
@@ -143,7 +142,7 @@ def _refusal(output_dir: str, owner: dict, path: str) -> str:
 
 
 def acquire(
-    output_dir: str, script: str, processes: Processes
+    output_dir: str, job: str, processes: Processes
 ) -> tuple[OutputLock | None, str | None]:
     """Process 0 takes the lock for the whole job; every process raises the same FlagError when
     another run holds it. Returns (the lock on process 0, else None; a takeover note or None)."""
@@ -151,7 +150,7 @@ def acquire(
 
     def on_process_0():
         try:
-            held["lock"], note = take(output_dir, script, processes.count)
+            held["lock"], note = take(output_dir, job, processes.count)
         except FlagError as err:
             return {"error": str(err)}
         return {"note": note}

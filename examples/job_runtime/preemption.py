@@ -37,7 +37,8 @@ class Stopped(Exception):  # noqa: N818  (not an error: how a preempted run ends
 
 
 _requested = threading.Event()
-_state = {"installed": False, "published": False, "prefix": "train_moe.py"}
+# Set by `install`: the deadline (`timeout_s`) and what its line starts with (`prefix`).
+_state = {"installed": False, "published": False}
 
 
 def requested() -> bool:
@@ -45,58 +46,57 @@ def requested() -> bool:
     return _requested.is_set()
 
 
-def install(timeout_s: float) -> None:
+def install(timeout_s: float, prefix: str) -> None:
     """Takes SIGTERM from now on (call in the main thread): the first one requests a stop
-    (`due`) and starts the `timeout_s` deadline; later ones are ignored."""
+    (`due`) and starts the `timeout_s` deadline, whose line starts with `prefix` (the job's
+    name; `set_prefix` adds the process once it is known); later ones are ignored."""
     if _state["installed"]:
         return
-    _state["installed"] = True
-    _state["timeout_s"] = timeout_s
+    _state.update(installed=True, timeout_s=timeout_s, prefix=prefix)
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     _state["sockets"] = (reader, writer)  # kept open for the process's life
     reclaim()
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    threading.Thread(target=_take, args=(reader, timeout_s), daemon=True, name="sigterm").start()
+    threading.Thread(target=_take, args=(reader,), daemon=True, name="sigterm").start()
 
 
 def reclaim() -> None:
     """SIGTERM's handler this module's again (after native code replaced it)."""
     if _state["installed"]:
-        timeout_s = _state["timeout_s"]
-        signal.signal(signal.SIGTERM, lambda *_: _request(timeout_s))
+        signal.signal(signal.SIGTERM, lambda *_: _request())
 
 
 def set_prefix(prefix: str) -> None:
-    """What the deadline's line starts with (the script and this process)."""
+    """What the deadline's line starts with (the job's name and this process)."""
     _state["prefix"] = prefix
 
 
-def _take(reader: socket.socket, timeout_s: float) -> None:
+def _take(reader: socket.socket) -> None:
     """Reads the signal numbers the interpreter's C handler writes (from any thread, at once)."""
     while True:
         data = reader.recv(64)
         if not data:
             return
         if signal.SIGTERM in data:
-            _request(timeout_s)
+            _request()
 
 
-def _request(timeout_s: float) -> None:
+def _request() -> None:
     if _requested.is_set():
         return
     _requested.set()
-    timer = threading.Timer(timeout_s, _expire, args=(timeout_s,))
+    timer = threading.Timer(_state["timeout_s"], _expire)
     timer.daemon = True
     timer.start()
 
 
-def _expire(timeout_s: float) -> None:
+def _expire() -> None:
     sys.stdout.flush()
     line = (
         f"{_state['prefix']}: stopped by SIGTERM: no checkpoint committed within "
-        f"--stop_timeout_s={timeout_s:g} s; exiting (--resume continues from the last committed "
-        "checkpoint)"
+        f"--stop_timeout_s={_state['timeout_s']:g} s; exiting (--resume continues from the last "
+        "committed checkpoint)"
     )
     os.write(2, f"{line}\n".encode())
     os._exit(STATUS)

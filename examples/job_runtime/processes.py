@@ -1,6 +1,6 @@
 """The processes of one training job on `jax.distributed`: agreement, liveness, output.
 
-`train_moe.py` and `cross_dc.py` run as one process (all local devices) or as several, one per
+The main job and the cross-DC job run as one process (all local devices) or as several, one per
 host or per local group of devices, joined by JAX's own distributed runtime (`startup.py`
 starts and joins them):
 
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import jax
 from rich.console import Console
 
-from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime.errors import FlagError
 from jax_hybridep import compat
 
 KEY = "train_moe"  # prefix of this job's keys in the runtime's key-value store
@@ -64,10 +64,10 @@ class Processes:
         """Whether this process writes the run's output (process 0)."""
         return self.index == 0
 
-    def error_prefix(self, script: str) -> str:
-        """What every error line of `script` starts with: the script and, with several
+    def error_prefix(self, job: str) -> str:
+        """What every error line of the job named `job` starts with: its name and, with several
         processes, this process."""
-        return script if self.count == 1 else f"{script} (process {self.index} of {self.count})"
+        return job if self.count == 1 else f"{job} (process {self.index} of {self.count})"
 
     def console(self) -> Console:
         """Where the run prints: the terminal on process 0, nowhere on the others."""
@@ -84,7 +84,7 @@ class Processes:
         if self.count == 1:
             return [value]
         mine = json.dumps(value, sort_keys=True).encode()
-        # A new key each time: a name may come again (cross_dc.py trains several runs in a job).
+        # A new key each time: a name may come again (the cross-DC job trains several runs).
         got = compat.kv_exchange(
             f"{SYNC_KEY}/exchange/{self._decisions}/{name}",
             self.index,
@@ -138,18 +138,18 @@ class Processes:
 
     # -- liveness -------------------------------------------------------------------------------
 
-    def watch(self, script: str) -> None:
+    def watch(self, job: str) -> None:
         """Starts the liveness thread (with several processes): a heartbeat every second, and an
         exit naming the peer when one goes silent, reports a failure or the coordinator is lost."""
         if self.count == 1 or self._thread is not None:
             return
         self._thread = threading.Thread(
-            target=self._watch, args=(self.error_prefix(script),), daemon=True
+            target=self._watch, args=(self.error_prefix(job),), daemon=True
         )
         self._thread.start()
         if not self.is_main:
             self._coordinator_watch = threading.Thread(
-                target=self._watch_coordinator, args=(self.error_prefix(script),), daemon=True
+                target=self._watch_coordinator, args=(self.error_prefix(job),), daemon=True
             )
             self._coordinator_watch.start()
 
@@ -280,16 +280,16 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
-def exit_with(processes: Processes, script: str, err: BaseException) -> None:
+def exit_with(processes: Processes, job: str, err: BaseException) -> None:
     """Ends the run on an expected error: one line naming the process, the peers told, exit 1."""
-    processes.die(f"{processes.error_prefix(script)}: {err}")
+    processes.die(f"{processes.error_prefix(job)}: {err}")
 
 
 # What a collective says when a peer's connection broke (gloo on CPU, NCCL on GPUs).
 _PEER_LOST = re.compile(r"gloo|nccl|connection|unavailable|socket", re.IGNORECASE)
 
 
-def end_unexpected(processes: Processes, script: str, err: BaseException) -> None:
+def end_unexpected(processes: Processes, job: str, err: BaseException) -> None:
     """Ends the run on an unexpected error. Alone, the error is raised. With several processes
     the error is not raised (the interpreter's exit would meet the runtime's shutdown barrier,
     where the runtime aborts the process with a native stack dump): a collective that failed
@@ -301,7 +301,7 @@ def end_unexpected(processes: Processes, script: str, err: BaseException) -> Non
         raise err
     if isinstance(err, jax.errors.JaxRuntimeError) and _PEER_LOST.search(str(err)):
         processes.await_verdict()  # exits the process when the watchdog names the peer
-    prefix = processes.error_prefix(script)
+    prefix = processes.error_prefix(job)
     for line in "".join(traceback.format_exception(err)).rstrip().splitlines():
         print(f"{prefix}: {line}", file=sys.stderr)
     processes.die(f"{prefix}: {first_line(err)}")

@@ -32,9 +32,10 @@ from numbers import Integral
 import jax
 from absl import flags, logging
 
-from examples.job_runtime.job_errors import FlagError
+from examples.job_runtime import flag_fields, jax_private
+from examples.job_runtime.errors import FlagError
+from examples.job_runtime.flag_fields import setting
 from examples.job_runtime.processes import Processes, first_line
-from jax_hybridep import compat
 
 DEFAULT_CPU_DEVICES = 8  # fake CPU devices of the whole job (8 / processes each)
 SHUTDOWN_TIMEOUT_S = 30  # how long a finished process waits for the others at exit
@@ -45,28 +46,33 @@ PROBE_EVERY_S = 0.5  # how often a process knocks at the coordinator's address
 
 @dataclasses.dataclass(frozen=True)
 class ProcessConfig:
-    """The process flags (as one value tests can build directly).
+    """The process flags (as one value tests can build directly), each field with its default
+    and its help, its flag's --help (`flag_fields.setting`). `cpu_devices` is ignored on GPUs
+    (unset, and 8 / processes not whole: JAX's default); `stop_timeout_s`: `preemption.py`."""
 
-    Attributes:
-      coordinator_address: "host:port" of process 0's coordination service; None: one process,
-        or the cluster the environment describes.
-      num_processes, process_id: the job's process count and this process's index.
-      cpu_devices: fake CPU devices of this process (None: 8 / num_processes when that is whole,
-        else JAX's default); ignored on GPUs.
-      heartbeat_timeout_s: a peer silent for this long is declared gone and this process exits.
-      init_timeout_s: how long a process waits for the coordinator and the job's other processes
-        at start-up before it exits naming the address.
-      stop_timeout_s: after SIGTERM, the longest the job takes to finish its step and commit a
-        checkpoint before it exits anyway (`preemption.py`).
-    """
-
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    cpu_devices: int | None = None
-    heartbeat_timeout_s: int = 30
-    init_timeout_s: int = 120
-    stop_timeout_s: int = 120
+    coordinator_address: str | None = setting(
+        None,
+        "host:port of process 0 when running several processes (unset: one process, or the "
+        "cluster the environment describes: SLURM, Open MPI, ...)",
+    )
+    num_processes: int | None = setting(None, "processes of the job (with --coordinator_address)")
+    process_id: int | None = setting(None, "this process's index, 0 .. num_processes - 1")
+    cpu_devices: int | None = setting(
+        None, "fake CPU devices per process (default 8 / processes when whole)"
+    )
+    heartbeat_timeout_s: int = setting(
+        30, "a process exits when another has shown no sign of life for this long"
+    )
+    init_timeout_s: int = setting(
+        120,
+        "at start-up, a process exits (naming the coordinator's address) when the coordinator "
+        "or the job's other processes have not come within this many seconds",
+    )
+    stop_timeout_s: int = setting(
+        120,
+        "after SIGTERM (a scheduler's preemption) the job finishes its step, commits a "
+        "checkpoint and exits; it exits anyway after this many seconds",
+    )
 
     def check(self) -> None:
         """FlagError naming the first process flag that cannot be used."""
@@ -106,53 +112,16 @@ class ProcessConfig:
 
 
 def define_flags() -> None:
-    """The process flags (only when run as a script)."""
-    d = ProcessConfig()
-    flags.DEFINE_string(
-        "coordinator_address",
-        None,
-        "host:port of process 0 when running several processes (unset: one process, or the "
-        "cluster the environment describes: SLURM, Open MPI, ...)",
-    )
-    flags.DEFINE_integer("num_processes", None, "processes of the job (with --coordinator_address)")
-    flags.DEFINE_integer("process_id", None, "this process's index, 0 .. num_processes - 1")
-    flags.DEFINE_integer(
-        "cpu_devices", None, "fake CPU devices per process (default 8 / processes when whole)"
-    )
-    flags.DEFINE_integer(
-        "heartbeat_timeout_s",
-        d.heartbeat_timeout_s,
-        "a process exits when another has shown no sign of life for this long",
-    )
-    flags.DEFINE_integer(
-        "init_timeout_s",
-        d.init_timeout_s,
-        "at start-up, a process exits (naming the coordinator's address) when the coordinator "
-        "or the job's other processes have not come within this many seconds",
-    )
-    flags.DEFINE_integer(
-        "stop_timeout_s",
-        d.stop_timeout_s,
-        "after SIGTERM (a scheduler's preemption) the job finishes its step, commits a "
-        "checkpoint and exits; it exits anyway after this many seconds",
-    )
+    """The process flags (only when a command runs)."""
+    flag_fields.define_flags(ProcessConfig())
 
 
 def config_from_flags() -> ProcessConfig:
-    return ProcessConfig(
-        **{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(ProcessConfig)}
-    )
+    return ProcessConfig(**flag_fields.parsed_values(ProcessConfig()))
 
 
 # The process flags every process must share (all but --process_id).
-SHARED_FLAGS = (
-    "num_processes",
-    "cpu_devices",
-    "coordinator_address",
-    "heartbeat_timeout_s",
-    "init_timeout_s",
-    "stop_timeout_s",
-)
+SHARED_FLAGS = tuple(f.name for f in dataclasses.fields(ProcessConfig) if f.name != "process_id")
 
 
 def command_line_values(names) -> dict:
@@ -246,16 +215,17 @@ class _Assembly:
             os._exit(1)
 
 
-def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
+def start(pc: ProcessConfig, job: str) -> Processes:
     """Joins the job `pc` (or the environment) describes, or runs alone; the result is also
     `current()`. Call before anything touches a jax backend. FlagError naming a process flag
-    that cannot be used, or the coordinator's address when the job cannot be joined."""
+    that cannot be used, or the coordinator's address when the job cannot be joined. `job`: the
+    job's name, which starts the line of a start-up that timed out."""
     global _current
     pc.check()
     detected = None
     if pc.num_processes is None:
         try:
-            detected = compat.detected_cluster()
+            detected = jax_private.detected_cluster()
         except Exception as err:  # noqa: BLE001  (a cluster module's own error)
             raise FlagError(
                 f"cannot read the cluster environment: {first_line(err)}; give "
@@ -275,7 +245,7 @@ def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address, index = pc.coordinator_address, pc.process_id
     if detected is not None:
-        address, index = compat.detected_coordinator(pc.init_timeout_s) or (None, None)
+        address, index = jax_private.detected_coordinator(pc.init_timeout_s) or (None, None)
     where = address or f"the {detected[0]} environment"
     me = "" if index is None else f" as process {index}"
     if address is not None and index == 0:
@@ -283,7 +253,7 @@ def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
     elif address is not None:
         wait_for_coordinator(address, index, pc.init_timeout_s)
     line = (
-        f"{script}{'' if index is None else f' (process {index} of {count})'}: cannot join the "
+        f"{job}{'' if index is None else f' (process {index} of {count})'}: cannot join the "
         f"job at {where}{me}: its {count} processes did not all come within "
         f"{pc.init_timeout_s} s (is every process started, with the same "
         "--coordinator_address and --num_processes?)"
@@ -308,7 +278,7 @@ def start(pc: ProcessConfig, script: str = "train_moe.py") -> Processes:
     processes = Processes(
         jax.process_index(),
         jax.process_count(),
-        compat.distributed_client(),
+        jax_private.distributed_client(),
         pc.heartbeat_timeout_s,
     )
     if not processes.is_main:  # the others print nothing but errors

@@ -1,5 +1,5 @@
-"""Checkpoints of examples/train_moe.py: committed atomically, read back with errors that say what
-is wrong.
+"""Checkpoints of the main job: committed atomically, read back with errors that say what is
+wrong.
 
 Layout: `<output_dir>/checkpoint/<step>/` is one orbax `CheckpointManager` step of two items,
 `state` (params, rest and optimizer state) and `meta` (JSON: the flags of the run that wrote it).
@@ -16,7 +16,7 @@ the directory, between barriers.
 `--resume` reads the newest step's meta before any model is built (`read_saved`) and refuses,
 in one line naming the flag and both values, a checkpoint written with another value of a flag
 that shapes the model, its routing, its data or its optimizer (every flag but
-`train_config.RESUMABLE_FIELDS`), by another number of processes or on another mesh
+`config.RESUMABLE_FIELDS`), by another number of processes or on another mesh
 (`check_resume_flags`); `restore` then reads the state. Each raises `ResumeError` naming the
 directory and the problem: missing, empty or incomplete, unreadable, written by another run —
 never an orbax traceback.
@@ -34,9 +34,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from examples.job_runtime.job_errors import ResumeError
+from examples.job_runtime.errors import ResumeError
 from examples.job_runtime.processes import Processes
-from examples.main_job.train_config import RESUMABLE_FIELDS, RESUMABLE_FLAGS
+from examples.train_moe.config import RESUMABLE_FIELDS, RESUMABLE_FLAGS
 
 ITEMS = ("state", "meta")
 

@@ -28,8 +28,12 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jax_hybridep as hep
+from examples.job_runtime.flag_fields import setting
+from examples.moe_lm.data import VOCAB_SIZE
 from jax_hybridep import balance, xdc
 from jax_hybridep import nn as hnn
+from jax_hybridep.config import BACKENDS
+from jax_hybridep.fp8 import WIRE_DTYPES
 
 DATA_AXIS = "data"  # the one mesh axis that is not part of the EP topology
 
@@ -38,41 +42,45 @@ DATA_AXIS = "data"  # the one mesh axis that is not part of the EP topology
 class ModelConfig:
     """Model sizes and the MoE routing/dispatch settings.
 
+    A field the main job's command line sets says what it is in its help, its flag's --help
+    (`examples/job_runtime/flag_fields.py`); the defaults are the main job's. The others:
+
     Attributes:
-      vocab_size: 256 for bytes.
-      d_model, d_ff: model width and each expert's hidden width.
-      layers, heads: transformer depth and attention heads (d_model % heads == 0, even head dim).
-      experts, top_k: routed experts per MoE block and experts per token.
-      capacity_factor: per-expert capacity factor of the dispatch; None means dropless.
-      backend: dispatch/combine backend, "auto", "xla" or "ffi".
+      vocab_size: the data's vocabulary, 256 bytes.
       aux_loss_coef, z_loss_coef: weights of the router's balancing and z losses.
-      migration: cross-DC EP (`xdc.Migration`): the expert domain sizes per EP level (none:
-        plain EP) and how experts travel (SR compression and its shared expert, gradient
-        compression); see `jax_hybridep.xdc`.
-      wire_dtype: None (the model's dtype) or "float8_e4m3fn": FP8 on the wire for dispatch.
       balance: the blocks' expert load balancing (`balance.BalanceConfig`: redundant slots for
         copies of hot experts; a placement even without them, so the main job's re-balancing,
-        `examples/main_job/rebalance_hook.py`, can move experts between ranks); None: none.
-      prefetch: gather every layer's experts at step start, before the first layer.
+        `examples/train_moe/rebalance.py`, can move experts between ranks); None: none. The main
+        job sets it from its --redundant_slots and --rebalance_every (`TrainConfig.built_model`).
       layer_domains: per layer, its domain sizes ((axis, S), ...) (() for plain EP); overrides
-        migration.domains.
+        migration.domains (the re-planner's per-layer plans).
+
+    `check` (when a model is built) holds the rules between fields: d_model splits into heads of
+    even size, layer_domains names every layer. Not at construction: the main job builds its
+    config from unchecked flags and checks it whole, naming the flags (`train_moe/config.py`).
     """
 
-    vocab_size: int = 256
-    d_model: int = 64
-    d_ff: int = 128
-    layers: int = 2
-    heads: int = 4
-    experts: int = 8
-    top_k: int = 2
-    capacity_factor: float | None = None
-    backend: str = "auto"
+    vocab_size: int = VOCAB_SIZE
+    d_model: int = setting(128, "model width")
+    d_ff: int = setting(256, "expert FFN hidden width")
+    layers: int = setting(2, "transformer layers")
+    heads: int = setting(4, "attention heads")
+    experts: int = setting(8, "routed experts per layer")
+    top_k: int = setting(2, "experts per token")
+    capacity_factor: float | None = setting(None, "per-expert capacity factor, a number > 0")
+    backend: str = setting("auto", "dispatch/combine backend", choices=BACKENDS)
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
-    migration: xdc.Migration = xdc.Migration()
-    wire_dtype: str | None = None
+    migration: xdc.Migration = setting(
+        xdc.Migration(), "cross-DC expert domain sizes per EP level, e.g. 'dc=2' (unset: plain EP)"
+    )
+    wire_dtype: str | None = setting(
+        None,
+        "FP8 dispatch (one scale per 128 elements); unset: the model's dtype",
+        choices=WIRE_DTYPES,
+    )
     balance: balance.BalanceConfig | None = None
-    prefetch: bool = False
+    prefetch: bool = setting(False, "gather every layer's experts at step start")
     layer_domains: tuple[tuple[tuple[str, int], ...], ...] | None = None
 
     def domains_of(self, layer: int) -> tuple[tuple[str, int], ...] | None:
@@ -86,7 +94,8 @@ class ModelConfig:
         domains = self.domains_of(layer)
         return self.migration.with_domains(domains) if domains else None
 
-    def __post_init__(self):
+    def check(self) -> None:
+        """ValueError naming the fields when they do not fit together."""
         if self.layer_domains is not None and len(self.layer_domains) != self.layers:
             raise ValueError(
                 f"layer_domains gives {len(self.layer_domains)} layers, the model has {self.layers}"
@@ -172,6 +181,7 @@ class MoETransformer(nnx.Module):
     """Decoder-only byte LM: returns logits and the MoE blocks' auxiliary outputs."""
 
     def __init__(self, config: ModelConfig, mesh, topology, *, rngs: nnx.Rngs):
+        config.check()
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
         self.layers = nnx.List(

@@ -1,4 +1,4 @@
-"""What examples/train_moe.py reports besides losses: the backend and collectives its compiled
+"""What the main job reports besides losses: the backend and collectives its compiled
 step runs, load imbalance, the balancer's re-placements, and its files: metrics.json and the PNG
 of losses and load."""
 
@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from examples.main_job.train_config import flag_values
+from examples.train_moe.config import flag_values
 from jax_hybridep import traffic
 from jax_hybridep.xdc.runtime.domains import INNER_SUFFIX
 

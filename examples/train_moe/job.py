@@ -1,19 +1,19 @@
-"""The main job (its command: examples/train_moe.py, whose docstring is its --help): `train`
-trains the example MoE LM (`examples/moe_lm/`) as a `TrainConfig` says and writes its metrics,
-plot and checkpoint; `main` runs it as the command line's job (`job_runtime/run_job.py`).
+"""The main job (its command: `python -m examples.train_moe`, `__main__.py`, whose docstring is
+its --help): `train` trains the example MoE LM (`examples/moe_lm/`) as a `TrainConfig` says and
+writes its metrics, plot and checkpoint; `main` runs it as the command line's job
+(`job_runtime/run_job.py`).
 
-`train`, in order: the corpus compared between processes, every flag checked (`train_config.py`),
-the output directory taken (`job_runtime/output_lock.py`), a --resume checkpoint checked on disk
-(`train_checkpoint.py`), the model built and its state placed (re-balancing: `rebalance_hook.py`;
-re-planning: `replan_hook.py`), the loop (`train_loop.py`; the compiled steps: `train_step.py`),
-the last checkpoint and the outputs (`train_report.py`). The cross-DC job
-(`examples/cross_dc_job/`) calls `train` once per run it compares.
+`train`, in order: the corpus compared between processes, every flag checked (`config.py`), the
+output directory taken (`job_runtime/output_lock.py`), a --resume checkpoint checked on disk
+(`checkpoint.py`), the model built and its state placed (re-balancing: `rebalance.py`;
+re-planning: `replan.py`), the loop (`loop.py`; the compiled steps: `step.py`), the last
+checkpoint and the outputs (`report.py`). The cross-DC job (`examples/cross_dc/`) calls `train`
+once per run it compares.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import jax
 from absl import app, logging
@@ -23,22 +23,24 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 from examples.job_runtime import output_lock, preemption, startup
-from examples.job_runtime.job_errors import (
+from examples.job_runtime.errors import (
     FlagError,
     ResumeError,  # noqa: F401  (re-exported: tests catch it here)
 )
 from examples.job_runtime.processes import Processes
 from examples.job_runtime.run_job import run_job
 from examples.job_runtime.startup import global_devices
-from examples.main_job import replan_hook, train_checkpoint, train_loop
-from examples.main_job.rebalance_hook import Rebalancer
-from examples.main_job.train_config import TrainConfig, check_config, flag_values
-from examples.main_job.train_flags import config_from_flags, define_flags
-from examples.main_job.train_report import metrics_of, write_outputs
-from examples.main_job.train_step import make_optimizer
-from examples.moe_lm.lm_data import VOCAB_SIZE, ByteData
-from examples.moe_lm.lm_model import ModelConfig, MoETransformer, make_mesh
-from jax_hybridep import balance
+from examples.moe_lm.data import ByteData
+from examples.moe_lm.model import MoETransformer, make_mesh
+from examples.train_moe import checkpoint, replan
+from examples.train_moe.config import TrainConfig, check_config, flag_values
+from examples.train_moe.flags import config_from_flags, define_flags
+from examples.train_moe.loop import loop
+from examples.train_moe.rebalance import Rebalancer
+from examples.train_moe.report import metrics_of, write_outputs
+from examples.train_moe.step import make_optimizer
+
+NAME = "train_moe"  # the command's and the package's name; it starts the lines the job ends with
 
 # The flags that fix the shapes of the model and optimizer state (a checkpoint needs them equal;
 # the domain flags fix the shapes of the SR and error-feedback state).
@@ -54,30 +56,6 @@ MODEL_FLAGS = (
 )
 
 
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model `cfg` trains."""
-    return ModelConfig(
-        vocab_size=VOCAB_SIZE,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        layers=cfg.layers,
-        heads=cfg.heads,
-        experts=cfg.experts,
-        top_k=cfg.top_k,
-        capacity_factor=cfg.capacity_factor,
-        backend=cfg.backend,
-        migration=cfg.migration,
-        wire_dtype=cfg.wire_dtype,
-        # A placement (even without redundant slots) lets the rebalancer move experts.
-        balance=(
-            balance.BalanceConfig(cfg.redundant_slots)
-            if cfg.redundant_slots or cfg.rebalance_every
-            else None
-        ),
-        prefetch=cfg.prefetch,
-    )
-
-
 def mesh_spec(mesh) -> str:
     """The mesh as --mesh spells it ("node=2,local=4")."""
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
@@ -89,6 +67,7 @@ def train(
     on_compile=None,
     hook=None,
     processes: Processes | None = None,
+    job: str = NAME,
 ) -> dict:
     """Trains (or resumes) per `cfg`, writes metrics/plot/checkpoint, returns the metrics dict.
 
@@ -98,10 +77,11 @@ def train(
     (the command line's job only) after committing a checkpoint. `on_compile`, if given, is
     called with the compiled train step's HLO text (e.g. to read its collectives,
     `jax_hybridep.traffic`).
-    `hook`: a `replan_hook.ReplanHook` (made from `cfg` when `replan_every` is set), asked after
+    `hook`: a `replan.ReplanHook` (made from `cfg` when `replan_every` is set), asked after
     every step whether to switch domains. `processes`: this process's place in a job of
     several (None: `startup.current()`); every process calls `train`, and only process 0
-    writes metrics and plot (every process writes its checkpoint shards).
+    writes metrics and plot (every process writes its checkpoint shards). `job`: the name the
+    output directory's lock gives this run (the cross-DC job passes its own).
     """
     processes = processes or startup.current()
     console = console or Console(soft_wrap=True)
@@ -116,8 +96,7 @@ def train(
     devices = global_devices()
     check_config(cfg, devices, data)
     # One run per output directory, from here to the end (before anything is read or built).
-    script = os.path.basename(sys.argv[0]) or "train"
-    lock, note = output_lock.acquire(os.path.abspath(cfg.output_dir), script, processes)
+    lock, note = output_lock.acquire(os.path.abspath(cfg.output_dir), job, processes)
     try:
         if note is not None:
             console.print(note, highlight=False)
@@ -134,14 +113,14 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
     metrics_path = os.path.join(cfg.output_dir, "metrics.json")
     meta = dict(flag_values(cfg), processes=processes.count, mesh_shape=mesh_spec(mesh))
     if cfg.resume:  # what can be checked on disk is, before the model is built
-        start = train_checkpoint.latest(ckpt_dir)
-        saved = train_checkpoint.read_saved(ckpt_dir, start)
+        start = checkpoint.latest(ckpt_dir)
+        saved = checkpoint.read_saved(ckpt_dir, start)
         defaults = flag_values(TrainConfig())
-        train_checkpoint.check_resume_flags(ckpt_dir, start, saved.meta, meta, defaults)
-        old_metrics = train_checkpoint.read_metrics(metrics_path)
-    model_cfg = model_config(cfg)
+        checkpoint.check_resume_flags(ckpt_dir, start, saved.meta, meta, defaults)
+        old_metrics = checkpoint.read_metrics(metrics_path)
+    model_cfg = cfg.built_model
     if hook is None and cfg.replan_every:
-        hook = replan_hook.ReplanHook.from_config(cfg, model_cfg, mesh, topology)
+        hook = replan.ReplanHook.from_config(cfg, model_cfg, mesh, topology)
     if hook is not None:
         hook.processes = processes
         model_cfg = hook.model_config
@@ -167,7 +146,7 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
         start = 0
     else:
         target = dict(params=params, rest=rest, opt_state=opt_state)
-        restored = train_checkpoint.restore(ckpt_dir, start, target, saved, meta, MODEL_FLAGS)
+        restored = checkpoint.restore(ckpt_dir, start, target, saved, meta, MODEL_FLAGS)
         params, rest, opt_state = restored["params"], restored["rest"], restored["opt_state"]
         # The checkpoint is in plain EP's expert order: back to the placements it was saved with.
         graphdef, params, rest, opt_state = balancer.restore(
@@ -184,7 +163,7 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
         console.print(f"resumed from step {start} ({ckpt_dir})")
     committed = {"step": start if cfg.resume else None}
 
-    def checkpoint(step, backend, params, rest, opt_state):
+    def save(step, backend, params, rest, opt_state):
         """Commits the state after `step` steps, the metrics up to it first (process 0): a
         --resume from any committed step then finds its history (later records are dropped)."""
         committed["step"] = step
@@ -193,11 +172,9 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
             write_outputs(cfg.output_dir, metrics, plot=False)
         params, opt_state = balancer.checkpoint_state(params, opt_state)
         state = dict(params=params, rest=rest, opt_state=opt_state)
-        train_checkpoint.save(
-            ckpt_dir, step, state, dict(meta, balance=balancer.to_meta()), processes
-        )
+        checkpoint.save(ckpt_dir, step, state, dict(meta, balance=balancer.to_meta()), processes)
 
-    history, params, rest, opt_state, backend, feeder, stopped = train_loop.loop(
+    history, params, rest, opt_state, backend, feeder, stopped = loop(
         cfg=cfg,
         data=data,
         mesh=mesh,
@@ -209,18 +186,18 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
         on_compile=on_compile,
         balancer=balancer,
         hook=hook,
-        checkpoint=checkpoint,
+        checkpoint=save,
         stop_due=lambda: preemption.due(processes),
     )
     if stopped is not None:  # SIGTERM: this step's checkpoint, then out
         if committed["step"] != stopped:
-            checkpoint(stopped, backend, params, rest, opt_state)
+            save(stopped, backend, params, rest, opt_state)
         raise preemption.Stopped(
             f"stopped by SIGTERM after step {stopped} of {cfg.steps}: checkpoint/{stopped}/ "
             f"committed in {cfg.output_dir}; --resume continues from it"
         )
     if cfg.steps > start:  # otherwise nothing trained: the checkpoint at `start` stands
-        checkpoint(cfg.steps, backend, params, rest, opt_state)
+        save(cfg.steps, backend, params, rest, opt_state)
     # What each process read: its own rows of every batch (the same on one process: all).
     fed = processes.exchange("feeding", [feeder.rows.tolist(), feeder.windows_read])
     history["feeding"] = dict(
@@ -236,24 +213,21 @@ def _train(cfg, console, on_compile, hook, processes, data, devices) -> dict:
     return result
 
 
-SCRIPT = "train_moe.py"
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
     logging.set_verbosity(logging.WARNING)
     run_job(
-        SCRIPT,
+        NAME,
         flag_values(TrainConfig()),
         lambda processes: train(config_from_flags(), processes.console(), processes=processes),
     )
 
 
 def command_line() -> None:
-    """The command line (examples/train_moe.py): defines the flags, then runs `main` under absl.
-    Flags are defined only here, so that importing this module, e.g. from a test, leaves absl's
-    global flag registry alone."""
+    """The command line (`python -m examples.train_moe`): defines the flags, then runs `main`
+    under absl. Flags are defined only here, so that importing this module, e.g. from a test,
+    leaves absl's global flag registry alone."""
     define_flags()
     startup.define_flags()
     app.run(main)

@@ -1,12 +1,14 @@
-"""What a run of examples/train_moe.py depends on: its config and the config's validation.
+"""What a run of the main job depends on: its config and the config's validation.
 
-`TrainConfig` holds the flags as one value (tests build it directly); `check_config` validates every
-field before any model is built and raises `FlagError` naming the flag, its value and what is
-wrong, in the library's own words where the library has a rule (e.g. experts per EP rank). The
-cross-DC flags (--domains, --domain_compression, --domain_shared, --domain_sync_every,
+`TrainConfig` holds the flags as one value (tests build it directly), the model's among them as
+one `ModelConfig` (`model`). Each setting is written once, as a field with its default and its help
+(`job_runtime/flag_fields.setting`): the flag (`flags.py`), the config read back from the flags
+and the flags a checkpoint records (`flag_values`) are made from the fields. `check_config`
+validates every field before any model is built and raises `FlagError` naming the flag, its value
+and what is wrong, in the library's own words where the library has a rule (e.g. experts per EP
+rank). The cross-DC flags (--domains, --domain_compression, --domain_shared, --domain_sync_every,
 --grad_compression) become one `xdc.Migration` in one place, `parse_migration`, and are spelled
-back by `migration_flags`. The command-line flags themselves are defined and read in
-`train_flags.py`.
+back by `migration_flags`.
 """
 
 from __future__ import annotations
@@ -17,19 +19,20 @@ import os
 import tempfile
 from numbers import Integral, Real
 
-from examples.job_runtime.job_errors import FlagError
-from examples.moe_lm.lm_data import ByteData
-from examples.moe_lm.lm_model import DATA_AXIS, make_mesh
-from jax_hybridep import xdc
+from examples.job_runtime.errors import FlagError
+from examples.job_runtime.flag_fields import flag_fields, setting
+from examples.moe_lm.data import ByteData
+from examples.moe_lm.model import DATA_AXIS, ModelConfig, make_mesh
+from jax_hybridep import balance, xdc
+from jax_hybridep.config import BACKENDS
 from jax_hybridep.fp8 import WIRE_DTYPES
 from jax_hybridep.xdc.migration import SHARED_VARIANTS
 
-BACKENDS = ("auto", "xla", "ffi")
 DROPLESS = "none"  # the one spelling of "no capacity" on the command line (and the default)
 
 
 # The flags a resumed run may change (the rest shape the model, its routing, its data or its
-# optimizer and must equal the checkpoint's: `train_checkpoint.check_resume_flags`), and with
+# optimizer and must equal the checkpoint's: `checkpoint.check_resume_flags`), and with
 # them the TrainConfig fields without a flag that may change too.
 RESUMABLE_FLAGS = (
     "steps",
@@ -46,80 +49,66 @@ RESUMABLE_FIELDS = (*RESUMABLE_FLAGS, "eval_batches", "progress", "resume")
 class TrainConfig:
     """Everything a run depends on (the flags, as one value that tests can build directly).
 
+    A field with help is a flag of that name, its help the flag's --help
+    (`job_runtime/flag_fields.py`); so are the model's.
+
     Attributes:
-      steps: total optimizer steps (a resumed run continues up to this many).
-      batch, seq_len: sequences per step and bytes per sequence.
-      d_model, d_ff, layers, heads, experts, top_k: model sizes (see `lm_model.ModelConfig`).
-      mesh: mesh axis sizes, e.g. "node=2,local=4", "ep=8" or "data=2,ep=4"; None means
-        "node=2,local=<n/2>" on fake CPU devices and "ep=<all devices>" on accelerators.
-      backend: dispatch/combine backend, "auto", "xla" or "ffi".
-      migration: cross-DC EP as one `xdc.Migration` (`parse_migration` of the flags):
-        --domains, the expert domain sizes per EP level, e.g. "dc=2" (experts all-gathered
-        inside each pair of "dc" coordinates, tokens only between domains; unset: plain EP);
-        --domain_compression, the SR compression ratio (> 1) of the experts moved inside a
-        domain (unset: off); --domain_shared, the SR reference, "persistent" (a shared expert
-        kept as state), "mean" (the domain's mean every step) or "none"; --domain_sync_every,
-        steps between refreshes of the persistent one; --grad_compression, the top-k ratio
-        (> 1) of the replicas' gradient reduce-scatter, with error feedback (opt-in, not exact;
-        unset: off).
-      prefetch: gather every layer's experts at step start instead of inside each layer.
-      replan_every: re-plan the domains every this many steps from the measured routing and
-        `links` / `link_schedule` (0: never; `replan_hook.py`), recompiling when they change.
-      links: the links of the mesh's EP levels for the planner, e.g. "dc=10:5:shared,node=100,
-        local=3600" (Gbps[:latency ms][:shared]); link_schedule: bandwidth changes by step,
-        e.g. "200:dc=1"; memory_limit_mb: per-device memory limit of the plans (0: none).
-      capacity_factor: per-expert capacity factor (> 0); None means dropless.
-      wire_dtype: None (tokens travel in the model's dtype) or "float8_e4m3fn" (FP8 dispatch:
-        one scale per 128 elements, dequantised at the receiver).
-      redundant_slots: per EP rank, expert slots for copies of hot experts (0: none).
-      rebalance_every: re-place the experts every this many steps from the measured load
-        (`rebalance_hook.py`; 0: never).
-      charge_sync: the balancer charges each remote replica's sync bytes (weights forward,
-        gradient back) against the rows it saves; False places replicas by load alone.
-      lr: peak learning rate of the warmup + cosine schedule.
-      schedule_steps: the step the schedule's cosine decay ends at (0: `steps`); a run meant to
-        be resumed later to N steps sets N, so that it follows the uninterrupted run's schedule.
-      seed: initialisation and data seed.
-      output_dir: where metrics, plot and checkpoint go.
-      eval_every: evaluate every this many steps (and at the end).
-      checkpoint_every: also commit a checkpoint (and metrics.json) every this many steps (0:
-        only at the end), so that `resume` after a crash loses at most this many steps.
-      resume: restore the checkpoint in output_dir and continue from its step.
-      eval_batches: held-out batches per evaluation.
-      progress: show a live progress bar (only drawn on a terminal).
+      model: the model the run trains (sizes, routing, dispatch, cross-DC EP; its `balance` is
+        the run's: `built_model`).
+      eval_batches: held-out batches per evaluation (no flag).
+      progress: show a live progress bar, drawn only on a terminal (no flag).
     """
 
-    steps: int = 500
-    batch: int = 16
-    seq_len: int = 128
-    d_model: int = 128
-    d_ff: int = 256
-    layers: int = 2
-    heads: int = 4
-    experts: int = 8
-    top_k: int = 2
-    mesh: str | None = None
-    backend: str = "auto"
-    migration: xdc.Migration = xdc.Migration()
-    prefetch: bool = False
-    replan_every: int = 0
-    links: str | None = None
-    link_schedule: str | None = None
-    memory_limit_mb: float = 0.0
-    capacity_factor: float | None = None
-    wire_dtype: str | None = None
-    redundant_slots: int = 0
-    rebalance_every: int = 0
-    charge_sync: bool = True
-    lr: float = 3e-3
-    schedule_steps: int = 0
-    seed: int = 0
-    output_dir: str = "/tmp/train_moe"
-    eval_every: int = 50
-    checkpoint_every: int = 0
-    resume: bool = False
+    steps: int = setting(500, "total training steps (a resumed run continues to it)")
+    batch: int = setting(16, "sequences per step")
+    seq_len: int = setting(128, "bytes per sequence")
+    model: ModelConfig = ModelConfig()  # its flag fields are flags: --d_model, --domains, ...
+    mesh: str | None = setting(
+        None,
+        "mesh axis sizes, e.g. 'node=2,local=4', 'ep=8' or 'data=2,ep=4' "
+        "(default: node=2,local=n/2 on CPU, ep=all on GPUs)",
+    )
+    replan_every: int = setting(0, "re-plan the domains every N steps (needs --links)")
+    # Per EP level: Gbps[:latency ms][:shared] (`xdc.parse_links`).
+    links: str | None = setting(None, "EP level links to plan for, e.g. dc=10:5:shared,...")
+    link_schedule: str | None = setting(None, "link bandwidth changes by step, e.g. '200:dc=1'")
+    memory_limit_mb: float = setting(0.0, "per-device memory limit of re-plans (0: none)")
+    redundant_slots: int = setting(0, "expert slots per EP rank for copies of hot experts")
+    rebalance_every: int = setting(
+        0, "re-place the experts every this many steps from the measured load (0: never)"
+    )
+    charge_sync: bool = setting(
+        True, "the balancer charges each replica's sync bytes against the rows it saves"
+    )
+    lr: float = setting(3e-3, "peak learning rate")
+    schedule_steps: int = setting(
+        0,
+        "the step the learning-rate decay ends at (0: --steps); set it to the final step count "
+        "when a run will be resumed to more steps",
+    )
+    seed: int = setting(0, "random seed (init and data order)")
+    output_dir: str = setting("/tmp/train_moe", "metrics, plot and checkpoint go here")
+    eval_every: int = setting(50, "evaluate every this many steps")
+    checkpoint_every: int = setting(
+        0, "also commit a checkpoint and metrics.json every this many steps (0: only at the end)"
+    )
+    resume: bool = setting(
+        False,
+        "restore the checkpoint in --output_dir and continue; every flag must equal the "
+        f"checkpoint's except {', '.join('--' + n for n in RESUMABLE_FLAGS)}, "
+        "--coordinator_address, --process_id and --heartbeat_timeout_s",
+    )
     eval_batches: int = 4
     progress: bool = True
+
+    @property
+    def built_model(self) -> ModelConfig:
+        """The model the run builds: `model` with the blocks' expert placement when the run
+        balances (--redundant_slots; with --rebalance_every a placement even without redundant
+        slots, so that the rebalancer can move experts), else none."""
+        placed = self.redundant_slots or self.rebalance_every
+        config = balance.BalanceConfig(self.redundant_slots) if placed else None
+        return dataclasses.replace(self.model, balance=config)
 
 
 def parse_sizes(spec: str, what: str) -> tuple[tuple[str, int], ...]:
@@ -174,8 +163,12 @@ def migration_flags(migration: xdc.Migration) -> dict:
 
 
 def flag_values(cfg: TrainConfig) -> dict:
-    """`cfg` as its flags (name -> value; what a checkpoint's meta records)."""
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    """`cfg` as its flags (name -> value; what a checkpoint's meta records): every field but
+    `model`, then the model's flag fields, `migration` spelled as its flags. The model's fields
+    without a flag (vocabulary, loss weights, placement, per-layer domains) are the code's to set,
+    not the run's."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"}
+    values.update((f.name, value) for f, value in flag_fields(cfg.model))
     migration = values.pop("migration")
     return {**values, **migration_flags(migration)}
 
@@ -206,6 +199,14 @@ def _check_number(name: str, value, *, above: float, optional: bool, hint: str =
         raise FlagError(f"--{name}={value!r} must be a finite number > {above:g}{hint}")
 
 
+_TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def _flag(cfg: TrainConfig, name: str):
+    """The value of the flag `name` in `cfg`: its own field, or its model's."""
+    return getattr(cfg, name) if name in _TRAIN_FIELDS else getattr(cfg.model, name)
+
+
 def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> None:
     """Raises FlagError naming the first flag of `cfg` that the run cannot use on `devices`.
 
@@ -215,6 +216,9 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
     Builds no model and creates nothing.
     """
     _check_output_dir(cfg.output_dir)  # first: nothing else is worth checking without it
+    m = cfg.model
+    if not isinstance(m, ModelConfig):
+        raise FlagError(f"model={m!r} must be an examples.moe_lm.model.ModelConfig")
     for name, minimum in (
         ("steps", 0),
         ("batch", 1),
@@ -234,28 +238,28 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
         ("schedule_steps", 0),
         ("checkpoint_every", 0),
     ):
-        _check_int(name, getattr(cfg, name), minimum)
-    if cfg.top_k > cfg.experts:
+        _check_int(name, _flag(cfg, name), minimum)
+    if m.top_k > m.experts:
         raise FlagError(
-            f"--top_k={cfg.top_k} exceeds --experts={cfg.experts}: each token picks top_k "
+            f"--top_k={m.top_k} exceeds --experts={m.experts}: each token picks top_k "
             "distinct experts"
         )
-    head_dim, rest = divmod(cfg.d_model, cfg.heads)
+    head_dim, rest = divmod(m.d_model, m.heads)
     if rest or head_dim % 2:
         raise FlagError(
-            f"--d_model={cfg.d_model} must split into --heads={cfg.heads} heads of even size "
+            f"--d_model={m.d_model} must split into --heads={m.heads} heads of even size "
             "(rotary embeddings rotate pairs of features)"
         )
     _check_number("lr", cfg.lr, above=0, optional=False)
     _check_number(
         "capacity_factor",
-        cfg.capacity_factor,
+        m.capacity_factor,
         above=0,
         optional=True,
         hint=f", or '{DROPLESS}' (the default) for dropless",
     )
-    if not isinstance(cfg.migration, xdc.Migration):
-        raise FlagError(f"migration={cfg.migration!r} must be a jax_hybridep.xdc.Migration")
+    if not isinstance(m.migration, xdc.Migration):
+        raise FlagError(f"migration={m.migration!r} must be a jax_hybridep.xdc.Migration")
     limit = cfg.memory_limit_mb
     if (
         not isinstance(limit, Real)
@@ -264,16 +268,16 @@ def check_config(cfg: TrainConfig, devices, data: ByteData | None = None) -> Non
         or limit < 0
     ):
         raise FlagError(f"--memory_limit_mb={limit!r} must be a finite number >= 0 (0: no limit)")
-    if cfg.backend not in BACKENDS:
-        raise FlagError(f"--backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
-    if cfg.wire_dtype not in (None, *WIRE_DTYPES):
+    if m.backend not in BACKENDS:
+        raise FlagError(f"--backend={m.backend!r} must be one of {', '.join(BACKENDS)}")
+    if m.wire_dtype not in (None, *WIRE_DTYPES):
         raise FlagError(
-            f"--wire_dtype={cfg.wire_dtype!r} must be unset (the model's dtype) or one of "
+            f"--wire_dtype={m.wire_dtype!r} must be unset (the model's dtype) or one of "
             f"{', '.join(WIRE_DTYPES)}"
         )
     for name in ("resume", "progress", "charge_sync", "prefetch"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise FlagError(f"--{name}={getattr(cfg, name)!r} must be true or false")
+        if not isinstance(_flag(cfg, name), bool):
+            raise FlagError(f"--{name}={_flag(cfg, name)!r} must be true or false")
     _check_mesh(cfg, devices)
     _check_data(cfg, data or ByteData.load())
 
@@ -293,9 +297,9 @@ def _check_mesh(cfg: TrainConfig, devices) -> None:
             "(each process feeds its own)"
         )
     ep = topology.ep_size
-    if cfg.experts % ep:
+    if cfg.model.experts % ep:
         raise FlagError(
-            f"--experts={cfg.experts} is not divisible by the EP size {ep} of --mesh={spec} "
+            f"--experts={cfg.model.experts} is not divisible by the EP size {ep} of --mesh={spec} "
             f"(EP axes {topology.ep_axes}: every axis but '{DATA_AXIS}'); each EP rank holds "
             "experts / EP of them"
         )
@@ -305,7 +309,7 @@ def _check_mesh(cfg: TrainConfig, devices) -> None:
             f"--batch={cfg.batch} x --seq_len={cfg.seq_len} = {tokens} tokens per step do not "
             f"split evenly over the {shards} devices of --mesh={spec}"
         )
-    m, domains = cfg.migration, migration_flags(cfg.migration)["domains"]
+    m, domains = cfg.model.migration, migration_flags(cfg.model.migration)["domains"]
     if m.compression is not None and not m.domains:
         raise FlagError(
             f"--domain_compression={m.compression} needs --domains (it compresses the "

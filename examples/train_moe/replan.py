@@ -1,15 +1,14 @@
-"""The re-planning hook of the main job (examples/train_moe.py): every N steps, plan the expert
-domains again from the routing the run measured and the links in force
-(`jax_hybridep.xdc.Replanner`), and when the plan changes hand the training loop the model rebuilt
-on the new domains (one more compile).
+"""The re-planning hook of the main job: every N steps, plan the expert domains again from the
+routing the run measured and the links in force (`jax_hybridep.xdc.Replanner`), and when the plan
+changes hand the training loop the model rebuilt on the new domains (one more compile).
 
 Measured routing: the rows each layer's experts received (`MoEAux.tokens_per_expert`), summed
 over the steps since the last re-plan. Links: given to the run (`--links`, `--link_schedule`),
 since fake devices have no links to measure. The model's parameters keep their sharding under
 every domain setting, so switching moves no parameter; the other state is carried over by
-`lm_model.rebuild`.
+`model.rebuild`.
 
-With several processes (`job_runtime/processes.py`; `main_job.train` sets `processes`) process 0
+With several processes (`job_runtime/processes.py`; `job.train` sets `processes`) process 0
 re-plans from the counts (all-reduced in the step: the same on every process) and every process
 adopts its decision; the processes then compare the domains they run, recorded with each re-plan
 (`domains_per_process`), and stop if they differ.
@@ -24,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from examples.job_runtime.processes import Processes
-from examples.moe_lm.lm_model import (
+from examples.moe_lm.model import (
     MoETransformer,
     dense_param_bytes,
     describe_workload,
@@ -50,11 +49,11 @@ class ReplanHook:
         self.model_config = with_layer_domains(model_config, self.names, replanner.layer_domains)
         self.counts = None
         self.compiles = 1
-        self.processes = Processes()  # main_job.train sets the run's
+        self.processes = Processes()  # job.train sets the run's
 
     @classmethod
     def from_config(cls, cfg, model_config, mesh, topology) -> ReplanHook:
-        """The hook `main_job.train` builds from its flags (`--replan_every`, `--links`, ...)."""
+        """The hook `job.train` builds from its flags (`--replan_every`, `--links`, ...)."""
         if not cfg.links:
             raise ValueError(
                 f"--replan_every={cfg.replan_every} needs --links (e.g. "

@@ -1,12 +1,13 @@
-"""The cross-DC job (its command: examples/cross_dc.py, whose docstring is its --help): the main
-job's model and `train` (`examples/main_job/`) on a described cluster of 2 DCs x 2 nodes x 2 GPUs,
-once per run it compares, with the planned expert domains and with plain EP.
+"""The cross-DC job (its command: `python -m examples.cross_dc`, `__main__.py`, whose docstring is
+its --help): the main job's model and `train` (`examples/train_moe/`) on a described cluster of
+2 DCs x 2 nodes x 2 GPUs, once per run it compares, with the planned expert domains and with
+plain EP.
 
 Where it differs from the main job: its flags, their checks and the cluster they describe
-(`cross_dc_settings.py`); its three modes, the plan (`run_plan`), the SR variants side by side
+(`settings.py`); its three modes, the plan (`run_plan`), the SR variants side by side
 (`run_sr_table`) or one re-planned run with a skew of the routing (`run_replanning`,
 `SkewingHook`); the bytes across the DC level it reports beside the cost model's prediction
-(`cross_dc_bytes.py`); its summary.json. The job around it (processes, SIGTERM, one-line errors)
+(`crossing.py`); its summary.json. The job around it (processes, SIGTERM, one-line errors)
 is the one both jobs run in (`examples/job_runtime/`).
 """
 
@@ -17,13 +18,13 @@ import json
 import os
 
 import numpy as np
-from absl import app, flags, logging
+from absl import app, logging
 from flax import nnx
 from rich.console import Console
 from rich.table import Table
 
-from examples.cross_dc_job.cross_dc_bytes import first_step, measure, predict, program_bytes
-from examples.cross_dc_job.cross_dc_settings import (
+from examples.cross_dc.crossing import first_step, measure, predict, program_bytes
+from examples.cross_dc.settings import (
     MESH,
     RANKS,
     Settings,
@@ -31,16 +32,19 @@ from examples.cross_dc_job.cross_dc_settings import (
     describe_cluster,
     links_spec,
 )
-from examples.job_runtime import startup
+from examples.job_runtime import flag_fields, startup
+from examples.job_runtime.flag_fields import replace
 from examples.job_runtime.processes import Processes, exit_with
 from examples.job_runtime.run_job import run_job
 from examples.job_runtime.startup import global_devices
-from examples.main_job.main_job import model_config, train
-from examples.main_job.replan_hook import ReplanHook
-from examples.main_job.train_config import TrainConfig, migration_flags
-from examples.main_job.train_flags import migration_from_flags
-from examples.moe_lm.lm_model import describe_workload, make_mesh
+from examples.moe_lm.model import ModelConfig, describe_workload, make_mesh
+from examples.train_moe.config import TrainConfig, migration_flags
+from examples.train_moe.flags import migration_from_flags
+from examples.train_moe.job import train
+from examples.train_moe.replan import ReplanHook
 from jax_hybridep import xdc
+
+NAME = "cross_dc"  # the command's and the package's name; it starts the lines the job ends with
 
 SR_TABLE = (  # name, (SR ratio, shared expert, gradient compression) or None (full experts)
     ("full experts", None),
@@ -61,7 +65,7 @@ def over_domains(migration: xdc.Migration, sizes) -> xdc.Migration:
 
 def workload_of(cfg: TrainConfig, dense: int) -> xdc.Workload:
     """The planner's view of one training step of `cfg`."""
-    return describe_workload(model_config(cfg), cfg.batch * cfg.seq_len // RANKS, dense)
+    return describe_workload(cfg.built_model, cfg.batch * cfg.seq_len // RANKS, dense)
 
 
 def run_one(
@@ -78,14 +82,14 @@ def run_one(
     bytes and losses."""
     migration = over_domains(migration, sizes)
     flags_ = migration_flags(migration)
-    cfg = dataclasses.replace(
+    cfg = replace(
         base,
         migration=migration,
         output_dir=os.path.join(s.output_dir, name or flags_["domains"] or "plain_ep"),
     )
     console.rule(f"{name or ''} {flags_}")
     hlo = []
-    result = train(cfg, console, on_compile=hlo.append)
+    result = train(cfg, console, on_compile=hlo.append, job=NAME)
     workload = workload_of(cfg, dense)
     token_levels = [n for (n, g), size in zip(MESH, sizes, strict=True) if g // size > 1]
     return dict(
@@ -93,7 +97,7 @@ def run_one(
         migration=flags_,
         compression=migration.compression,
         measured=measure(
-            hlo[0], result, token_levels, base.d_model, RANKS, workload.migration.sync_every
+            hlo[0], result, token_levels, base.model.d_model, RANKS, workload.migration.sync_every
         ),
         predicted=predict(describe_cluster(s), workload, tuple(sizes), routing),
         train_loss=float(np.mean([r["ce"] for r in result["train"][-10:]])),
@@ -107,9 +111,8 @@ def base_config(s: Settings) -> TrainConfig:
     return TrainConfig(
         steps=s.steps,
         batch=s.batch,
+        model=ModelConfig(backend=s.backend, prefetch=s.prefetch),
         mesh=",".join(f"{n}={g}" for n, g in MESH),
-        backend=s.backend,
-        prefetch=s.prefetch,
         eval_every=s.steps,
         progress=False,
     )
@@ -170,7 +173,7 @@ def run_plan(s: Settings, base, dense, routing, console) -> dict:
     """Plans for the described cluster, trains plain EP and the plan (or `--domains`)."""
     cluster = describe_cluster(s)
     migration = s.migration
-    plan = xdc.plan(cluster, workload_of(dataclasses.replace(base, migration=migration), dense))
+    plan = xdc.plan(cluster, workload_of(replace(base, migration=migration), dense))
     console.print(f"planner: every per-level domain size {cluster.names}, fastest first")
     console.print(plan.table(), highlight=False)
     planned = s.domain_sizes() or plan.domains
@@ -257,7 +260,7 @@ class SkewingHook(ReplanHook):
 
 def run_replanning(s: Settings, base, dense, console) -> dict:
     """One run re-planned every `--replan_every` steps (`xdc.Replanner`)."""
-    cfg = dataclasses.replace(
+    cfg = replace(
         base,
         migration=s.migration,
         replan_every=s.replan_every,
@@ -275,11 +278,11 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
         min_gain=s.min_gain,
         layer_domains=s.domain_sizes(),
     )
-    hook = SkewingHook(replanner, model_config(cfg), mesh, topology)
+    hook = SkewingHook(replanner, cfg.built_model, mesh, topology)
     hook.skew_at = s.skew_at
     hlo = []
-    result = train(cfg, console, on_compile=hlo.append, hook=hook)
-    programs = [program_bytes(text, cfg.migration.sync_every) for text in hlo]
+    result = train(cfg, console, on_compile=hlo.append, hook=hook, job=NAME)
+    programs = [program_bytes(text, cfg.model.migration.sync_every) for text in hlo]
     table = Table(title="re-plans (predicted seconds per step under that step's links and routing)")
     for col in (
         "step",
@@ -319,31 +322,27 @@ def run_replanning(s: Settings, base, dense, console) -> dict:
     )
 
 
-SCRIPT = "cross_dc.py"
-
-
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    names = [f.name for f in dataclasses.fields(Settings) if f.name != "migration"]
+    values = flag_fields.parsed_values(Settings(), skip=("migration",))
     try:  # before jax starts: a bad flag costs nothing
-        settings = Settings(
-            **{n: flags.FLAGS[n].value for n in names}, migration=migration_from_flags()
-        )
+        settings = Settings(**values, migration=migration_from_flags())
         settings.check()
     except ValueError as err:  # FlagError included
-        exit_with(Processes(), SCRIPT, err)
+        exit_with(Processes(), NAME, err)
 
     def body(processes):
         console = processes.console()
         console.width = max(console.width, 132)
         run(settings, console)
 
-    run_job(SCRIPT, [*names, *migration_flags(xdc.Migration())], body)
+    run_job(NAME, [*values, *migration_flags(xdc.Migration())], body)
 
 
 def command_line() -> None:
-    """The command line (examples/cross_dc.py): defines the flags, then runs `main` under absl."""
+    """The command line (`python -m examples.cross_dc`): defines the flags, then runs `main`
+    under absl."""
     define_flags()
     startup.define_flags()
     app.run(main)

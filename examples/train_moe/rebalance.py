@@ -1,4 +1,4 @@
-"""Expert load balancing in examples/train_moe.py (--redundant_slots, --rebalance_every).
+"""Expert load balancing in the main job (--redundant_slots, --rebalance_every).
 
 `Rebalancer` keeps a moving average of each MoE block's `tokens_per_expert`, re-places the
 experts every --rebalance_every steps with `jax_hybridep.balance.plan_placement` (a block keeps
@@ -48,8 +48,9 @@ class Rebalancer:
         # Charged replica sync (--charge_sync): an expert's weights against the bytes a routed
         # row moves per step (dispatch and combine, forward and backward).
         itemsize = 4  # float32 parameters and activations
-        self.expert_bytes = 3 * cfg.d_model * cfg.d_ff * itemsize if cfg.charge_sync else 0
-        self.row_bytes = 4 * cfg.d_model * itemsize if cfg.charge_sync else 0
+        d, f = cfg.model.d_model, cfg.model.d_ff
+        self.expert_bytes = 3 * d * f * itemsize if cfg.charge_sync else 0
+        self.row_bytes = 4 * d * itemsize if cfg.charge_sync else 0
 
     @property
     def active(self) -> bool:

@@ -1,5 +1,7 @@
-"""The flags of examples/cross_dc.py: the example's mesh, its settings as one value (`Settings`,
-checked before jax starts), the cluster they describe for the cost model, and their absl flags.
+"""The flags of the cross-DC job: the example's mesh, its settings as one value (`Settings`,
+checked before jax starts; each field with its default and help, from which its flag is made:
+`job_runtime/flag_fields.py`), the cluster they describe for the cost model, and their absl
+flags.
 
 The cluster is 2 datacenters x 2 nodes x 2 GPUs (`MESH`), its links described by the flags: WAN
 bandwidth shared by a DC's GPUs and its latency, the inter-node and intra-node bandwidths.
@@ -10,44 +12,40 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from absl import flags
-
-from examples.main_job.train_config import check_output_dir, migration_flags
-from examples.main_job.train_flags import define_migration_flags
+from examples.job_runtime import flag_fields
+from examples.job_runtime.flag_fields import setting
+from examples.train_moe.config import check_output_dir, migration_flags
+from examples.train_moe.flags import define_migration_flags
 from jax_hybridep import xdc
+from jax_hybridep.config import BACKENDS
 
 MESH = (("dc", 2), ("node", 2), ("local", 2))
 RANKS = math.prod(s for _, s in MESH)
-
-
-def _flag(default, text: str):
-    """A `Settings` field that is also a flag: its default and its help (`define_flags`)."""
-    return dataclasses.field(default=default, metadata={"help": text})
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The example's flags, as one value tests can build directly; the cross-DC flags
     (--domains overriding the plan, --domain_compression, ...) as one `xdc.Migration`
-    (`train_config.parse_migration`), its help that of --domains."""
+    (`train_moe.config.parse_migration`), its help that of --domains."""
 
-    steps: int = _flag(150, "training steps per run")
-    batch: int = _flag(16, "sequences (of 128 bytes) per step, a multiple of 8")
-    wan_gbps: float = _flag(10.0, "bandwidth between datacenters, shared by a DC")
-    wan_latency_ms: float = _flag(5.0, "one-way WAN latency per message")
-    node_gbps: float = _flag(100.0, "per-GPU bandwidth between nodes of a DC")
-    local_gbps: float = _flag(3600.0, "per-GPU bandwidth inside a node (NVLink)")
-    migration: xdc.Migration = _flag(
+    steps: int = setting(150, "training steps per run")
+    batch: int = setting(16, "sequences (of 128 bytes) per step, a multiple of 8")
+    wan_gbps: float = setting(10.0, "bandwidth between datacenters, shared by a DC")
+    wan_latency_ms: float = setting(5.0, "one-way WAN latency per message")
+    node_gbps: float = setting(100.0, "per-GPU bandwidth between nodes of a DC")
+    local_gbps: float = setting(3600.0, "per-GPU bandwidth inside a node (NVLink)")
+    migration: xdc.Migration = setting(
         xdc.Migration(sync_every=10), "override the plan, e.g. 'dc=2' (default: planned)"
     )
-    prefetch: bool = _flag(True, "gather every layer's experts at step start")
-    sr_table: bool = _flag(False, "train plain EP, domains and the SR variants")
-    replan_every: int = _flag(0, "re-plan every N steps (one run)")
-    link_schedule: str | None = _flag(None, "bandwidth changes by step, e.g. '50:dc=0.5'")
-    skew_at: int = _flag(0, "skew the routing at this step (re-planning run)")
-    min_gain: float = _flag(0.02, "predicted gain a re-plan needs to switch")
-    backend: str = _flag("auto", "dispatch/combine backend: auto, xla or ffi")
-    output_dir: str = _flag("/tmp/cross_dc", "where runs, metrics and summary go")
+    prefetch: bool = setting(True, "gather every layer's experts at step start")
+    sr_table: bool = setting(False, "train plain EP, domains and the SR variants")
+    replan_every: int = setting(0, "re-plan every N steps (one run)")
+    link_schedule: str | None = setting(None, "bandwidth changes by step, e.g. '50:dc=0.5'")
+    skew_at: int = setting(0, "skew the routing at this step (re-planning run)")
+    min_gain: float = setting(0.02, "predicted gain a re-plan needs to switch")
+    backend: str = setting("auto", f"dispatch/combine backend: {', '.join(BACKENDS)}")
+    output_dir: str = setting("/tmp/cross_dc", "where runs, metrics and summary go")
 
     def check(self) -> None:
         """ValueError naming the flag and its value, before any model is built."""
@@ -80,8 +78,8 @@ class Settings:
             bad("sr_table", "is a mode of its own: leave --replan_every unset")
         if (self.link_schedule or self.skew_at) and not self.replan_every:
             bad("replan_every", "must be set for --link_schedule and --skew_at")
-        if self.backend not in ("auto", "xla", "ffi"):
-            bad("backend", "must be one of auto, xla, ffi")
+        if self.backend not in BACKENDS:
+            bad("backend", f"must be one of {', '.join(BACKENDS)}")
         check_output_dir(self.output_dir, "--output_dir")  # creatable and writable
         if not isinstance(self.migration, xdc.Migration):
             bad("migration", "must be a jax_hybridep.xdc.Migration")
@@ -118,28 +116,14 @@ def describe_cluster(s: Settings) -> xdc.cost.Cluster:
 
 
 def links_spec(s: Settings) -> str:
-    """`describe_cluster`'s links as `train_moe.py --links` spells them."""
+    """`describe_cluster`'s links as the main job's --links spells them."""
     return (
         f"dc={s.wan_gbps:g}:{s.wan_latency_ms:g}:shared,node={s.node_gbps:g}:0.005,"
         f"local={s.local_gbps:g}:0.002"
     )
 
 
-# The absl flag of each kind of default (an unset string flag defaults to None).
-_DEFINE = {
-    bool: flags.DEFINE_bool,
-    int: flags.DEFINE_integer,
-    float: flags.DEFINE_float,
-    str: flags.DEFINE_string,
-    type(None): flags.DEFINE_string,
-}
-
-
 def define_flags() -> None:
     """One flag per `Settings` field, with the field's default and help; `migration` as the
-    cross-DC flags (only when run as a script)."""
-    for field in dataclasses.fields(Settings):
-        if field.name == "migration":
-            define_migration_flags(field.default, field.metadata["help"])
-        else:
-            _DEFINE[type(field.default)](field.name, field.default, field.metadata["help"])
+    cross-DC flags (only when a command runs)."""
+    flag_fields.define_flags(Settings(), custom=dict(migration=define_migration_flags))

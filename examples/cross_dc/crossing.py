@@ -21,10 +21,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.job_runtime.startup import global_devices
-from examples.main_job.main_job import model_config
-from examples.main_job.train_config import TrainConfig
-from examples.moe_lm.lm_data import ByteData, ShardFeeder
-from examples.moe_lm.lm_model import MoETransformer, dense_param_bytes, make_mesh
+from examples.moe_lm.data import ByteData, ShardFeeder
+from examples.moe_lm.model import MoETransformer, dense_param_bytes, make_mesh
+from examples.train_moe.config import TrainConfig
 from jax_hybridep import nn as hnn
 from jax_hybridep import traffic, xdc
 from jax_hybridep.nn.router import route
@@ -43,7 +42,7 @@ def first_step(cfg: TrainConfig) -> tuple[int, list[np.ndarray]]:
     DC level, so the tokens' prediction is 0 either way)."""
     mesh, topology = make_mesh(cfg.mesh, global_devices())
     ranks = mesh.devices.size
-    model = MoETransformer(model_config(cfg), mesh, topology, rngs=nnx.Rngs(cfg.seed))
+    model = MoETransformer(cfg.built_model, mesh, topology, rngs=nnx.Rngs(cfg.seed))
     dense = dense_param_bytes(nnx.state(model, nnx.Param))
     # Global arrays, so that this runs alike in one process or in each of several.
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))

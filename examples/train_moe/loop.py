@@ -1,6 +1,6 @@
-"""The training loop of examples/train_moe.py (`loop`): compile, step, evaluate, re-balance or
-re-plan when due, checkpoint every `--checkpoint_every` steps, report progress, stop after a step
-when SIGTERM asks (`job_runtime/preemption.py`).
+"""The training loop of the main job (`loop`): compile, step, evaluate, re-balance or re-plan
+when due, checkpoint every `--checkpoint_every` steps, report progress, stop after a step when
+SIGTERM asks (`job_runtime/preemption.py`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from examples.main_job.rebalance_hook import rank_loads
-from examples.main_job.train_report import imbalance, program_traffic, ran_backend, rebalance_line
-from examples.main_job.train_step import build_steps
-from examples.moe_lm.lm_data import ShardFeeder
-from examples.moe_lm.lm_model import DATA_AXIS
+from examples.moe_lm.data import ShardFeeder
+from examples.moe_lm.model import DATA_AXIS
+from examples.train_moe.rebalance import rank_loads
+from examples.train_moe.report import imbalance, program_traffic, ran_backend, rebalance_line
+from examples.train_moe.step import build_steps
 
 
 def loop(
@@ -97,7 +97,7 @@ def loop(
     console.print(
         f"mesh {dict(mesh.shape)} on {num_devices} x {mesh.devices.flat[0].platform}"
         f"{f' in {count} processes' if count > 1 else ''}, "
-        f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}), "
+        f"{cfg.model.layers} layers x {cfg.model.experts} experts (top-{cfg.model.top_k}), "
         f"{cfg.batch}x{cfg.seq_len} bytes/step; compiled in {time.perf_counter() - t0:.1f}s"
     )
     console.print(f"backend: {backend}")

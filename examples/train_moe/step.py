@@ -1,4 +1,4 @@
-"""The compiled program of examples/train_moe.py: the optimizer, and the jitted train and eval
+"""The compiled program of the main job: the optimizer, and the jitted train and eval
 steps over the (params, rest) split of the model (forward, backward through dispatch/combine's
 VJPs, the AdamW update and the router's rule-based state update, in one program)."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from examples.main_job.train_config import TrainConfig
+from examples.train_moe.config import TrainConfig
 from jax_hybridep import nn as hnn
 
 
