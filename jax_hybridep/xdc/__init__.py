@@ -1,4 +1,4 @@
-"""Cross-datacenter expert parallelism (the HybridEP paper, docs/design.md §4), in three parts
+"""Cross-datacenter expert parallelism (the HybridEP paper, docs/design.md §4), in two parts
 that share three plain modules and never import each other's internals:
 
 * shared: `migration` (`Migration`, the one value of cross-DC EP everywhere: the domains, and how
@@ -12,8 +12,6 @@ that share three plain modules and never import each other's internals:
   model and the extended multi-level model), `planner.plan(cluster, workload)` (the fastest
   per-level domain sizes under that model, within a memory limit, per layer if asked) and
   `replanning` (`replan` / `Replanner`: plan again as the measured routing and the links change).
-* `paper` (imported on its own, or run as `python -m jax_hybridep.xdc.paper`): the paper's tables
-  reproduced by the model, with pass / fail tiers.
 
 The SR compression ratio (full bytes / bytes sent) is called `compression` throughout; the
 training examples' flag is `--domain_compression`, beside `--domains`. The runtime's and the
