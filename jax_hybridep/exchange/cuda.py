@@ -39,6 +39,7 @@ from jax_hybridep.exchange import steps
 from jax_hybridep.exchange.ffi_call import call, i32, pad_attr, row_attrs, transport_attrs
 from jax_hybridep.exchange.steps import RowWeights
 from jax_hybridep.exchange.wire import WireForm
+from jax_hybridep.pytree import pytree_record
 
 
 def padded(n: int) -> int:
@@ -56,7 +57,7 @@ def fp8_token_fits(token_bytes: int, ranks: int, hidden: int) -> bool:
     return plan["stages"] > 0
 
 
-@steps.pytree_record
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class SlotMap:
     """One dispatch's slots over the level, for this GPU (xla_ffi/cuda/kernels/slot_map.h)."""
@@ -193,7 +194,7 @@ class CudaExchanges:
         )
 
 
-@steps.pytree_record
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class CudaRecord:
     dest: jax.Array  # [M, K] int32: each held (item, k)'s destination GPU in the level, -1: none

@@ -26,9 +26,9 @@ from jax_hybridep.exchange.steps import (
     item_row_values,
     level_all_to_all,
     level_peer,
-    pytree_record,
 )
 from jax_hybridep.exchange.wire import PLAIN, WireForm
+from jax_hybridep.pytree import pytree_record
 
 
 @pytree_record

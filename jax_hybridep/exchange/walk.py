@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange.handle import Handle
 from jax_hybridep.exchange.steps import Items, RowWeights, Shard, copies_to_others
 from jax_hybridep.exchange.wire import WireForm
-from jax_hybridep.handle import Handle
 
 
 def dispatch(route, plan: DispatchPlan, x, weights, row_pos, dest, row_end, shard: Shard):

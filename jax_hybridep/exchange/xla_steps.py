@@ -25,9 +25,9 @@ from jax_hybridep.exchange.steps import (
     append_zero_row,
     item_row_values,
     level_all_to_all,
-    pytree_record,
 )
 from jax_hybridep.exchange.wire import WireForm
+from jax_hybridep.pytree import pytree_record
 
 # ----------------------------------------------------------------------------- level
 
