@@ -225,16 +225,11 @@ class CudaBottom(steps.SpanningBottom):
 
     exchanges: Any = CudaExchanges()
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         max_top_k = _native.limits()["max_top_k"]
         if plan.k > max_top_k:
             return f"the CUDA transport takes top-k <= {max_top_k} (topk_idx has k={plan.k})"
-        quantised_in_send = (
-            plan.config.wire_dtype is not None
-            and len(plan.topology.levels) == 1
-            and plan.row_dtype != "float8_e4m3fn"
-        )
-        if quantised_in_send:
+        if form.quantiser == "send":
             token_bytes = plan.hidden * np.dtype(jnp.dtype(plan.row_dtype)).itemsize
             ranks = plan.topology.level_sizes[-1]
             if not fp8_token_fits(token_bytes, ranks, plan.hidden):

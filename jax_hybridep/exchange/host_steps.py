@@ -217,7 +217,7 @@ class HostRows:
 
     spans_level = False
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         return None
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):

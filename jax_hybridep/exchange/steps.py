@@ -137,9 +137,9 @@ class Bottom(Protocol):
 
     spans_level: bool
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
-        """Why this bottom cannot serve the plan (route selection asks, before tracing anything),
-        or None."""
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
+        """Why this bottom cannot serve the plan with its tokens travelling as `form` (route
+        selection asks, before tracing anything), or None."""
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
         """(tokens [C, H], scales, row weights [C], the bottom's record); `form` says how the held
@@ -206,7 +206,7 @@ class SpanningBottom:
 
     spans_level = True
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         return None
 
     def copies(self, plan: DispatchPlan, shard: Shard, record):

@@ -146,7 +146,7 @@ class XlaRows:
 
     spans_level = False
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         return None
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
