@@ -25,9 +25,10 @@ def exact_loads(dest, token_sizes: Sequence[int]):
 
     Returns:
       (copies, sent, received), each [R, levels] int64: copies by source rank (summed over
-      sources this equals `traffic.routed_pairs`), and by the rank that actually sends and
-      receives each copy (at level l a copy goes from the rank holding the destination's
-      coordinates below l and the source's from l on, to the destination's coordinates up to l).
+      sources this equals the tests' independent count, `routed_pairs` in tests/harness.py),
+      and by the rank that actually sends and receives each copy (at level l a copy goes from
+      the rank holding the destination's coordinates below l and the source's from l on, to the
+      destination's coordinates up to l).
     """
     dest = np.asarray(dest)
     ranks = dest.shape[0]
