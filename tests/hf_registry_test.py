@@ -16,7 +16,7 @@ import pathlib
 from jax_hybridep.nn import hf
 from jax_hybridep.nn.hf import families
 from jax_hybridep.nn.hf.family import Family
-from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout, Mxfp4, PerExpert
+from jax_hybridep.nn.hf.tensor_layouts import Fused, Mxfp4, PerExpert, TensorLayout
 
 PACKAGE = pathlib.Path(families.__file__).parents[3]  # the jax_hybridep/ folder
 FOLDER = pathlib.Path(families.__file__).parent
@@ -67,8 +67,8 @@ def _problems(family) -> list[str]:
         out.append(f"layouts {layouts!r} is not a non-empty tuple")
     else:
         for layout in layouts:
-            if not isinstance(layout, Layout):
-                out.append(f"layout {layout!r} is not a Layout")
+            if not isinstance(layout, TensorLayout):
+                out.append(f"layout {layout!r} is not a TensorLayout")
             elif (
                 not layout.router
                 or not layout.experts

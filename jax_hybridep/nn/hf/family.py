@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jax_hybridep.nn.hf.config_fields import Config
-from jax_hybridep.nn.hf.tensor_layouts import Layout
+from jax_hybridep.nn.hf.tensor_layouts import TensorLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Family:
     model_type: str
     settings: Callable[[Config], dict]
     layer_prefixes: Callable[[Config], list[str]]
-    layouts: tuple[Layout, ...]
+    layouts: tuple[TensorLayout, ...]
     aliases: tuple[tuple[str, ...], ...]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from jax_hybridep.nn.hf.family import Family
-from jax_hybridep.nn.hf.tensor_layouts import Layout
+from jax_hybridep.nn.hf.tensor_layouts import TensorLayout
 
 # The one table. Its order is hf.FAMILIES' order and the order in which `load_block` without a
 # model_type tries the layouts (of layouts that fit a block alike, the first one is reported).
@@ -46,6 +46,6 @@ def family(model_type) -> Family:
 
 
 # Every family's layouts, each once (families share some), in the table's order.
-ALL_LAYOUTS: tuple[Layout, ...] = tuple(
+ALL_LAYOUTS: tuple[TensorLayout, ...] = tuple(
     {id(layout): layout for family in REGISTERED for layout in family.layouts}.values()
 )
