@@ -2,8 +2,9 @@
 
 A family file under `nn.hf.families` describes one `model_type` (or a few that share code) as
 `FAMILIES = (Family(...), ...)`: its config mapping, the field aliases of its HF config class,
-its MoE layers' tensor-name prefixes and its checkpoints' tensor layouts. The package's table
-(`nn.hf.families.MODULES`) is the one place that lists the files; nothing else names a family.
+its MoE layers' tensor-name prefixes and its checkpoints' tensor layouts. The registry
+(`nn.hf.families.FAMILIES`, which imports each file) is the one place that lists the files;
+nothing else names a family.
 """
 
 from __future__ import annotations
