@@ -8,8 +8,8 @@
   text, `collective_bytes` their sizes, and `crossing_bytes` what crosses a level, with one
   all-reduce convention (`all_reduce_bytes`) shared with the cross-DC model (`xdc.volumes`).
 
-Host-side helpers on concrete values (numpy), not for use inside `jit`; each checks its
-arguments (ValueError/TypeError naming the argument).
+Helpers on concrete values (numpy), not for use inside `jit`; each checks its arguments
+(ValueError/TypeError naming the argument).
 """
 
 from __future__ import annotations

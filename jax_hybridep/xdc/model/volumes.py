@@ -24,7 +24,7 @@ sizes `G_l` split into domains `S_l` (outer `n_l = G_l / S_l`, inner `S_l`):
 
 Two sources: `expected_volumes` (uniform or per-expert-probability routing, expected counts) and
 `routed_volumes` (an actual `topk_idx` routing, exact counts). `flat_volumes` models flat plain EP
-(one all-to-all over all ranks), the paper's baseline, not this runtime. Host-side numpy only.
+(one all-to-all over all ranks), the paper's baseline, not this runtime. Numpy only.
 """
 
 from __future__ import annotations
