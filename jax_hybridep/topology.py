@@ -115,6 +115,14 @@ class Topology:
                     f"{self.mesh_dict}"
                 )
 
+    def __getstate__(self):
+        """Pickled without its mesh: devices do not pickle, and the mesh is not part of a
+        topology's identity (the unpickled one is equal, with mesh None)."""
+        return {**self.__dict__, "mesh": None}
+
+    def __deepcopy__(self, memo) -> Topology:
+        return self  # immutable: a copy may be itself, keeping the very mesh
+
     @classmethod
     def from_mesh(
         cls, mesh: jax.sharding.Mesh, levels: Sequence[str | Sequence[str]] = ("ep",)

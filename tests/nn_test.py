@@ -1,6 +1,8 @@
 """Flax layers: the router's rules, and the MoE block against a dense MoE (values, gradients)."""
 
+import copy
 import itertools
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +124,7 @@ def test_block_takes_its_mesh_from_the_topology():
         block(topology=topo, mesh=reversed_mesh)
     bare = hep.Topology(("ep",), ("ep",), (4,))
     assert bare.mesh is None and bare == topo  # the mesh is not part of a topology's identity
+    assert pickle.loads(pickle.dumps(topo)) == bare and copy.deepcopy(topo).mesh is mesh
     with pytest.raises(TypeError, match="the block needs a mesh"):
         block(topology=bare)
     assert block(topology=bare, mesh=reversed_mesh).mesh is reversed_mesh
