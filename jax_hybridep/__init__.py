@@ -10,7 +10,7 @@ out = hep.combine(experts(d.tokens, d.group_sizes), d.handle, weights=d.weights)
 from jax_hybridep import _native  # noqa: F401  (registers the FFI targets)
 from jax_hybridep.config import DispatchConfig
 from jax_hybridep.errors import StrictModeError, TransportError, check_errors, typed_errors
-from jax_hybridep.handle import Handle
+from jax_hybridep.exchange.handle import Handle
 from jax_hybridep.ops import Dispatched, DispatchStats, combine, dispatch
 from jax_hybridep.topology import Topology
 

@@ -20,8 +20,9 @@ class StrictModeError(RuntimeError):
 
 
 class TransportError(RuntimeError):
-    """An exchange failed at run time: a GPU wait for a peer timed out, or the host ranks of an
-    exchange did not all arrive within the timeout (the message names the missing ranks)."""
+    """An exchange failed at run time: a GPU wait for a peer timed out, or the ranks of a CPU
+    exchange (the host handlers' rendezvous) did not all arrive within the timeout (the message
+    names the missing ranks)."""
 
 
 def strict_mode_message(
@@ -37,7 +38,7 @@ def strict_mode_message(
     )
 
 
-# Failures recorded on the Python side (the xla backend's strict check runs in a host callback,
+# Failures recorded on the Python side (the xla backend's strict check runs in a Python callback,
 # once per device), kept once per message and bounded like the native log.
 _MAX_RECORDED = 16
 _lock = threading.Lock()
@@ -77,9 +78,10 @@ def check_errors() -> None:
     """Raises the first failure the ops recorded since the last call (StrictModeError or
     TransportError, with the message the failing call returned); then nothing is recorded.
 
-    The CUDA transport never blocks the host: a kernel whose wait for a peer times out records
-    the failure in mapped host memory and exits, and the next exchange on that window fails with
-    the message; this reports it without running one (e.g. after `block_until_ready`).
+    The CUDA transport never blocks a CPU thread: a kernel whose wait for a peer times out
+    records the failure in pinned CPU memory mapped into the GPU's address space and exits, and
+    the next exchange on that window fails with the message; this reports it without running
+    one (e.g. after `block_until_ready`).
     """
     errors = _take_recorded()
     if errors:

@@ -26,12 +26,14 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jax_hybridep import checks, compat
 from jax_hybridep.config import DispatchConfig, DispatchPlan, make_plan
 from jax_hybridep.exchange import routes, walk
+from jax_hybridep.exchange.handle import Handle
 from jax_hybridep.exchange.routes import Route
 from jax_hybridep.exchange.steps import RowWeights, Shard
-from jax_hybridep.handle import Handle
+from jax_hybridep.pytree import pytree_record
 from jax_hybridep.topology import Topology
 
 
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class DispatchStats:
     """Counts of one dispatch.
@@ -52,6 +54,7 @@ class DispatchStats:
     level_rows: jax.Array
 
 
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class Dispatched:
     """What `dispatch` returns (per shard).
@@ -80,18 +83,6 @@ class Dispatched:
     def capacity(self) -> int | None:
         """Rows kept per local expert (static), or None when dropless."""
         return self.handle.plan.capacity
-
-
-jax.tree_util.register_dataclass(
-    DispatchStats,
-    data_fields=["dropped", "invalid", "tokens_per_expert", "level_rows"],
-    meta_fields=[],
-)
-jax.tree_util.register_dataclass(
-    Dispatched,
-    data_fields=["tokens", "weights", "group_sizes", "kept", "stats", "handle", "scales"],
-    meta_fields=[],
-)
 
 
 def _shard(plan: DispatchPlan, manual) -> Shard:

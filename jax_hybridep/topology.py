@@ -3,7 +3,9 @@
 A `Topology` is static and hashable. Levels run slow -> fast (e.g. ("node", "local")); each level
 is one or more mesh axes. The EP rank is row-major over the levels' axes, so it equals
 `jax.lax.axis_index(topology.ep_axes)` inside `jax.shard_map`. Mesh axes outside the topology
-(e.g. "data") index independent EP groups.
+(e.g. "data") index independent EP groups. One built by `from_mesh` holds that mesh (`mesh`), so
+what runs over it (the Flax block) needs only the topology; the mesh is not part of its identity
+(equality, hash).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class Topology:
       level_local: per level, whether each rank's peers at that level (the ranks differing only in
         that level's coordinate) live in its own process, so they can exchange by direct write.
         Default: every level local when `single_process`, none otherwise.
+      mesh: the mesh it was built from (`from_mesh`), or None. Not compared or hashed: two
+        topologies of one shape and process layout are the same plan for dispatch and combine.
     """
 
     levels: tuple[tuple[str, ...], ...]
@@ -39,6 +43,7 @@ class Topology:
     single_process: bool = True
     platform: str = "cpu"
     level_local: tuple[bool, ...] | None = None  # always set after __post_init__
+    mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # Normalise sequences to tuples (hashable, comparable); a bare string is one axis name.
@@ -95,6 +100,28 @@ class Topology:
                 f"{self.levels}), got {short(self.level_local)}"
             )
         object.__setattr__(self, "level_local", tuple(bool(b) for b in self.level_local))
+        if self.mesh is not None:
+            if not isinstance(self.mesh, jax.sharding.Mesh):
+                raise TypeError(
+                    f"Topology mesh must be a jax.sharding.Mesh or None, got "
+                    f"{type(self.mesh).__name__} {short(self.mesh)}"
+                )
+            if (tuple(self.mesh.axis_names), self.mesh.devices.shape) != (
+                self.mesh_axes,
+                self.mesh_shape,
+            ):
+                raise ValueError(
+                    f"Topology mesh {dict(self.mesh.shape)} is not the mesh of its axes "
+                    f"{self.mesh_dict}"
+                )
+
+    def __getstate__(self):
+        """Pickled without its mesh: devices do not pickle, and the mesh is not part of a
+        topology's identity (the unpickled one is equal, with mesh None)."""
+        return {**self.__dict__, "mesh": None}
+
+    def __deepcopy__(self, memo) -> Topology:
+        return self  # immutable: a copy may be itself, keeping the very mesh
 
     @classmethod
     def from_mesh(
@@ -133,6 +160,7 @@ class Topology:
             single_process=bool(np.all(processes == jax.process_index())),
             platform=mesh.devices.flat[0].platform,
             level_local=tuple(level_local) if len(level_local) == len(norm) else None,
+            mesh=mesh,
         )
 
     @property

@@ -1,17 +1,15 @@
 """Traffic accounting: what crosses each level, at run time and in the compiled program.
 
 * Run time: `Dispatched.stats.level_rows [levels]` counts, per shard, the token copies it sent to
-  other ranks at each level; `level_bytes` turns them into payload bytes.
-* Independent count: `routed_pairs` counts, from the routing alone, the (token, destination
-  group) pairs that must cross each level; summed over an EP group's shards, `level_rows` equals
-  it exactly (one copy per (token, destination group), docs/design.md §2.1.1).
+  other ranks at each level (one per (token, destination group), docs/design.md §2.1.1);
+  `level_bytes` turns them into payload bytes.
 * Program: `padded_level_bytes` is the payload a rank's static buffers move per level;
   `collectives` reads every collective (its arrays, replica groups, op_name) out of compiled HLO
   text, `collective_bytes` their sizes, and `crossing_bytes` what crosses a level, with one
   all-reduce convention (`all_reduce_bytes`) shared with the cross-DC model (`xdc.volumes`).
 
-Host-side helpers on concrete values (numpy), not for use inside `jit`; each checks its
-arguments (ValueError/TypeError naming the argument).
+Helpers on concrete values (numpy), not for use inside `jit`; each checks its arguments
+(ValueError/TypeError naming the argument).
 """
 
 from __future__ import annotations
@@ -39,21 +37,6 @@ def _topology(topology) -> Topology:
     return check_type("topology", topology, Topology, "a jax_hybridep.Topology")
 
 
-def _dest(dest, num_ranks: int | None = None) -> np.ndarray:
-    """dest [R, T, K] as int64, every entry a rank in [0, R) or -1."""
-    dest = check_array("dest", dest, ndim=3, integer=True, lo=-1)
-    ranks = dest.shape[0] if num_ranks is None else num_ranks
-    if dest.shape[0] != ranks:
-        raise ValueError(
-            f"dest has {dest.shape[0]} source ranks, the topology's EP size is {ranks}"
-        )
-    if np.any(dest >= ranks):
-        raise ValueError(
-            f"dest names ranks >= {ranks}: {sorted(set(dest[dest >= ranks].tolist()))[:8]}"
-        )
-    return dest
-
-
 def copy_bytes(hidden: int, dtype, wire_dtype: str | None = None) -> int:
     """Bytes one token copy carries: hidden x itemsize, or with FP8 on the wire its payload and
     block scales (`jax_hybridep.fp8.wire_bytes`)."""
@@ -68,41 +51,6 @@ def level_bytes(level_rows, hidden: int, dtype, wire_dtype: str | None = None) -
     """Payload bytes per level: copies x copy_bytes (int64, exact)."""
     rows = check_array("level_rows", level_rows, integer=True, lo=0, nonempty=False)
     return rows * copy_bytes(hidden, dtype, wire_dtype)
-
-
-def routed_pairs(dest, topology: Topology) -> np.ndarray:
-    """[levels] int64: copies that must cross each level for one EP group.
-
-    Args:
-      dest: [R, T, K] destination EP rank of each kept (source rank, t, k), -1 otherwise.
-      topology: the EP topology.
-
-    At level l a copy of token t travels to every distinct destination prefix (coordinates of
-    levels 0..l) whose level-l coordinate differs from the source's; a rank never sends to itself.
-    """
-    dest = _dest(dest, _topology(topology).ep_size)
-    num_ranks, tokens, _ = dest.shape
-    sizes, strides = topology.level_sizes, topology.level_strides
-    counts = np.zeros(len(sizes), np.int64)
-    for src in range(num_ranks):
-        for t in range(tokens):
-            ranks = {int(d) for d in dest[src, t] if d >= 0}
-            for level, (size, stride) in enumerate(zip(sizes, strides, strict=True)):
-                own = (src // stride) % size
-                prefixes = {d // stride for d in ranks if (d // stride) % size != own}
-                counts[level] += len(prefixes)
-    return counts
-
-
-def flat_pairs(dest) -> int:
-    """Copies flat EP sends: one per (token, destination rank other than the source), for
-    dest [R, T, K] as in `routed_pairs`."""
-    dest = _dest(dest)
-    return sum(
-        len({int(d) for d in dest[src, t] if d >= 0 and d != src})
-        for src in range(dest.shape[0])
-        for t in range(dest.shape[1])
-    )
 
 
 def padded_level_bytes(topology: Topology, tokens: int, hidden: int, dtype) -> list[int]:

@@ -1,9 +1,10 @@
-"""Validation of user-given values (configs, layer and planner arguments, host-side arrays, CLI
-output paths): each failure a ValueError (a value out of range) or TypeError (a value of the wrong
-kind) that names the argument, the value given and what is expected. Bools are never taken as
+"""Validation of user-given values (configs, layer and planner arguments, concrete numpy arrays,
+CLI output paths): each failure a ValueError (a value out of range) or TypeError (a value of the
+wrong kind) that names the argument, the value given and what is expected. Bools are never taken as
 numbers, floats never as ints, strings never as numbers; nothing is truncated or coerced.
 
-These run on Python values at trace time or on the host, never inside a compiled program.
+These run on Python values at trace time or on concrete (numpy) values, never inside a compiled
+program.
 docs/errors.md lists what each public function checks.
 """
 
@@ -116,7 +117,8 @@ def check_array(
     lo: float | None = None,
     nonempty: bool = True,
 ) -> np.ndarray:
-    """A host array of numbers as int64 (integer=True) or float64: every value finite and >= lo.
+    """A concrete (numpy) array of numbers as int64 (integer=True) or float64: every value finite
+    and >= lo.
 
     TypeError for what is not an array of real numbers (bools, strings, objects, complex; floats
     where integers are expected); ValueError for a wrong ndim, an empty array (unless

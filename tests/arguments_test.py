@@ -185,11 +185,6 @@ SILENTLY_WRONG = {
         TypeError,
         "level_rows must hold integers",
     ),
-    "destinations past the EP size": (
-        lambda: traffic.routed_pairs(np.full((4, 2, 2), 9), hep.Topology("ep", ("ep",), (4,))),
-        ValueError,
-        "dest names ranks >= 4",
-    ),
     "a NaN flow size (the simulation never ended)": (
         lambda: _flows(size=np.array([NAN])),
         ValueError,

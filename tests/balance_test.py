@@ -233,10 +233,10 @@ def test_balance_table(kind, per_node):
 
 
 def test_real_dispatch_drops_fewer_rows_and_evens_the_receive_counts():
-    """The benchmark's measurement (balance.bench) at a small size: on a held-out skewed batch
+    """The benchmark's measurement (bench.balance) at a small size: on a held-out skewed batch
     the planned copies drop fewer rows at capacity factor 1 and, dropless, lower the largest
     number of rows a rank receives."""
-    from jax_hybridep.balance import bench
+    from jax_hybridep.bench import balance as bench
 
     skew = Skew.make("zipf", 16, 4, 1.2, seed=0)
     plan, _ = bench.planned(skew, 8, 64, 1, None)

@@ -35,11 +35,18 @@ from contract_cases import (
     poisoned,
     stored_experts,
 )
-from harness import expected_rows, make_mesh, moe_fn, reference_layout
+from harness import (
+    expected_rows,
+    flat_pairs,
+    make_mesh,
+    moe_fn,
+    reference_layout,
+    routed_pairs,
+)
 from route_kinds import ROUTES, bits, on_mesh
 
 import jax_hybridep as hep
-from jax_hybridep import fp8, traffic
+from jax_hybridep import fp8
 from jax_hybridep.exchange import routes
 from jax_hybridep.ops import dispatch_with_route
 from jax_hybridep.reference import dense_moe
@@ -125,8 +132,8 @@ def _check_model(case, routing, result):
             np.testing.assert_array_equal(stats.tokens_per_expert[r], ref["tokens_per_expert"])
         # One copy per (token, destination group) at each level, never more than flat EP sends.
         level_rows = np.asarray(stats.level_rows[ranks]).sum(axis=0)
-        np.testing.assert_array_equal(level_rows, traffic.routed_pairs(ref["dest"], topo))
-        assert level_rows.sum() == 0 or level_rows[0] <= traffic.flat_pairs(ref["dest"])
+        np.testing.assert_array_equal(level_rows, routed_pairs(ref["dest"], topo))
+        assert level_rows.sum() == 0 or level_rows[0] <= flat_pairs(ref["dest"])
     stored, order = stored_experts(case, experts)
     want, (want_gx, want_gw, want_ge) = _dense(x, idx, w, experts, kept_all, cot)
     if case.dtype != "float32":  # to the dtype's rounding; gradients checked bitwise only

@@ -1,4 +1,5 @@
-"""Shared test machinery: meshes, a sharded MoE step, and an independent numpy model of §2.1."""
+"""Shared test machinery: meshes, a sharded MoE step, and an independent numpy model of §2.1
+(the layout, the rows, and the copies per level: `routed_pairs`)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,40 @@ def random_routing(rng, n, k, num_experts, invalid_fraction=0.0):
         idx[mask] = rng.choice([-1, -2, num_experts, num_experts + 3], size=mask.sum())
     weights = rng.random((n, k)).astype(np.float32)
     return idx, weights
+
+
+def routed_pairs(dest, topology: hep.Topology) -> np.ndarray:
+    """[levels] int64: copies that must cross each level for one EP group, counted from the
+    routing alone (the independent count `level_rows` is held to, docs/design.md §2.1.1).
+
+    dest: [R, T, K] destination EP rank of each kept (source rank, t, k), -1 otherwise. At level
+    l a copy of token t travels to every distinct destination prefix (coordinates of levels
+    0..l) whose level-l coordinate differs from the source's; a rank never sends to itself.
+    """
+    dest = np.asarray(dest)
+    num_ranks, tokens, _ = dest.shape
+    assert num_ranks == topology.ep_size and np.all(dest < num_ranks), (dest.shape, topology)
+    sizes, strides = topology.level_sizes, topology.level_strides
+    counts = np.zeros(len(sizes), np.int64)
+    for src in range(num_ranks):
+        for t in range(tokens):
+            ranks = {int(d) for d in dest[src, t] if d >= 0}
+            for level, (size, stride) in enumerate(zip(sizes, strides, strict=True)):
+                own = (src // stride) % size
+                prefixes = {d // stride for d in ranks if (d // stride) % size != own}
+                counts[level] += len(prefixes)
+    return counts
+
+
+def flat_pairs(dest) -> int:
+    """Copies flat EP sends: one per (token, destination rank other than the source), for
+    dest [R, T, K] as in `routed_pairs`."""
+    dest = np.asarray(dest)
+    return sum(
+        len({int(d) for d in dest[src, t] if d >= 0 and d != src})
+        for src in range(dest.shape[0])
+        for t in range(dest.shape[1])
+    )
 
 
 def reference_layout(idx, num_ranks, plan_like):

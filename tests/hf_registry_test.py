@@ -1,8 +1,10 @@
-"""nn.hf's families are registered in one table (pure Python: the table and the sources' ASTs).
+"""nn.hf's families are registered under one name (pure Python: the registry and the sources'
+ASTs).
 
 Each HuggingFace family is one file under jax_hybridep/nn/hf/families/ that defines every part of
-each `model_type` it describes (config mapping, field aliases, layer prefixes, tensor layouts);
-`families.MODULES` lists each file once, and nothing else in the package names a family: no other
+each `model_type` it describes (config mapping, field aliases, layer prefixes, tensor layouts) in
+its `FAMILIES`; the registry, `families.FAMILIES` (`hf.FAMILIES`), imports each file by a plain
+import and holds every file's families, and nothing else in the package names a family: no other
 module imports a family file or spells a registered model_type.
 """
 
@@ -10,13 +12,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import pathlib
+
+import pytest
 
 from jax_hybridep.nn import hf
 from jax_hybridep.nn.hf import families
 from jax_hybridep.nn.hf.family import Family
-from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout, Mxfp4, PerExpert
+from jax_hybridep.nn.hf.tensor_layouts import Fused, Mxfp4, PerExpert, TensorLayout
 
 PACKAGE = pathlib.Path(families.__file__).parents[3]  # the jax_hybridep/ folder
 FOLDER = pathlib.Path(families.__file__).parent
@@ -28,18 +31,38 @@ def _family_files() -> list[str]:
 
 
 def _module(name: str):
-    return importlib.import_module(f"{families.__name__}.{name}")
+    return getattr(families, name)  # the registry imports every family file
 
 
-def test_every_family_file_is_in_the_table_once():
-    listed = list(families.MODULES)
-    twice = sorted({name for name in listed if listed.count(name) > 1})
-    assert not twice, f"families.MODULES lists {twice} more than once"
+def _statically_imported(path: pathlib.Path) -> list[str]:
+    """The family files `from jax_hybridep.nn.hf.families import ...` names in `path`."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == families.__name__
+        for alias in node.names
+    ]
+
+
+def test_every_family_file_is_imported_by_the_registry_once():
+    imported = _statically_imported(TABLE)
     files = _family_files()
-    assert sorted(listed) == files, (
-        f"family files not in families.MODULES: {sorted(set(files) - set(listed))}; "
-        f"entries without a file: {sorted(set(listed) - set(files))}"
+    assert sorted(imported) == files, (
+        f"family files the registry does not import: {sorted(set(files) - set(imported))}; "
+        f"imports without a file: {sorted(set(imported) - set(files))}"
     )
+    registered = [id(f) for f in families.FAMILIES.values()]
+    defined = [id(f) for name in files for f in _module(name).FAMILIES]
+    assert sorted(registered) == sorted(defined), "a family file's FAMILIES is not registered"
+
+
+def test_the_registry_refuses_a_file_twice_and_a_model_type_twice():
+    with pytest.raises(ValueError, match="lists .*mixtral more than once"):
+        families._registry(families.mixtral, families.dbrx, families.mixtral)
+    copy = type("copy", (), {"FAMILIES": families.mixtral.FAMILIES, "__name__": "copy"})
+    with pytest.raises(ValueError, match="model_type 'mixtral' is registered twice"):
+        families._registry(families.mixtral, copy)
 
 
 def test_a_family_has_no_optional_part():
@@ -67,8 +90,8 @@ def _problems(family) -> list[str]:
         out.append(f"layouts {layouts!r} is not a non-empty tuple")
     else:
         for layout in layouts:
-            if not isinstance(layout, Layout):
-                out.append(f"layout {layout!r} is not a Layout")
+            if not isinstance(layout, TensorLayout):
+                out.append(f"layout {layout!r} is not a TensorLayout")
             elif (
                 not layout.router
                 or not layout.experts
@@ -91,7 +114,7 @@ def _problems(family) -> list[str]:
 
 def test_every_family_file_defines_every_part():
     problems = []
-    for name in families.MODULES:
+    for name in _family_files():
         defined = getattr(_module(name), "FAMILIES", None)
         if not isinstance(defined, tuple) or not defined:
             problems.append(f"{name}.py: FAMILIES is not a non-empty tuple of Family")
@@ -101,12 +124,11 @@ def test_every_family_file_defines_every_part():
     assert not problems, "\n".join(problems)
 
 
-def test_the_table_is_what_nn_hf_knows():
-    types = [f.model_type for name in families.MODULES for f in _module(name).FAMILIES]
-    twice = sorted({t for t in types if types.count(t) > 1})
-    assert not twice, f"model_types registered twice: {twice}"
-    assert list(hf.FAMILIES) == types == list(families.BY_MODEL_TYPE)
-    layouts = [layout for f in families.REGISTERED for layout in f.layouts]
+def test_the_registry_is_what_nn_hf_knows():
+    assert hf.FAMILIES is families.FAMILIES
+    for model_type, found in families.FAMILIES.items():
+        assert found.model_type == model_type and families.family(model_type) is found
+    layouts = [layout for f in families.FAMILIES.values() for layout in f.layouts]
     assert set(map(id, families.ALL_LAYOUTS)) == set(map(id, layouts))
 
 
@@ -127,15 +149,13 @@ def _strings_and_imports(path: pathlib.Path):
 
 def test_nothing_outside_a_family_file_names_the_family():
     """A registered model_type is spelled only in its own family file, and family files are
-    imported only by the table: no `if name == "mixtral"` branch elsewhere."""
-    home = {f.model_type: name for name in families.MODULES for f in _module(name).FAMILIES}
-    modules = {f"{families.__name__}.{name}" for name in families.MODULES}
+    imported only by the registry: no `if name == "mixtral"` branch elsewhere."""
+    home = {f.model_type: name for name in _family_files() for f in _module(name).FAMILIES}
+    modules = {f"{families.__name__}.{name}" for name in _family_files()}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).as_posix()
         strings, imports = _strings_and_imports(path)
-        if path == TABLE:  # the table names the files, some named as their model_type
-            strings -= set(families.MODULES)
         for model_type in sorted(strings & set(home)):
             if path != FOLDER / f"{home[model_type]}.py":
                 found.append(f"{rel} spells model_type {model_type!r}")

@@ -11,12 +11,19 @@ examples/ imports a `*_test` module (shared helpers live in their own modules) o
 (adds to it or assigns into it: pytest puts tests/ and the repository root there, and the
 examples' two jobs run as modules from the root, `python -m examples.train_moe`, where Python
 puts the root there itself).
+
+The package apart from its laboratory: no module under jax_hybridep/ imports lab/, the tests or
+the examples; nothing but the benchmark and the simulator imports them; and `import
+jax_hybridep.nn` (in a fresh interpreter, the one test that imports) loads no cost model,
+simulator or benchmark. Each check is shown to fire on a planted break.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.join(REPO, "jax_hybridep")
@@ -184,3 +191,144 @@ def test_tests_and_examples_import_no_test_module_and_leave_sys_path_alone():
                 files += 1
     assert files > 60
     assert not breaks, "\n".join(breaks)
+
+
+# ----------------------------------------------------------------------------- the laboratory
+# What ships is what a user imports or runs; the laboratory (lab/), the tests and the examples
+# import the package, never the reverse.
+
+OUTSIDE_ROOTS = ("lab", "tests", "examples")
+
+
+def _outside_names() -> set[str]:
+    """Top-level names a package module must not import: lab, tests, examples, and the tests'
+    own modules (importable by bare name when pytest puts tests/ on sys.path)."""
+    helpers = {
+        n[: -len(".py")] for n in os.listdir(os.path.join(REPO, "tests")) if n.endswith(".py")
+    }
+    return set(OUTSIDE_ROOTS) | helpers
+
+
+def _outside_imports(source: str, path: str, outside: set[str]) -> list[str]:
+    """Where `source` imports a module whose top-level name is in `outside` (relative imports
+    stay inside the package)."""
+    out = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        out += [f"{path}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in outside]
+    return out
+
+
+def test_outside_import_checker_finds_planted_breaks():
+    planted = (
+        "import lab.xdc_paper\n"
+        "from tests import harness\n"
+        "from examples.main_job import train\n"
+        "def f():\n"
+        "    import route_kinds\n"
+        "from . import ops\n"
+        "import labrador, jax_hybridep.lab\n"
+    )
+    assert _outside_imports(planted, "p.py", _outside_names()) == [
+        "p.py:1 imports lab.xdc_paper",
+        "p.py:2 imports tests",
+        "p.py:3 imports examples.main_job",
+        "p.py:5 imports route_kinds",
+    ]
+
+
+def test_the_package_imports_no_laboratory_test_or_example():
+    outside, breaks = _outside_names(), []
+    assert {"lab", "harness", "route_kinds"} <= outside
+    for path in _modules().values():
+        if path:
+            with open(path) as f:
+                breaks += _outside_imports(f.read(), os.path.relpath(path, REPO), outside)
+    assert not breaks, "\n".join(breaks)
+
+
+# ------------------------------------------------- the algorithm apart from the user commands
+# The benchmark (jax_hybridep.bench) and the simulator (jax_hybridep.sim) are commands a user
+# runs; nothing of the library's algorithm imports them.
+
+COMMANDS = ("jax_hybridep.bench", "jax_hybridep.sim")
+
+
+def _in(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _command_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Where a module outside the commands' packages imports one of them."""
+    return sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        if not _in(name, COMMANDS)
+        for target in targets
+        if _in(target, COMMANDS)
+    )
+
+
+def test_command_import_checker_finds_a_planted_break(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def table():\n    from jax_hybridep.bench import cli\n")
+    modules = _modules() | {"jax_hybridep.balance.planted": str(planted)}
+    graph = {
+        "jax_hybridep.balance.planted": _imports(
+            "jax_hybridep.balance.planted", str(planted), modules
+        ),
+        "jax_hybridep.bench.balance": {"jax_hybridep.balance.balancer", "jax_hybridep.bench.cli"},
+        "jax_hybridep.sim.network": {"jax_hybridep.xdc.model.cost"},
+        "jax_hybridep.simulation": {"jax_hybridep.ops"},
+    }
+    assert _command_imports(graph) == [
+        "jax_hybridep.balance.planted imports jax_hybridep.bench.cli"
+    ]
+
+
+def test_the_algorithm_imports_neither_the_benchmark_nor_the_simulator():
+    modules = _modules()
+    assert "jax_hybridep.bench.balance" in modules and "jax_hybridep.sim.network" in modules
+    graph = {
+        name: _imports(name, path, modules) if path else set() for name, path in modules.items()
+    }
+    breaks = _command_imports(graph)
+    assert not breaks, "\n".join(breaks)
+
+
+# ----------------------------------------------------------------------------- what nn loads
+# `import jax_hybridep.nn` loads what a block runs: no cost model, planner or re-planner
+# (xdc.model), simulator or benchmark (checked in a fresh interpreter).
+
+NOT_FOR_A_BLOCK = ("jax_hybridep.xdc.model", "jax_hybridep.sim", "jax_hybridep.bench")
+
+
+def _loaded_by(code: str) -> list[str]:
+    """The NOT_FOR_A_BLOCK modules in sys.modules after `code` runs in a fresh interpreter."""
+    probe = (
+        f"import sys\n{code}\n"
+        "print('\\n'.join(sorted(m for m in sys.modules if m.startswith('jax_hybridep.'))))"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return [m for m in done.stdout.split() if _in(m, NOT_FOR_A_BLOCK)]
+
+
+def test_what_nn_loads_checker_finds_a_planted_break():
+    """Asking `xdc` for its planner (loaded at first use) or importing the simulator is seen."""
+    loaded = _loaded_by(
+        "import jax_hybridep.nn, jax_hybridep.xdc, jax_hybridep.sim\njax_hybridep.xdc.plan"
+    )
+    assert "jax_hybridep.xdc.model.planner" in loaded and "jax_hybridep.sim" in loaded
+
+
+def test_importing_nn_loads_no_cost_model_simulator_or_benchmark():
+    assert _loaded_by("import jax_hybridep.nn") == []

@@ -1,6 +1,8 @@
 """Flax layers: the router's rules, and the MoE block against a dense MoE (values, gradients)."""
 
+import copy
 import itertools
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +98,36 @@ def _block(mesh_shape, names, levels, backend, capacity_factor, shared, top_k=2,
         D,
         router=router,
         experts=hnn.ExpertConfig(d_ff=F, shared_ff=8 if shared else None),
-        mesh=mesh,
-        topology=topo,
+        topology=topo,  # holds its mesh
         dispatch=dispatch,
         rngs=nnx.Rngs(0),
     )
+
+
+def test_block_takes_its_mesh_from_the_topology():
+    """The topology alone is enough; a mesh beside it is accepted when it is the topology's, or
+    needed when the topology holds none; another mesh of the same shape is refused, naming both."""
+    mesh = make_mesh((4,), ("ep",))
+    topo = hep.Topology.from_mesh(mesh, ("ep",))
+    router, experts = hnn.RouterConfig(num_experts=8, top_k=2), hnn.ExpertConfig(d_ff=F)
+
+    def block(**kwargs):
+        return hnn.MoEBlock(D, router=router, experts=experts, rngs=nnx.Rngs(0), **kwargs)
+
+    alone = block(topology=topo)
+    assert alone.mesh is mesh and alone.w_up.sharding.mesh == mesh
+    np.testing.assert_array_equal(block(topology=topo, mesh=mesh).w_up[...], alone.w_up[...])
+    reversed_mesh = jax.sharding.Mesh(mesh.devices[::-1], ("ep",), axis_types=mesh.axis_types)
+    with pytest.raises(
+        ValueError, match=r"another mesh .* devices \[0, 1, 2, 3\].* \[3, 2, 1, 0\]"
+    ):
+        block(topology=topo, mesh=reversed_mesh)
+    bare = hep.Topology(("ep",), ("ep",), (4,))
+    assert bare.mesh is None and bare == topo  # the mesh is not part of a topology's identity
+    assert pickle.loads(pickle.dumps(topo)) == bare and copy.deepcopy(topo).mesh is mesh
+    with pytest.raises(TypeError, match="the block needs a mesh"):
+        block(topology=bare)
+    assert block(topology=bare, mesh=reversed_mesh).mesh is reversed_mesh
 
 
 @pytest.mark.parametrize(

@@ -115,3 +115,25 @@ def test_constructed_topology_runs_ffi_like_xla():
         return moe_fn(mesh, seen, cfg, route=route)
 
     same_bits_on(("ffi",), program, x, idx, w, experts)
+
+
+def test_cuda_bottom_refuses_fp8_too_wide_only_where_the_send_quantises():
+    """The CUDA bottom asks its route's wire form whether the send kernel quantises the tokens:
+    over one GPU level it does (and 24576 bf16 values do not fit beside 62 GPUs' maps); below a
+    slower level, or given already quantised, XLA or the caller quantised them and the send only
+    copies bytes."""
+    from jax_hybridep.config import make_plan
+
+    cfg = hep.DispatchConfig(num_experts=124, wire_dtype="float8_e4m3fn")
+    reasons = {}
+    for name, levels, row_dtype in [
+        ("one level", (62,), "bfloat16"),
+        ("two levels", (2, 62), "bfloat16"),
+        ("quantised x", (62,), "float8_e4m3fn"),
+    ]:
+        topo = _topology(levels, None, platform="gpu")
+        plan = make_plan(topo, cfg, 8, 2, hidden=24576, row_dtype=row_dtype)
+        route = routes.route_for("ffi", topo)
+        reasons[name] = route.bottom.unsupported_reason(plan, route.wire_form(plan))
+    assert "quantises each token whole" in reasons.pop("one level")
+    assert reasons == {"two levels": None, "quantised x": None}

@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 import pytest
+from harness import routed_pairs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,7 +84,7 @@ def test_realisable_domains():
     seed=st.integers(0, 2**31),
     k=st.integers(1, 4),
 )
-def test_routed_copies_equal_traffic_routed_pairs(case, seed, k):
+def test_routed_copies_equal_the_independent_routed_pairs(case, seed, k):
     sizes, domains = case
     num_experts, tokens = 2 * math.prod(sizes), 6
     topk = _routing(np.random.default_rng(seed), math.prod(sizes), tokens, k, num_experts)
@@ -92,7 +93,7 @@ def test_routed_copies_equal_traffic_routed_pairs(case, seed, k):
     total = np.zeros(len(token_sizes), np.int64)
     for dest in groups.values():
         if token_sizes:
-            total += traffic.routed_pairs(dest, _topology(token_sizes))
+            total += routed_pairs(dest, _topology(token_sizes))
         copies, sent, recv = loads.exact_loads(dest, token_sizes)
         # Every copy is sent once and received once, by the ranks the hierarchical rule names.
         np.testing.assert_array_equal(copies.sum(0), sent.sum(0))

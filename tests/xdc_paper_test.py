@@ -1,9 +1,9 @@
-"""The HybridEP paper's numbers and their reproduction (`xdc.paper.tables`,
-`xdc.paper.reproduction`): the stream model against brute force, Table VII, Table IV's structure,
-the Table V fit and its pass / fail tiers (recomputed here from the JSON points), the expert-size
-sweep and the CLI.
+"""The HybridEP paper's numbers and their reproduction (`lab.xdc_paper.tables`,
+`lab.xdc_paper.reproduction`): the stream model against brute force, Table VII, Table IV's
+structure, the Table V fit and its pass / fail tiers (recomputed here from the JSON points), the
+expert-size sweep and the CLI.
 
-Host-side numpy only (no devices, no compilation, no timing).
+Numpy only (no devices, no compilation, no timing).
 """
 
 import contextlib
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jax_hybridep.xdc.model import cost
-from jax_hybridep.xdc.paper import reproduction, tables
-from jax_hybridep.xdc.paper.__main__ import main as paper_main
+from lab.xdc_paper import reproduction, tables
+from lab.xdc_paper.__main__ import main as paper_main
 
 # -- the paper's stream model ----------------------------------------------------------------
 

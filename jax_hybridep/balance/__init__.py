@@ -10,9 +10,9 @@
 * `Replicas` (`runtime`): per shard, logical ids -> physical slots before `dispatch` and the
   replicas' weights fetched from their primaries (gradients summed back exactly).
 * `move_experts` (`moves`): stored weights and optimiser state moved to a new placement.
-* `skews`: skewed routings (Zipf, DeepSeek-V3-like group-limited) for the balance table.
-* `bench` (`python -m jax_hybridep.balance.bench`): the balance table and real-dispatch counts
-  of docs/balance.md.
+* `skews`: skewed routings (Zipf, DeepSeek-V3-like group-limited) for the balance table, which
+  the benchmark measures (`python -m jax_hybridep.bench.balance`; the algorithm here imports no
+  benchmark).
 """
 
 from jax_hybridep.balance import balance_config, balancer, moves, placement, runtime, skews

@@ -1,4 +1,4 @@
-"""The balancer: a `Placement` from measured expert load (host-side, deterministic).
+"""The balancer: a `Placement` from measured expert load (numpy, deterministic).
 
 `plan_placement` follows the shape of DeepSeek-V3's EPLB (our own code): give the extra copies
 to the experts with the most load per copy, spread every expert's copies over nodes so each

@@ -1,4 +1,4 @@
-"""Where logical experts live when hot ones have redundant copies (host-side, static).
+"""Where logical experts live when hot ones have redundant copies (numpy, static).
 
 A `Placement` gives each of R ranks `slots_per_rank` primary slots and `redundant_per_rank`
 redundant ones; physical slot p = rank * L + slot, L = slots_per_rank + redundant_per_rank.

@@ -33,23 +33,18 @@ import numpy as np
 from jax_hybridep import checks, ops
 from jax_hybridep.balance.placement import EMPTY, Placement
 from jax_hybridep.config import DispatchConfig
+from jax_hybridep.pytree import pytree_record
 from jax_hybridep.topology import Topology
 from jax_hybridep.values import check_int, check_type, is_int
 
 
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class ReplicaStats(ops.DispatchStats):
     """DispatchStats with the logical `tokens_per_expert` [E] and, beside it,
     `tokens_per_slot` [R * L] int32: rows routed to each physical slot, before drops."""
 
     tokens_per_slot: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    ReplicaStats,
-    data_fields=["dropped", "invalid", "tokens_per_expert", "level_rows", "tokens_per_slot"],
-    meta_fields=[],
-)
 
 
 @dataclasses.dataclass(frozen=True)

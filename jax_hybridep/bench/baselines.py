@@ -11,7 +11,7 @@ dropped [])` for use inside `jax.shard_map` over the EP axes `axes`, computing t
 * `maxtext`: tokens expanded ×K, sorted by expert, exchanged with `ragged_all_to_all` (GPU) or,
   where XLA lacks it (CPU), a padded dense `all_to_all` of worst-case `T*K` rows per destination;
   back the same way, unsorted and summed with the weights. Dropless.
-* `worst_case`: a plain dense `all_to_all` of `[R, T, H]` (every token to every rank that hosts
+* `worst_case`: a plain dense `all_to_all` of `[R, T, H]` (every token to every rank that holds
   one of its experts, zero rows elsewhere), back, weighted sum. Dropless.
 
 `buffer_rows` gives each baseline's static exchange size (rows per rank, one direction).

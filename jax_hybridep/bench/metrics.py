@@ -7,7 +7,7 @@
   bandwidths); forward + backward counts them four times.
 * Level bytes: payload one direction (dispatch; combine sends the same back), all ranks summed,
   self excluded. hybridep: `stats.level_rows` measured in the run ("ep" for flat, "node"/"local"
-  for hierarchical) plus, for flat, the node/local split counted on the host from the routing.
+  for hierarchical) plus, for flat, the node/local split counted in numpy from the routing.
   Dense baselines: their whole padded buffers ((R - L) / R of each rank's buffer crosses nodes,
   (L - 1) / R stays inside); MaxText with real ragged_all_to_all: its ×top-k expanded rows.
 * Fair ratios: `ratio_to_best_baseline` = the best baseline's median / this case's median (> 1 is

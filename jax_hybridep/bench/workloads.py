@@ -1,9 +1,9 @@
 """Benchmark workloads: size presets and routings (uniform, DeepSeek-V3 group-limited, skewed).
 
-A workload is built once on the host (numpy, seeded) as global arrays `x [R*T, H]`,
+A workload is built once in numpy (seeded) as global arrays `x [R*T, H]`,
 `topk_idx [R*T, K]`, `topk_weights [R*T, K]` and a cotangent `ct [R*T, H]`; every method is timed
 on exactly these arrays. Expert e lives on EP rank `e // (E / R)` (the library's default placement),
-so host-side counts here (received unique tokens, copies per level) hold for every method.
+so the numpy counts here (received unique tokens, copies per level) hold for every method.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ PRESETS = {
 
 @dataclasses.dataclass(frozen=True)
 class BenchInputs:
-    """Global inputs of one routing (host numpy) and its host-side traffic counts."""
+    """Global inputs of one routing (numpy) and its traffic counts."""
 
     routing: str
     x: np.ndarray  # [R*T, H] in the preset dtype (numpy float32 for bf16, cast on device)

@@ -6,6 +6,8 @@ may itself span the fastest level, as the CUDA transport does). walk.py is the o
 walks levels; each kind of step lives in one module:
 
   routes.py       backend selection: which layout, level steps and bottom a call runs
+  walk.py         the walk: dispatch down the levels, combine and the VJPs back up
+  handle.py       what the walk builds for combine and the VJPs (`jax_hybridep.Handle`)
   steps.py        the interfaces, the items passed between steps, the fast-level geometry
   layout_steps.py layout steps: jnp (the oracle), host rendezvous, host from gathered counts, CUDA
   xla_steps.py    jnp packing + `jax.lax.all_to_all` levels, jnp rows (the `xla` backend)

@@ -39,6 +39,7 @@ from jax_hybridep.exchange import steps
 from jax_hybridep.exchange.ffi_call import call, i32, pad_attr, row_attrs, transport_attrs
 from jax_hybridep.exchange.steps import RowWeights
 from jax_hybridep.exchange.wire import WireForm
+from jax_hybridep.pytree import pytree_record
 
 
 def padded(n: int) -> int:
@@ -56,7 +57,7 @@ def fp8_token_fits(token_bytes: int, ranks: int, hidden: int) -> bool:
     return plan["stages"] > 0
 
 
-@steps.pytree_record
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class SlotMap:
     """One dispatch's slots over the level, for this GPU (xla_ffi/cuda/kernels/slot_map.h)."""
@@ -193,7 +194,7 @@ class CudaExchanges:
         )
 
 
-@steps.pytree_record
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class CudaRecord:
     dest: jax.Array  # [M, K] int32: each held (item, k)'s destination GPU in the level, -1: none
@@ -224,16 +225,11 @@ class CudaBottom(steps.SpanningBottom):
 
     exchanges: Any = CudaExchanges()
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         max_top_k = _native.limits()["max_top_k"]
         if plan.k > max_top_k:
             return f"the CUDA transport takes top-k <= {max_top_k} (topk_idx has k={plan.k})"
-        quantised_in_send = (
-            plan.config.wire_dtype is not None
-            and len(plan.topology.levels) == 1
-            and plan.row_dtype != "float8_e4m3fn"
-        )
-        if quantised_in_send:
+        if form.quantiser == "send":
             token_bytes = plan.hidden * np.dtype(jnp.dtype(plan.row_dtype)).itemsize
             ranks = plan.topology.level_sizes[-1]
             if not fp8_token_fits(token_bytes, ranks, plan.hidden):

@@ -20,9 +20,10 @@ from jax_hybridep.exchange import steps
 from jax_hybridep.exchange.ffi_call import call, exchange_attrs, row_attrs
 from jax_hybridep.exchange.steps import Items, RowWeights, Shard
 from jax_hybridep.exchange.wire import PLAIN, WireForm
+from jax_hybridep.pytree import pytree_record
 
 
-@steps.pytree_record
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class HostFusedRecord:
     dest: jax.Array  # [M, K] int32: each held (item, k)'s destination in the level, -1 for none

@@ -26,9 +26,9 @@ from jax_hybridep.exchange.steps import (
     item_row_values,
     level_all_to_all,
     level_peer,
-    pytree_record,
 )
 from jax_hybridep.exchange.wire import PLAIN, WireForm
+from jax_hybridep.pytree import pytree_record
 
 
 @pytree_record
@@ -217,7 +217,7 @@ class HostRows:
 
     spans_level = False
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         return None
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):

@@ -2,9 +2,10 @@
 §2.1.2-3).
 
 All of them all-gather per-(source rank, expert) counts over the EP group, so every sender knows
-its drops without a host sync, and plan the groups the same way: the jnp layout (the oracle), the
-host handler that gathers through the process-wide rendezvous, the host handler over counts an
-XLA all-gather brought across processes, and the CUDA layout kernels over an XLA all-gather.
+its drops without a sync with the Python process, and plan the groups the same way: the jnp
+layout (the oracle), the host handler that gathers through the process-wide rendezvous, the host
+handler over counts an XLA all-gather brought across processes, and the CUDA layout kernels over
+an XLA all-gather.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _plan_groups(plan: DispatchPlan, totals):
 
 
 def _strict_check(group, all_counts, invalid_per_rank, keep_limit):
-    """Raises (through a host callback) the same error the host layout handler returns."""
+    """Raises (through a Python callback) the same error the host layout handler returns."""
     before = jnp.cumsum(all_counts, axis=0, dtype=jnp.int32) - all_counts
     kept = jnp.clip(keep_limit[None, :] - before, 0, all_counts)
     dropped_per_rank = jnp.sum(all_counts - kept, axis=1, dtype=jnp.int32)

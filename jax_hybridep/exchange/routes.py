@@ -1,10 +1,11 @@
 """Backend selection: the routes as one table, and the `Route` one call runs.
 
 `IMPLEMENTATIONS` lists every way a backend runs, in the order selection tries them (after
-tokamax's implementations-as-data): each says which topologies it serves and builds its `Route`
-(a layout step, one level step per walked level, a bottom), and the bottom says which plans it
-cannot serve (`unsupported_reason`). Selection takes the first implementation of the requested
-backend that serves the topology and the plan:
+tokamax's implementations-as-data): each names itself and its backend once, says which
+topologies it serves and builds the `Steps` of its `Route` (a layout step, one level step per
+walked level, a bottom, the FP8 carrier), and the bottom says which plans it cannot serve
+(`unsupported_reason`). `implementation_for` is the one scan of the table: selection takes the
+first implementation of the requested backend that serves the topology, if the plan suits it:
 
 | name          | backend | serves            | layout         | levels walked       | bottom     |
 |---------------|---------|-------------------|----------------|---------------------|------------|
@@ -31,17 +32,15 @@ from collections.abc import Callable
 from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig, DispatchPlan
 from jax_hybridep.exchange import cuda, host_fused, host_steps, layout_steps, xla_steps
 from jax_hybridep.exchange.steps import Bottom, LayoutStep, LevelStep
-from jax_hybridep.exchange.wire import Carrier
+from jax_hybridep.exchange.wire import Carrier, WireForm
 from jax_hybridep.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
-class Route:
-    """The steps one dispatch (and its combine and VJPs) runs: static and hashable.
+class Steps:
+    """What an implementation builds on a topology it serves (its `Route` without the name).
 
     Attributes:
-      name: the implementation it comes from (`IMPLEMENTATIONS`).
-      backend: "xla" or "ffi", the backend this route implements.
       layout: the layout step.
       levels: one level step per walked level, slow -> fast (all levels, or all but the fastest
         when the bottom spans it).
@@ -50,12 +49,24 @@ class Route:
         the wire is not built.
     """
 
-    name: str
-    backend: str
     layout: LayoutStep
     levels: tuple[LevelStep, ...]
     bottom: Bottom
     carrier: Carrier | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Route(Steps):
+    """The steps one dispatch (and its combine and VJPs) runs: static and hashable; made by
+    `Implementation.route`.
+
+    Attributes:
+      name: the implementation it comes from (`IMPLEMENTATIONS`), which names it.
+      backend: "xla" or "ffi", the backend that implementation implements.
+    """
+
+    name: str
+    backend: str
 
     def check(self, topology: Topology) -> None:
         """Raises ValueError unless the route walks exactly the topology's levels."""
@@ -66,29 +77,38 @@ class Route:
                 f"the topology has {len(topology.levels)}: {topology.levels}"
             )
 
+    def wire_form(self, plan: DispatchPlan) -> WireForm:
+        """How `plan`'s tokens travel on this route (the one place that decides it)."""
+        return WireForm.of(self.carrier, bool(self.levels), plan)
+
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """One way a backend runs: which topologies it serves and the route it builds there.
+    """One way a backend runs: which topologies it serves and the steps it builds there.
 
     Attributes:
-      name: its name (Route.name).
+      name: its name, the one its routes carry (Route.name).
       backend: the backend it implements.
       serves: whether it can run on a topology (platform, levels, processes).
-      build: its route on a topology it serves.
+      build: its steps on a topology it serves.
       auto_pick: whether `backend="auto"` may select it.
     """
 
     name: str
     backend: str
     serves: Callable[[Topology], bool]
-    build: Callable[[Topology], Route]
+    build: Callable[[Topology], Steps]
     auto_pick: bool = True
 
+    def route(self, topology: Topology) -> Route:
+        """Its route on `topology` (one it serves)."""
+        steps = self.build(topology)
+        return Route(**vars(steps), name=self.name, backend=self.backend)
 
-def _xla(topology: Topology) -> Route:
+
+def _xla(topology: Topology) -> Steps:
     levels = (xla_steps.XlaLevel(),) * len(topology.levels)
-    return Route("xla", "xla", layout_steps.JnpLayout(), levels, xla_steps.XlaRows(), Carrier.SPLIT)
+    return Steps(layout_steps.JnpLayout(), levels, xla_steps.XlaRows(), Carrier.SPLIT)
 
 
 def _host_layout(topology: Topology) -> LayoutStep:
@@ -101,32 +121,21 @@ def _host_fused_serves(topology: Topology) -> bool:
     return topology.platform == "cpu" and len(topology.levels) == 1 and topology.level_local[0]
 
 
-def _host_fused(topology: Topology) -> Route:
-    return Route(
-        "host_fused", "ffi", _host_layout(topology), (), host_fused.HostFused(), Carrier.WIRE_ROWS
-    )
+def _host_fused(topology: Topology) -> Steps:
+    return Steps(_host_layout(topology), (), host_fused.HostFused(), Carrier.WIRE_ROWS)
 
 
-def _host_walked(topology: Topology) -> Route:
+def _host_walked(topology: Topology) -> Steps:
     levels = tuple(
         host_steps.HostDirectLevel() if local else host_steps.HostPackedLevel()
         for local in topology.level_local
     )
-    return Route(
-        "host_walked",
-        "ffi",
-        _host_layout(topology),
-        levels,
-        host_steps.HostRows(),
-        Carrier.WIRE_ROWS,
-    )
+    return Steps(_host_layout(topology), levels, host_steps.HostRows(), Carrier.WIRE_ROWS)
 
 
-def _cuda(topology: Topology) -> Route:
+def _cuda(topology: Topology) -> Steps:
     slow = (xla_steps.XlaLevel(),) * (len(topology.levels) - 1)
-    return Route(
-        "cuda", "ffi", layout_steps.CudaLayout(), slow, cuda.CudaBottom(), Carrier.SEND_QUANTISES
-    )
+    return Steps(layout_steps.CudaLayout(), slow, cuda.CudaBottom(), Carrier.SEND_QUANTISES)
 
 
 IMPLEMENTATIONS: tuple[Implementation, ...] = (
@@ -138,6 +147,11 @@ IMPLEMENTATIONS: tuple[Implementation, ...] = (
     # today's has not run on a GPU yet. The one place that says so; backend="ffi" opts in.
     Implementation("cuda", "ffi", lambda t: t.platform == "gpu", _cuda, auto_pick=False),
 )
+
+
+def implementation_for(backend: str, topology: Topology) -> Implementation | None:
+    """The first implementation of `backend` serving `topology`, in table order (the one scan)."""
+    return next((i for i in IMPLEMENTATIONS if i.backend == backend and i.serves(topology)), None)
 
 
 def unsupported_reason(topology: Topology, manual_axes) -> str | None:
@@ -174,10 +188,10 @@ def requested_backend(config: DispatchConfig) -> str:
 def route_for(backend: str, topology: Topology) -> Route:
     """The route of `backend` ("xla" or "ffi") on `topology`: its first implementation serving
     the topology (no plan checked)."""
-    for impl in IMPLEMENTATIONS:
-        if impl.backend == backend and impl.serves(topology):
-            return impl.build(topology)
-    raise ValueError(f"no {backend!r} implementation serves platform {topology.platform!r}")
+    impl = implementation_for(backend, topology)
+    if impl is None:
+        raise ValueError(f"no {backend!r} implementation serves platform {topology.platform!r}")
+    return impl.route(topology)
 
 
 def select(config: DispatchConfig, topology: Topology, manual_axes, plan: DispatchPlan) -> Route:
@@ -189,16 +203,16 @@ def select(config: DispatchConfig, topology: Topology, manual_axes, plan: Dispat
         return route_for("xla", topology)
     reason = unsupported_reason(topology, manual_axes)
     if reason is None:
-        for impl in IMPLEMENTATIONS:
-            if impl.backend != "ffi" or not impl.serves(topology):
-                continue
-            if requested == "auto" and not impl.auto_pick:
-                return route_for("xla", topology)
-            route = impl.build(topology)
-            reason = route.bottom.unsupported_reason(plan)
+        impl = implementation_for("ffi", topology)
+        if impl is None:
+            reason = f"no 'ffi' implementation serves platform {topology.platform!r}"
+        elif requested == "auto" and not impl.auto_pick:
+            return route_for("xla", topology)
+        else:
+            route = impl.route(topology)
+            reason = route.bottom.unsupported_reason(plan, route.wire_form(plan))
             if reason is None:
                 return route
-            break
     if requested == "ffi":
         raise ValueError(
             f"backend='ffi' cannot run this dispatch: {reason}. Use backend='xla' or 'auto'."

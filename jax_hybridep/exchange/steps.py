@@ -6,11 +6,11 @@ peer of its level whose subtree holds one of the item's rows (docs/design.md §2
 items the rank holds next, plus a record of how it sent them; the bottom turns the last items
 into expert-major rows. Combine and the VJPs come back through the records, fast -> slow.
 
-Records are registered pytree dataclasses with named fields: one class per step kind, all
-level records carrying `send_slot` and `held_dest` (what every kind's `pick` and the traffic
-count need). What every step is handed is computed once per call and carried: the `Shard` (EP
-rank, group, its place in the fastest level) and combine's `RowWeights`. The helpers at the end
-are the ones more than one step kind uses.
+Records are pytree dataclasses with named fields (`jax_hybridep.pytree.pytree_record`): one class
+per step kind, all level records carrying `send_slot` and `held_dest` (what every kind's `pick`
+and the traffic count need). What every step is handed is computed once per call and carried:
+the `Shard` (EP rank, group, its place in the fastest level) and combine's `RowWeights`. The
+helpers at the end are the ones more than one step kind uses.
 """
 
 from __future__ import annotations
@@ -22,33 +22,21 @@ import jax
 import jax.numpy as jnp
 
 from jax_hybridep.config import DispatchPlan
+from jax_hybridep.pytree import pytree_record, static_field
 
 if TYPE_CHECKING:
     from jax_hybridep.exchange.wire import WireForm
 
 
-def pytree_record(cls):
-    """Registers a dataclass whose fields are arrays (or pytrees of them) as a pytree; a field
-    with `metadata=dict(static=True)` is static (part of the tree's structure)."""
-    fields = dataclasses.fields(cls)
-    static = [f.name for f in fields if f.metadata.get("static")]
-    data = [f.name for f in fields if not f.metadata.get("static")]
-    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=static)
-
-
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class FastLevel:
     """The fastest level as one rank sees it (what a bottom spanning it needs)."""
 
-    level: int  # index in the topology (the last)
-    size: int  # ranks in the level group
+    level: int = static_field()  # index in the topology (the last)
+    size: int = static_field()  # ranks in the level group
     coord: jax.Array  # this rank's coordinate in it
     group: jax.Array  # the level group's id
-
-
-jax.tree_util.register_dataclass(
-    FastLevel, data_fields=["coord", "group"], meta_fields=["level", "size"]
-)
 
 
 @pytree_record
@@ -78,7 +66,7 @@ class RowWeights:
     made here once: `unweighted`)."""
 
     values: jax.Array
-    weighted: bool = dataclasses.field(metadata=dict(static=True))
+    weighted: bool = static_field()
 
     @classmethod
     def unweighted(cls, plan: DispatchPlan) -> RowWeights:
@@ -149,9 +137,9 @@ class Bottom(Protocol):
 
     spans_level: bool
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
-        """Why this bottom cannot serve the plan (route selection asks, before tracing anything),
-        or None."""
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
+        """Why this bottom cannot serve the plan with its tokens travelling as `form` (route
+        selection asks, before tracing anything), or None."""
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):
         """(tokens [C, H], scales, row weights [C], the bottom's record); `form` says how the held
@@ -218,7 +206,7 @@ class SpanningBottom:
 
     spans_level = True
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         return None
 
     def copies(self, plan: DispatchPlan, shard: Shard, record):

@@ -15,16 +15,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_hybridep.config import DispatchPlan
+from jax_hybridep.exchange.handle import Handle
 from jax_hybridep.exchange.steps import Items, RowWeights, Shard, copies_to_others
-from jax_hybridep.exchange.wire import WireForm
-from jax_hybridep.handle import Handle
 
 
 def dispatch(route, plan: DispatchPlan, x, weights, row_pos, dest, row_end, shard: Shard):
     """(tokens [C, H], FP8 scales or None, row weights [C], Handle) for x [T, H] (or FP8
     (q, scales)) with per-(t, k) weights, rows and destination EP ranks from the layout
     (row_end: this rank's sum(group_sizes))."""
-    form = WireForm.of(route.carrier, bool(route.levels), plan)  # decided once per dispatch
+    form = route.wire_form(plan)  # decided once per dispatch
     rows, scales = form.encode(plan, x)  # FP8: quantised once, here at the source
     held = Items(rows, dest, row_pos, weights, scales)
     records = []

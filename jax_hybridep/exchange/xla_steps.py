@@ -25,9 +25,9 @@ from jax_hybridep.exchange.steps import (
     append_zero_row,
     item_row_values,
     level_all_to_all,
-    pytree_record,
 )
 from jax_hybridep.exchange.wire import WireForm
+from jax_hybridep.pytree import pytree_record
 
 # ----------------------------------------------------------------------------- level
 
@@ -146,7 +146,7 @@ class XlaRows:
 
     spans_level = False
 
-    def unsupported_reason(self, plan: DispatchPlan) -> str | None:
+    def unsupported_reason(self, plan: DispatchPlan, form: WireForm) -> str | None:
         return None
 
     def expand(self, plan: DispatchPlan, shard: Shard, held: Items, form: WireForm):

@@ -1,6 +1,6 @@
 """A thin Flax Linen wrapper of the NNX MoE block, for Linen models.
 
-    moe = MoEBlockLinen(d_model=..., router=..., experts=..., mesh=..., topology=..., dispatch=...)
+    moe = MoEBlockLinen(d_model=..., router=..., experts=..., topology=..., dispatch=...)
     variables = moe.init(jax.random.key(0), x)
     y, aux = moe.apply(variables, x)
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jax_hybridep.pytree import pytree_record
 from jax_hybridep.values import check_bool
 from jax_hybridep.xdc.runtime import migrate
 
@@ -37,6 +38,7 @@ class GradFeedback(nnx.Variable):
     """Error-feedback residual of the compressed gradient reduce-scatter (one device's own)."""
 
 
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class Gathered:
     """A block's experts after the domain gather, and what its persistent SR state becomes.
@@ -48,9 +50,6 @@ class Gathered:
 
     weights: tuple[jax.Array, ...]
     sr_shared: tuple[jax.Array, ...] | None = None
-
-
-jax.tree_util.register_dataclass(Gathered, data_fields=["weights", "sr_shared"], meta_fields=[])
 
 
 def init_state(block) -> None:

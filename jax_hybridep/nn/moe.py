@@ -1,4 +1,6 @@
-"""MoE block (Flax NNX): router -> `dispatch` -> experts -> `combine` (+ a shared expert).
+"""MoE block (Flax NNX): router -> `dispatch` -> experts -> `combine` (+ a shared expert). The
+block holds the parameters and its settings; the computation is functions (`nn/moe_compute.py`)
+it calls with the token exchange resolved once per call (`moe_config.block_exchange`).
 
 Sharding model: the block takes global activations `x [..., d_model]` under `jax.jit`; inside, a
 `jax.shard_map` over every mesh axis gives each device its slice of the tokens, the expert weights
@@ -12,74 +14,20 @@ expert domains (cross-DC EP) the experts are first gathered inside each domain
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import balance as balance_lib
-from jax_hybridep import xdc
 from jax_hybridep.nn import migration_state, moe_config
-from jax_hybridep.nn.experts import FFN, ExpertConfig, expert_ffn
+from jax_hybridep.nn.experts import FFN, ExpertConfig
 from jax_hybridep.nn.migration_state import Gathered
-from jax_hybridep.nn.router import Router, RouterConfig, RouterOutput, gate_logits, route
+from jax_hybridep.nn.moe_compute import COMBINE_NAME, DISPATCH_NAME, MoEAux, routed_experts
+from jax_hybridep.nn.router import Router, RouterConfig, RouterOutput
+from jax_hybridep.xdc.migration import Migration
 
-DISPATCH_NAME = "moe_dispatch"  # checkpoint_name of the dispatched rows (for remat policies)
-COMBINE_NAME = "moe_combine"  # checkpoint_name of the combined output
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEAux:
-    """What the block reports besides its output (global over the batch).
-
-    Attributes:
-      loss: aux_loss_coef * aux_loss + z_loss_coef * z_loss, to add to the training loss.
-      aux_loss, z_loss: raw router losses, averaged over shards.
-      tokens_per_expert: [E] int32 rows routed to each expert, summed over EP groups, before the
-        dispatch capacity's drops (after a router group capacity's: docs/families.md).
-      dropped: [] int32 rows dropped over capacity, all shards (a router group capacity's drops
-        included).
-      level_rows: [token levels] int32 token copies sent to other ranks at each level of the
-        token exchange (`MoEBlock.token_levels`), all shards, one dispatch.
-      tokens_per_slot: [EP x slots per rank] int32 rows routed to each physical expert slot
-        (rank-major), before drops; without a replica placement, the experts themselves.
-      sr_shared: with a persistent SR shared expert, its value after this step (refreshed every
-        `sync_every` steps), for `MoEBlock.update_state`; else None.
-      router_probs: [E] float32 mean routing probability of each expert over every token (the
-        P_e of the load-balancing loss; `nn.hf.load_balancing_loss` pools it over layers).
-    """
-
-    loss: jax.Array
-    aux_loss: jax.Array
-    z_loss: jax.Array
-    tokens_per_expert: jax.Array
-    dropped: jax.Array
-    level_rows: jax.Array
-    tokens_per_slot: jax.Array | None = None
-    sr_shared: tuple[jax.Array, ...] | None = None
-    router_probs: jax.Array | None = None
-
-
-jax.tree_util.register_dataclass(
-    MoEAux,
-    data_fields=[
-        "loss",
-        "aux_loss",
-        "z_loss",
-        "tokens_per_expert",
-        "dropped",
-        "level_rows",
-        "tokens_per_slot",
-        "sr_shared",
-        "router_probs",
-    ],
-    meta_fields=[],
-)
+__all__ = ["COMBINE_NAME", "DISPATCH_NAME", "MoEAux", "MoEBlock", "SharedExpert"]
 
 
 def _param(rngs, shape, sharding, mesh, dtype, *, bias=False):
@@ -129,8 +77,10 @@ class MoEBlock(nnx.Module):
         bias, an opt-in Switch/GShard group capacity).
       experts: ExpertConfig: the experts' hidden width and activation, biases, an always-on
         shared expert (and its sigmoid gate), input- or output-side weighting, dtypes.
-      mesh: the device mesh (AxisType.Auto axes).
-      topology: hep.Topology over (some of) the mesh's axes: the EP group.
+      topology: hep.Topology over (some of) the mesh's axes: the EP group; one from
+        `Topology.from_mesh` holds the mesh the block runs on (AxisType.Auto axes).
+      mesh: the device mesh, only for a topology that holds none; given with a topology that
+        does, it must be that mesh.
       dispatch: hep.DispatchConfig; num_experts defaults to the router's. The block runs it with
         zero_padding=False (its expert compute never reads rows past the groups).
       migration: an `xdc.Migration` with domains (cross-datacenter EP, docs/design.md §4):
@@ -160,14 +110,17 @@ class MoEBlock(nnx.Module):
         *,
         router: RouterConfig,
         experts: ExpertConfig,
-        mesh: jax.sharding.Mesh,
         topology: hep.Topology,
+        mesh: jax.sharding.Mesh | None = None,
         dispatch: hep.DispatchConfig | None = None,
-        migration: xdc.Migration | None = None,
+        migration: Migration | None = None,
         balance: balance_lib.BalanceConfig | None = None,
         rngs: nnx.Rngs,
     ):
-        moe_config.check_block(d_model, router, experts, mesh, topology)
+        moe_config.check_block(d_model, router, experts)
+        mesh = moe_config.block_mesh(mesh, topology, router)
+        # The mesh is kept beside the topology: it tells apart blocks whose topologies are equal
+        # (Topology equality leaves its mesh out) but run on other devices.
         self.mesh, self.topology, self.expert_config = mesh, topology, experts
         self.dispatch_config = moe_config.block_dispatch(dispatch, router)
         self.domains = moe_config.block_domains(migration, mesh, topology)
@@ -234,9 +187,7 @@ class MoEBlock(nnx.Module):
                 f"MoEBlock: {tokens.shape[0]} tokens (x shape {x.shape}) do not split evenly over "
                 f"the {shards} devices of mesh {dict(self.mesh.shape)}"
             )
-        mesh, token_topology, _ = self._exchange()
-        all_axes = P(tuple(mesh.axis_names))
-        expert_spec = P(self.domains.expert_axes if self.domains else self.topology.ep_axes)
+        exchange = self.exchange()  # resolved once per call
         group_size = self._group_size(x)
         if self.domains is None:
             if experts is not None:
@@ -245,36 +196,22 @@ class MoEBlock(nnx.Module):
         else:
             experts = self.gather() if experts is None else experts
             weights = experts.weights
-        routed = jax.shard_map(
-            functools.partial(self._per_shard, group_size=group_size),
-            mesh=mesh,
-            in_specs=(all_axes, P(), expert_spec),
-            out_specs=(all_axes,) * 8,
-        )
         router_params = (self.router.gate[...], self.router.bias[...])
         if self.router.config.logit_bias:
             router_params += (self.router.logit_bias[...],)
-        y, aux_loss, z_loss, per_expert, dropped, level_rows, per_slot, probs = routed(
-            tokens.astype(self.dtype), router_params, tuple(weights)
+        y, aux = routed_experts(
+            tokens.astype(self.dtype),
+            router_params,
+            weights,
+            exchange=exchange,
+            router=self.router.config,
+            experts=self.expert_config,
+            placement=self.placement,
+            group_size=group_size,
+            sr_shared=experts.sr_shared if experts is not None else None,
         )
         if self.shared is not None:
             y = y + self.shared(tokens.astype(self.dtype))
-        # Every rank of an EP group reports its group's global counts, wherever the group's
-        # ranks sit in device order: sum all and divide by the group size.
-        ep_size = token_topology.ep_size
-        cfg = self.router.config
-        aux_loss, z_loss = jnp.mean(aux_loss), jnp.mean(z_loss)
-        aux = MoEAux(
-            loss=cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss,
-            aux_loss=aux_loss,
-            z_loss=z_loss,
-            tokens_per_expert=jnp.sum(per_expert, axis=0, dtype=jnp.int32) // ep_size,
-            dropped=jnp.sum(dropped, dtype=jnp.int32),
-            level_rows=jnp.sum(level_rows, axis=0, dtype=jnp.int32),
-            tokens_per_slot=jnp.sum(per_slot, axis=0, dtype=jnp.int32) // ep_size,
-            sr_shared=experts.sr_shared if experts is not None else None,
-            router_probs=jnp.mean(probs, axis=0),
-        )
         return y.reshape(*lead, -1).astype(x.dtype), aux
 
     def _group_size(self, x) -> int | None:
@@ -296,55 +233,12 @@ class MoEBlock(nnx.Module):
     @property
     def token_levels(self) -> tuple[tuple[str, ...], ...]:
         """Levels (mesh axes) the tokens are exchanged over, slow -> fast."""
-        return self._exchange()[1].levels
+        return self.exchange().topology.levels
 
-    def _exchange(self):
-        """(mesh, token topology, dispatch config) of the token exchange."""
-        if self.domains is None:
-            return self.mesh, self.topology, self.dispatch_config
-        d = self.domains
-        return d.mesh, d.token_topology, d.dispatch_config(self.dispatch_config)
-
-    def _per_shard(self, x, router_params, weights, *, group_size):
-        _, topology, config = self._exchange()
-        gate, bias, *logit_bias = router_params
-        logits = gate_logits(x, gate, *logit_bias)
-        routing = route(logits, bias, self.router.config, group_size=group_size)
-        if self.placement is not None:  # logical ids -> physical slots, replicas fetched
-            replicas = balance_lib.Replicas(self.placement, topology)
-            weights = replicas.gather(weights)
-            d = replicas.dispatch(x, routing.topk_idx, routing.topk_weights, config=config)
-            per_slot = d.stats.tokens_per_slot
-        else:
-            d = hep.dispatch(
-                x, routing.topk_idx, routing.topk_weights, topology=topology, config=config
-            )
-            per_slot = d.stats.tokens_per_expert
-        rows = checkpoint_name(d.tokens, DISPATCH_NAME)
-        input_side = self.expert_config.weight_input
-        if input_side:  # Llama-4: the weight scales the expert's input; combine unweighted
-            # A select, not a multiply, past the groups: those rows are unspecified (NaN too).
-            valid = jnp.arange(rows.shape[0]) < jnp.sum(d.group_sizes)
-            rows = jnp.where(valid[:, None], rows * d.weights[:, None].astype(rows.dtype), 0)
-        y = expert_ffn(
-            rows,
-            d.group_sizes,
-            weights,
-            ffn=self.ffn,
-            capacity=d.capacity,
-            platform=topology.platform,
-        )
-        out = hep.combine(y, d.handle, weights=None if input_side else d.weights)
-        out = checkpoint_name(out, COMBINE_NAME)
-        return (
-            out,
-            routing.aux_loss[None],
-            routing.z_loss[None],
-            d.stats.tokens_per_expert[None],
-            (d.stats.dropped + routing.dropped)[None],
-            d.stats.level_rows[None],
-            per_slot[None],
-            routing.probs[None],
+    def exchange(self) -> moe_config.Exchange:
+        """The token exchange a call runs: mesh, token topology, dispatch config, expert axes."""
+        return moe_config.block_exchange(
+            self.mesh, self.topology, self.dispatch_config, self.domains
         )
 
     @property

@@ -1,6 +1,7 @@
-"""The MoE block's grouped settings, checked and resolved before any parameter is made: the
-dispatch config it runs, its expert domains (`xdc.Migration` -> `xdc.ExpertDomains`) and its
-replica placement (`balance.BalanceConfig` -> `balance.Placement`). Each failure is a
+"""The MoE block's grouped settings, checked and resolved before any parameter is made: its mesh
+(the topology's own), the dispatch config it runs, its expert domains (`xdc.Migration` ->
+`xdc.ExpertDomains`) and its replica placement (`balance.BalanceConfig` -> `balance.Placement`);
+and, once per call, the token exchange they make (`Exchange`). Each failure is a
 ValueError/TypeError naming the setting."""
 
 from __future__ import annotations
@@ -10,27 +11,50 @@ import dataclasses
 import jax
 
 import jax_hybridep as hep
-from jax_hybridep import balance, xdc
+from jax_hybridep import balance
 from jax_hybridep.nn.experts import ExpertConfig
 from jax_hybridep.nn.router import RouterConfig
 from jax_hybridep.values import check_int
+from jax_hybridep.xdc.migration import Migration
+from jax_hybridep.xdc.runtime.domains import ExpertDomains
 
 
-def check_block(d_model, router, experts, mesh, topology) -> None:
-    """The block's own arguments: types, and the experts against the mesh's EP size."""
+def check_block(d_model, router, experts) -> None:
+    """The block's own arguments' types."""
     check_int("d_model", d_model, 1)
     for name, value, cls in (("router", router, RouterConfig), ("experts", experts, ExpertConfig)):
         if not isinstance(value, cls):
             raise TypeError(f"{name} must be a jax_hybridep.nn.{cls.__name__}, got {value!r}")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+
+
+def block_mesh(mesh, topology, router: RouterConfig) -> jax.sharding.Mesh:
+    """The mesh the block runs on: the topology's own (`Topology.from_mesh`), or `mesh` when the
+    topology holds none; given both, they must be one mesh. The experts must split over its EP
+    size."""
     if not isinstance(topology, hep.Topology):
         raise TypeError(f"topology must be a jax_hybridep.Topology, got {type(topology).__name__}")
+    if mesh is None:
+        mesh = topology.mesh
+        if mesh is None:
+            raise TypeError(
+                f"the block needs a mesh: topology {topology.levels} over {topology.mesh_dict} "
+                "holds none (it was not built by Topology.from_mesh); build it with "
+                "Topology.from_mesh(mesh, ...) or pass mesh="
+            )
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     mesh_shape = dict(mesh.shape)
     if topology.mesh_dict != mesh_shape:
         raise ValueError(
             f"topology was built for mesh {topology.mesh_dict}, but the block's mesh is "
             f"{mesh_shape}; build it with Topology.from_mesh(mesh, ...)"
+        )
+    if topology.mesh is not None and topology.mesh != mesh:
+        raise ValueError(
+            f"topology was built for another mesh of the same axes: the topology's mesh "
+            f"{dict(topology.mesh.shape)} of devices {topology.mesh.device_ids.tolist()}, the "
+            f"block's mesh {mesh_shape} of devices {mesh.device_ids.tolist()}; pass one of them "
+            "(the topology alone is enough)"
         )
     if router.num_experts % topology.ep_size:
         raise ValueError(
@@ -38,6 +62,7 @@ def check_block(d_model, router, experts, mesh, topology) -> None:
             f"size {topology.ep_size} (EP axes {topology.ep_axes} of mesh {mesh_shape}): the "
             "stacked expert weights are sharded over them"
         )
+    return mesh
 
 
 def block_dispatch(dispatch, router: RouterConfig) -> hep.DispatchConfig:
@@ -60,14 +85,14 @@ def block_dispatch(dispatch, router: RouterConfig) -> hep.DispatchConfig:
     return dataclasses.replace(dispatch, zero_padding=False)
 
 
-def block_domains(migration, mesh, topology) -> xdc.ExpertDomains | None:
+def block_domains(migration, mesh, topology) -> ExpertDomains | None:
     """The block's expert domains; None (plain EP) without a migration or with no domains."""
     if migration is None:
         return None
-    if not isinstance(migration, xdc.Migration):
+    if not isinstance(migration, Migration):
         raise TypeError(f"migration must be a jax_hybridep.xdc.Migration, got {migration!r}")
     if migration.domains:
-        return xdc.ExpertDomains.from_mesh(mesh, topology, migration)
+        return ExpertDomains.from_mesh(mesh, topology, migration)
     if migration.compression is not None or migration.grad_compression is not None:
         raise ValueError(
             f"Migration(compression={migration.compression}, grad_compression="
@@ -98,3 +123,30 @@ def block_placement(balance_config, dispatch: hep.DispatchConfig, topology, doma
             "leave those unset"
         )
     return balance_config.placement_for(dispatch.num_experts, topology)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """The token exchange one block call runs (static; `block_exchange`).
+
+    Attributes:
+      mesh: the mesh the call's `shard_map` runs over (with expert domains, the split mesh).
+      topology: the topology `dispatch`/`combine` run on (with domains, the outer axes only).
+      config: the dispatch config (with domains, the replica placement and its slots).
+      expert_axes: the mesh axes the stacked experts' dim is sharded over.
+    """
+
+    mesh: jax.sharding.Mesh
+    topology: hep.Topology
+    config: hep.DispatchConfig
+    expert_axes: tuple[str, ...]
+
+
+def block_exchange(mesh, topology, dispatch: hep.DispatchConfig, domains) -> Exchange:
+    """The exchange of a block on `mesh` and `topology` running `dispatch`: plain EP, or its
+    expert domains' (tokens only between domains)."""
+    if domains is None:
+        return Exchange(mesh, topology, dispatch, topology.ep_axes)
+    return Exchange(
+        domains.mesh, domains.token_topology, domains.dispatch_config(dispatch), domains.expert_axes
+    )

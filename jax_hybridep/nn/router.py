@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_hybridep.nn import group_capacity
+from jax_hybridep.pytree import pytree_record
 from jax_hybridep.values import check_bool, check_int, check_real
 
 SCORE_FNS = ("softmax", "sigmoid")
@@ -136,6 +137,7 @@ class RouterConfig:
         return self.group_capacity is not None or self.group_capacity_factor is not None
 
 
+@pytree_record
 @dataclasses.dataclass(frozen=True)
 class RouterOutput:
     """Per token: topk_idx [N, K] int32 (-1 where a group capacity dropped the choice),
@@ -153,22 +155,6 @@ class RouterOutput:
     load: jax.Array
     probs: jax.Array
     dropped: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    RouterOutput,
-    data_fields=[
-        "topk_idx",
-        "topk_weights",
-        "scores",
-        "aux_loss",
-        "z_loss",
-        "load",
-        "probs",
-        "dropped",
-    ],
-    meta_fields=[],
-)
 
 
 def route(logits, bias, config: RouterConfig, *, group_size: int | None = None) -> RouterOutput:

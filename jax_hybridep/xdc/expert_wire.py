@@ -1,4 +1,4 @@
-"""What one expert costs on the wire, whole or SR-compressed (host-side numpy).
+"""What one expert costs on the wire, whole or SR-compressed (numpy).
 
 Shared by the runtime (`runtime.migrate`, which sends it, and `ExpertDomains.gather_bytes`) and
 the byte model (`model.volumes`, which counts it), so both follow one rule: a matrix of n entries

@@ -1,4 +1,4 @@
-"""Where expert replicas live under per-level domains (host-side numpy, shared by the runtime
+"""Where expert replicas live under per-level domains (numpy, shared by the runtime
 `domains.ExpertDomains` and the byte model `volumes`, so both follow one rule).
 
 Level sizes `G_l` slow -> fast, domain sizes `S_l | G_l`: a rank's coordinate `c_l` splits into

@@ -13,8 +13,9 @@ and range under every alias HF's config classes accept (`config_fields`), shards
 checkpoint's own directory and checked against their headers (`safetensors_file`), and a block is
 loaded whole or not at all, tensors it cannot hold named (`ignore_extra=True` leaves them).
 Each family (config mapping, field aliases, layer prefixes, tensor layouts) is one file under
-`nn.hf.families`, registered in its one table (`families.MODULES`); docs/families.md lists the
-families, what each maps to and how to add one; docs/errors.md what is checked.
+`nn.hf.families`, in the one registry `FAMILIES` (model_type -> `Family`, from
+`nn.hf.families`); docs/families.md lists the families, what each maps to and how to add one;
+docs/errors.md what is checked.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 
 from jax_hybridep.nn.hf.checkpoint import Checkpoint, load_checkpoint
-from jax_hybridep.nn.hf.configs import FAMILIES, layer_prefixes, model_type, settings
+from jax_hybridep.nn.hf.configs import layer_prefixes, model_type, settings
+from jax_hybridep.nn.hf.families import FAMILIES
 from jax_hybridep.nn.hf.loader import load_block, tensor_shapes
 
 __all__ = [
@@ -48,8 +50,8 @@ def block_kwargs(config: Mapping, **experts) -> dict:
       **experts: extra `ExpertConfig` fields (e.g. dtype=jnp.bfloat16).
 
     Returns:
-      {"d_model": H, "router": RouterConfig, "experts": ExpertConfig}: add mesh, topology,
-      dispatch and rngs, e.g. `MoEBlock(**block_kwargs(cfg), mesh=..., topology=..., rngs=...)`.
+      {"d_model": H, "router": RouterConfig, "experts": ExpertConfig}: add the topology,
+      dispatch and rngs, e.g. `MoEBlock(**block_kwargs(cfg), topology=..., rngs=...)`.
 
     Raises:
       ValueError: an unknown model_type, a missing field, or a setting the block cannot follow.

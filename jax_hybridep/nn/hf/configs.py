@@ -12,15 +12,10 @@ differs in training).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from jax_hybridep.nn.hf.config_fields import Config
-from jax_hybridep.nn.hf.families import BY_MODEL_TYPE, family
-
-# model_type -> the family's config mapping (Config -> settings).
-FAMILIES: dict[str, Callable[[Config], dict]] = {
-    name: family.settings for name, family in BY_MODEL_TYPE.items()
-}
+from jax_hybridep.nn.hf.families import family
 
 
 def model_type(config: Mapping) -> str:

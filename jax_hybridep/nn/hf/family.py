@@ -2,8 +2,9 @@
 
 A family file under `nn.hf.families` describes one `model_type` (or a few that share code) as
 `FAMILIES = (Family(...), ...)`: its config mapping, the field aliases of its HF config class,
-its MoE layers' tensor-name prefixes and its checkpoints' tensor layouts. The package's table
-(`nn.hf.families.MODULES`) is the one place that lists the files; nothing else names a family.
+its MoE layers' tensor-name prefixes and its checkpoints' tensor layouts. The registry
+(`nn.hf.families.FAMILIES`, which imports each file) is the one place that lists the files;
+nothing else names a family.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jax_hybridep.nn.hf.config_fields import Config
-from jax_hybridep.nn.hf.tensor_layouts import Layout
+from jax_hybridep.nn.hf.tensor_layouts import TensorLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Family:
     model_type: str
     settings: Callable[[Config], dict]
     layer_prefixes: Callable[[Config], list[str]]
-    layouts: tuple[Layout, ...]
+    layouts: tuple[TensorLayout, ...]
     aliases: tuple[tuple[str, ...], ...]
 
 

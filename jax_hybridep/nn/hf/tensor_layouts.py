@@ -1,8 +1,10 @@
 """The tensor layouts of HuggingFace MoE checkpoints, generically: which tensors hold a layer's
-router, experts, biases and shared expert (`Layout`), and how each expert tensor becomes one of
-the block's parameters (`PerExpert`, `Fused`, `Mxfp4`). Each family's own layouts are in its file
-under `nn.hf.families`; the two that several families share (transformers' per-expert
-gate/up/down_proj and its in-memory stacked layout) are here.
+router, experts, biases and shared expert (`TensorLayout`; not a dispatch's layout, the rows of
+docs/design.md §2.1.2-3), and how each expert tensor becomes one of the block's parameters
+(`PerExpert`, `Fused`, `Mxfp4`). Each family's own layouts are in its file under
+`nn.hf.families`; what several families share is here: transformers' per-expert gate/up/down_proj
+and its in-memory stacked layout, and the [in, out] fused gate_up of Llama-4 and GPT-OSS
+(`fused_in_out`).
 
 Names are relative to the layer's MoE module (e.g. "model.layers.3.mlp"). HF linear weights are
 stored [out, in]; the block's are [in, out], experts stacked [E, in, out]. A `PerExpert` source is
@@ -126,6 +128,39 @@ def stacked(gate_up: str, down: str) -> dict:
     }
 
 
+def _first_half(a, d):  # [..., 2F] -> its first F columns
+    return a[..., : d["F"]]
+
+
+def _second_half(a, d):
+    return a[..., d["F"] :]
+
+
+def even_columns(a, d):  # [..., 2F] -> columns 0, 2, 4, ... (GPT-OSS's gate)
+    return a[..., 0::2]
+
+
+def odd_columns(a, d):  # columns 1, 3, 5, ... (GPT-OSS's up)
+    return a[..., 1::2]
+
+
+def _as_is(a, d):
+    return a
+
+
+def fused_in_out(gate_up: str, down: str, *, interleaved: bool) -> dict:
+    """Gated experts fused and stored [in, out] as Llama-4 and GPT-OSS hold them: gate_up
+    [E, H, 2F] (gate columns first, or with `interleaved` gate in the even and up in the odd
+    columns), down [E, F, H]."""
+    gate, up = (even_columns, odd_columns) if interleaved else (_first_half, _second_half)
+    shape = lambda e, d: (e, d["H"], 2 * d["F"])  # noqa: E731
+    return {
+        "w_gate": Fused(gate_up, shape, gate),
+        "w_up": Fused(gate_up, shape, up),
+        "w_down": Fused(down, lambda e, d: (e, d["F"], d["H"]), _as_is),
+    }
+
+
 def per_expert(gate: str, up: str, down: str) -> dict:
     """Gated experts, one tensor per expert for each of gate, up, down ({i}: the expert)."""
     return {"w_gate": PerExpert(gate), "w_up": PerExpert(up), "w_down": PerExpert(down)}
@@ -139,7 +174,7 @@ def source_name(source) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class TensorLayout:
     """One family's tensor names under a layer's MoE module.
 
     Attributes:
@@ -174,7 +209,7 @@ class Layout:
 # shared expert's names are Qwen2-MoE's (a block without a shared expert names such tensors as
 # ones it cannot hold).
 _QWEN_SHARED = dict(shared="shared_expert", shared_gate="shared_expert_gate.weight")
-PER_EXPERT = Layout(
+PER_EXPERT = TensorLayout(
     "per-expert gate/up/down_proj",
     "gate.weight",
     per_expert(
@@ -182,7 +217,7 @@ PER_EXPERT = Layout(
     ),
     **_QWEN_SHARED,
 )
-STACKED = Layout(
+STACKED = TensorLayout(
     "stacked gate_up_proj [E, 2F, H]",
     "gate.weight",
     stacked("experts.gate_up_proj", "experts.down_proj"),

@@ -1,4 +1,4 @@
-"""The cost model and planner of cross-DC expert parallelism (host-side numpy, no JAX):
+"""The cost model and planner of cross-DC expert parallelism (numpy, no JAX):
 
 * `volumes`: the bytes the runtime moves per level (expected, or exact for a routing), from
   `xdc.geometry` (where replicas live), `loads` (token copies per rank) and `xdc.expert_wire` (an

@@ -1,7 +1,7 @@
 """Token loads of the hierarchical exchange: per rank and level, the copies each rank causes,
 sends and receives in one exchange, exact for a routing or expected for routing probabilities.
 
-Host-side numpy, shared by `volumes` (the runtime's bytes) and its tests. At level l of a token
+Numpy, shared by `volumes` (the runtime's bytes) and its tests. At level l of a token
 group with level sizes `n_l`, a copy of a token goes to every distinct destination prefix (the
 coordinates of levels 0..l) whose level-l coordinate differs from the source's; it is sent by the
 rank holding the destination's coordinates below l and the source's from l on, and received by
@@ -25,9 +25,10 @@ def exact_loads(dest, token_sizes: Sequence[int]):
 
     Returns:
       (copies, sent, received), each [R, levels] int64: copies by source rank (summed over
-      sources this equals `traffic.routed_pairs`), and by the rank that actually sends and
-      receives each copy (at level l a copy goes from the rank holding the destination's
-      coordinates below l and the source's from l on, to the destination's coordinates up to l).
+      sources this equals the tests' independent count, `routed_pairs` in tests/harness.py),
+      and by the rank that actually sends and receives each copy (at level l a copy goes from
+      the rank holding the destination's coordinates below l and the source's from l on, to the
+      destination's coordinates up to l).
     """
     dest = np.asarray(dest)
     ranks = dest.shape[0]

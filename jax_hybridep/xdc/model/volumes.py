@@ -18,12 +18,13 @@ sizes `G_l` split into domains `S_l` (outer `n_l = G_l / S_l`, inner `S_l`):
   parameters' gradients over every rank, by the same convention what comes from peers across
   level l: `2 * dense_bytes * (G - G / G_l) / G`.
 * Tokens: hierarchical dispatch over the token EP group (ranks with equal inner coordinates, levels
-  with `n_l > 1`), one copy per (token, destination group) per level, as `traffic.routed_pairs`
-  counts. Counts are per exchange; a training step makes 4 exchanges, a forward pass 2.
+  with `n_l > 1`), one copy per (token, destination group) per level (docs/design.md §2.1.1;
+  the tests hold it to an independent count, `routed_pairs` in tests/harness.py). Counts are
+  per exchange; a training step makes 4 exchanges, a forward pass 2.
 
 Two sources: `expected_volumes` (uniform or per-expert-probability routing, expected counts) and
 `routed_volumes` (an actual `topk_idx` routing, exact counts). `flat_volumes` models flat plain EP
-(one all-to-all over all ranks), the paper's baseline, not this runtime. Host-side numpy only.
+(one all-to-all over all ranks), the paper's baseline, not this runtime. Numpy only.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from jax_hybridep.nn.hf.family import (
     experts_and_top_k,
     settings,
 )
-from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout, in_out
+from jax_hybridep.nn.hf.tensor_layouts import Fused, TensorLayout, in_out
 
 
 def _fused(name):
@@ -25,7 +25,7 @@ def _fused(name):
     )
 
 
-DBRX = Layout(
+DBRX = TensorLayout(
     "fused w1/v1/w2 [E*F, H]",
     "router.layer.weight",
     {"w_gate": _fused("w1"), "w_up": _fused("v1"), "w_down": _fused("w2")},

@@ -7,25 +7,22 @@ from __future__ import annotations
 import dataclasses
 
 from jax_hybridep.nn.hf.family import Family, every_layer, experts_and_top_k, settings
-from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout, Mxfp4
+from jax_hybridep.nn.hf.tensor_layouts import (
+    Fused,
+    Mxfp4,
+    TensorLayout,
+    even_columns,
+    fused_in_out,
+    odd_columns,
+)
 
-GPT_OSS = Layout(
+GPT_OSS = TensorLayout(
     "interleaved gate_up_proj, biases",
     "router.weight",
     {
-        "w_gate": Fused(
-            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 0::2]
-        ),
-        "w_up": Fused(
-            "experts.gate_up_proj", lambda e, d: (e, d["H"], 2 * d["F"]), lambda a, d: a[..., 1::2]
-        ),
-        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
-        "b_gate": Fused(
-            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 0::2]
-        ),
-        "b_up": Fused(
-            "experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), lambda a, d: a[..., 1::2]
-        ),
+        **fused_in_out("experts.gate_up_proj", "experts.down_proj", interleaved=True),
+        "b_gate": Fused("experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), even_columns),
+        "b_up": Fused("experts.gate_up_proj_bias", lambda e, d: (e, 2 * d["F"]), odd_columns),
         "b_down": Fused("experts.down_proj_bias", lambda e, d: (e, d["H"]), lambda a, d: a),
     },
     logit_bias="router.bias",
@@ -37,17 +34,9 @@ GPT_OSS_MXFP4 = dataclasses.replace(
     experts={
         **GPT_OSS.experts,
         "w_gate": Mxfp4(
-            "experts.gate_up_proj",
-            lambda d: 2 * d["F"],
-            lambda d: d["H"],
-            lambda a, d: a[..., 0::2],
+            "experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"], even_columns
         ),
-        "w_up": Mxfp4(
-            "experts.gate_up_proj",
-            lambda d: 2 * d["F"],
-            lambda d: d["H"],
-            lambda a, d: a[..., 1::2],
-        ),
+        "w_up": Mxfp4("experts.gate_up_proj", lambda d: 2 * d["F"], lambda d: d["H"], odd_columns),
         "w_down": Mxfp4("experts.down_proj", lambda d: d["H"], lambda d: d["F"], lambda a, d: a),
     },
 )

@@ -4,9 +4,9 @@ top-k of the softmax) over SwiGLU experts fused as input_linear [E, 2F, H] / out
 from __future__ import annotations
 
 from jax_hybridep.nn.hf.family import Family, every_layer, softmax_family
-from jax_hybridep.nn.hf.tensor_layouts import Layout, stacked
+from jax_hybridep.nn.hf.tensor_layouts import TensorLayout, stacked
 
-GRANITE = Layout(
+GRANITE = TensorLayout(
     "input_linear [E, 2F, H]",
     "router.layer.weight",
     stacked("input_linear.weight", "output_linear.weight"),

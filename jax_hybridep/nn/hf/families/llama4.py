@@ -7,24 +7,12 @@ from __future__ import annotations
 
 from jax_hybridep.nn.hf.config_fields import Config
 from jax_hybridep.nn.hf.family import GATED_ACTIVATIONS, Family, experts_and_top_k, layers, settings
-from jax_hybridep.nn.hf.tensor_layouts import Fused, Layout
+from jax_hybridep.nn.hf.tensor_layouts import TensorLayout, fused_in_out
 
-LLAMA4 = Layout(
+LLAMA4 = TensorLayout(
     "fused gate_up_proj [E, H, 2F]",
     "router.weight",
-    {
-        "w_gate": Fused(
-            "experts.gate_up_proj",
-            lambda e, d: (e, d["H"], 2 * d["F"]),
-            lambda a, d: a[..., : d["F"]],
-        ),
-        "w_up": Fused(
-            "experts.gate_up_proj",
-            lambda e, d: (e, d["H"], 2 * d["F"]),
-            lambda a, d: a[..., d["F"] :],
-        ),
-        "w_down": Fused("experts.down_proj", lambda e, d: (e, d["F"], d["H"]), lambda a, d: a),
-    },
+    fused_in_out("experts.gate_up_proj", "experts.down_proj", interleaved=False),
     shared="shared_expert",
 )
 

@@ -4,9 +4,9 @@ as w1/w3/w2 under every decoder layer's `block_sparse_moe`."""
 from __future__ import annotations
 
 from jax_hybridep.nn.hf.family import Family, every_layer, softmax_family
-from jax_hybridep.nn.hf.tensor_layouts import STACKED, Layout, per_expert
+from jax_hybridep.nn.hf.tensor_layouts import STACKED, TensorLayout, per_expert
 
-MIXTRAL = Layout(
+MIXTRAL = TensorLayout(
     "per-expert w1/w3/w2",
     "gate.weight",
     per_expert("experts.{i}.w1.weight", "experts.{i}.w3.weight", "experts.{i}.w2.weight"),

@@ -6,9 +6,9 @@ and decoder layer."""
 from __future__ import annotations
 
 from jax_hybridep.nn.hf.family import PLAIN_ACTIVATIONS, Family, layers, settings
-from jax_hybridep.nn.hf.tensor_layouts import Layout, PerExpert
+from jax_hybridep.nn.hf.tensor_layouts import PerExpert, TensorLayout
 
-NLLB = Layout(
+NLLB = TensorLayout(
     "per-expert fc1/fc2, biases",
     "router.classifier.weight",
     {

@@ -5,9 +5,9 @@ decoder's sparse blocks."""
 from __future__ import annotations
 
 from jax_hybridep.nn.hf.family import PLAIN_ACTIVATIONS, Family, layers, settings
-from jax_hybridep.nn.hf.tensor_layouts import Layout, PerExpert
+from jax_hybridep.nn.hf.tensor_layouts import PerExpert, TensorLayout
 
-SWITCH = Layout(
+SWITCH = TensorLayout(
     "per-expert wi/wo",
     "router.classifier.weight",
     {

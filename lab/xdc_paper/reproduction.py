@@ -1,4 +1,4 @@
-"""How well this package's models reproduce the HybridEP paper (`python -m jax_hybridep.xdc.paper`):
+"""How well the package's models reproduce the HybridEP paper (`python -m lab.xdc_paper`):
 the expert-size sweep and the migration ablation (`expert_size_sweep`, `ablation`), the tables of
 docs/crossdc_model.md (`markdown`), the pass / fail tiers (`report`, `summary`) and every Table V
 point as JSON (`report`).
@@ -26,7 +26,7 @@ import itertools
 import numpy as np
 
 from jax_hybridep.xdc.model import cost
-from jax_hybridep.xdc.paper import tables
+from lab.xdc_paper import tables
 
 TUTEL_LIMIT = 0.30
 HYBRID_MEAN_LIMIT = 0.25
@@ -221,7 +221,7 @@ def points(rows: dict[str, list[dict]]) -> list[dict]:
 
 
 def report() -> dict:
-    """Points, fits and tiers, as `python -m jax_hybridep.xdc.paper --json` writes them."""
+    """Points, fits and tiers, as `python -m lab.xdc_paper --json` writes them."""
     rows = {name: tables.reproduce_table_v(name) for name in tables.TABLE_V}
     tiers = []
     for tier, (title, checks) in enumerate(

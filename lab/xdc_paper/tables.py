@@ -1,4 +1,4 @@
-"""The HybridEP paper's numbers (arXiv 2510.19470) and their reproduction by this package's models.
+"""The HybridEP paper's numbers (arXiv 2510.19470) and their reproduction by the package's models.
 
 * Table VII (communicating pairs per domain size) and Table IV (the stream model's choice of p):
   `table_vii`, `table_iv`.
@@ -10,7 +10,7 @@
   hybrid (`planner.plan` under the fitted model) at every other data size.
 * The expert-size sweep and the migration ablation, where the paper states their inputs
   (`SWEEP`, `ABLATION`; reproduced in `reproduction`).
-* `python -m jax_hybridep.xdc.paper [--json FILE]` (`paper.__main__`) prints the tables of
+* `python -m lab.xdc_paper [--json FILE]` (`lab.xdc_paper.__main__`) prints the tables of
   docs/crossdc_model.md and the reproduction's pass / fail tiers (`reproduction`), and writes
   every Table V point.
 

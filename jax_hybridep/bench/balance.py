@@ -1,5 +1,5 @@
-"""The balance table and dispatch measurement of docs/balance.md (`python -m
-jax_hybridep.balance.bench`).
+"""`python -m jax_hybridep.bench.balance`: the balance table and dispatch measurement of
+docs/balance.md.
 
 Per skewed routing (`workloads`: Zipf, DeepSeek-V3-like group-limited) the balancer plans from a
 moving average of measured batches; the table gives max/mean per-rank load predicted by the plan
@@ -155,7 +155,7 @@ def table_row(
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m jax_hybridep.balance.bench", description=__doc__.split("\n\n")[0]
+        prog="python -m jax_hybridep.bench.balance", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--tokens", type=cli.positive_int, default=512, help="tokens per rank per batch"

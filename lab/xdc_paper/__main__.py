@@ -1,4 +1,4 @@
-"""`python -m jax_hybridep.xdc.paper [--json FILE] [--strict]`: the paper's tables reproduced by
+"""`python -m lab.xdc_paper [--json FILE] [--strict]`: the paper's tables reproduced by
 the cost model (`tables`) and the reproduction's pass / fail tiers (`reproduction`)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 import sys
 
 from jax_hybridep.values import make_parent_dirs, output_path_arg, run_command
-from jax_hybridep.xdc.paper import reproduction
+from lab.xdc_paper import reproduction
 
 
 def main(argv=None) -> dict:
-    """`python -m jax_hybridep.xdc.paper [--json FILE] [--strict]`: the tables and the tiers."""
+    """`python -m lab.xdc_paper [--json FILE] [--strict]`: the tables and the tiers."""
     parser = argparse.ArgumentParser(
-        prog="python -m jax_hybridep.xdc.paper",
+        prog="python -m lab.xdc_paper",
         description="The HybridEP paper's tables reproduced by the cost model, and the pass / "
         "fail tiers of the reproduction.",
     )
@@ -37,4 +37,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    run_command(main, "python -m jax_hybridep.xdc.paper")
+    run_command(main, "python -m lab.xdc_paper")
