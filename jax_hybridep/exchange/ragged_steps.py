@@ -61,11 +61,17 @@ def compiles_ragged(topology: Topology) -> bool:
     return topology.platform in RAGGED_PLATFORMS
 
 
+def slots(size: int, below: int, held: int, k: int, rows: int) -> tuple[int, int]:
+    """(send slots, receive slots) of a ragged level of `size` peers with `below` ranks under
+    each, whose ranks hold `held` items of `k` routing slots, C = `rows` (the module docstring):
+    (held * min(S, K), min(S * held, C * below))."""
+    return held * min(size, k), min(size * held, rows * below)
+
+
 def buffer_slots(plan: DispatchPlan, level: int, held: int) -> tuple[int, int]:
-    """(send slots, receive slots) of a ragged level whose ranks hold `held` items (the module
-    docstring): (held * min(S, K), min(S * held, C * below))."""
+    """`slots` of one level of the plan."""
     size, below = plan.topology.level_sizes[level], plan.topology.level_strides[level]
-    return held * min(size, plan.k), min(size * held, plan.rows * below)
+    return slots(size, below, held, plan.k, plan.rows)
 
 
 # ----------------------------------------------------------------------------- wire rows
@@ -160,7 +166,7 @@ class RaggedLevel:
     """
 
     exchange: Callable = jax.lax.ragged_all_to_all
-    sends: ClassVar[str] = "ragged"  # what crosses the level (jax_hybridep/level_bytes.py)
+    sends: ClassVar[str] = "ragged"  # what crosses the level (jax_hybridep/level_traffic.py)
 
     def _ragged(self, plan: DispatchPlan, level: int, me, counts, operand, output):
         """operand's copies (laid out by `counts[me, :]`) into output (by `counts[:, me]`):
