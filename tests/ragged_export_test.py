@@ -14,6 +14,9 @@ respect to x and the routing weights:
   exchange of [B, H] partials back each;
 * combine's VJP: one exchange forward of the output cotangent, [Q, H] -> [B, H];
 * the routing-weight gradient: one exchange back of [B, K] float32 values.
+
+The CUDA route (backend="ffi") is lowered for `cuda` rather than exported (its own handlers'
+targets carry no compatibility guarantee either); its slower level is held to the same count.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def _topology(shape: dict[str, int], platform: str) -> hep.Topology:
     )
 
 
-def _exported(topo, config, platform, grad=True, extra_targets=()) -> str:
+def _exported(topo, config, platform, grad=True) -> str:
     mesh = AbstractMesh(
         topo.mesh_shape, topo.mesh_axes, axis_types=(AxisType.Explicit,) * len(topo.mesh_axes)
     )
@@ -69,8 +72,9 @@ def _exported(topo, config, platform, grad=True, extra_targets=()) -> str:
         jax.ShapeDtypeStruct((n, K), jnp.float32, sharding=sharding),
     )
     fn = jax.grad(loss, argnums=(0, 2)) if grad else loss
+    if config.backend == "ffi":  # the CUDA handlers' own targets: lowered, not exported
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     checks = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
-    checks += [jax.export.DisabledSafetyCheck.custom_call(t) for t in extra_targets]
     export = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)
     return export(*args).mlir_module()
 
@@ -165,11 +169,10 @@ def test_fp8_on_the_wire_sends_wire_rows_of_bytes(platform):
 def test_cuda_route_slower_levels_are_ragged():
     """backend="ffi" on node x local GPUs: the node level by ragged exchanges (the transport spans
     the GPUs of a node); the only all_to_all left is the transport's routing-weight return."""
-    from cuda_lowering_test import CUDA_TARGETS
-
     topo = _topology({"node": 2, "local": 4}, "gpu")
     cfg = hep.DispatchConfig(num_experts=16, backend="ffi")
-    text = _exported(topo, cfg, "cuda", extra_targets=sorted(CUDA_TARGETS))
+    text = _exported(topo, cfg, "cuda")
+    assert "jax_hybridep_cuda_dispatch" in text
     ragged = _ragged(text)
     assert {group for group, _ in ragged} == {2} and len(ragged) == 5
     (size, send, recv), _ = _slots(topo, T * 8 * 2)
