@@ -179,3 +179,37 @@ def test_cuda_route_slower_levels_are_ragged():
     assert ragged[0][1][:2] == [((send, H + 3 * K * 2), "ui16"), ((recv, H + 3 * K * 2), "ui16")]
     for line in re.findall(r"\"?stablehlo.all_to_all\"?.*", text):
         assert re.search(rf"tensor<[\dx]+x{K}xf32>", line) and '"local"' in line, line
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_jacobians_lower_with_the_batch_as_wider_rows(platform):
+    """`jax.jacrev` (VJPs mapped over cotangents) exports: each backward exchange carries the
+    batch of n * H cotangents as rows n * H times wider, with the dispatch's offsets (jax 0.12's
+    own batching rule of ragged_all_to_all would assert on offsets that are not batched)."""
+    topo = _topology({"ep": 4}, "gpu" if platform == "cuda" else "tpu")
+    mesh = AbstractMesh((4,), ("ep",), axis_types=(AxisType.Explicit,))
+    cfg = hep.DispatchConfig(num_experts=8, backend="xla")
+    h, n = 4, 4 * T
+
+    def layer(x, idx, w):
+        d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+        return hep.combine(d.tokens * 2, d.handle, weights=d.weights)
+
+    def f(x, idx, w):
+        return jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"))(
+            x, idx, w
+        )
+
+    sharding = NamedSharding(mesh, P("ep"))
+    args = (
+        jax.ShapeDtypeStruct((n, h), jnp.float32, sharding=sharding),
+        jax.ShapeDtypeStruct((n, K), jnp.int32, sharding=sharding),
+        jax.ShapeDtypeStruct((n, K), jnp.float32, sharding=sharding),
+    )
+    checks = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+    jac = jax.jit(jax.jacrev(f, argnums=(0, 2)))
+    text = jax.export.export(jac, platforms=[platform], disabled_checks=checks)(*args)
+    ragged = _ragged(text.mlir_module())
+    batch = n * h  # one cotangent per output element
+    widths = sorted(arrays[0][0][1] for _, arrays in ragged)
+    assert widths == sorted([h + 3 * K, batch * h, batch * h, batch * K]), widths

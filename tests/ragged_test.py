@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import make_mesh
+from harness import make_mesh, random_routing
 from jax.sharding import PartitionSpec as P
 from ragged_standin import ragged_all_to_all
+from route_kinds import ROUTES, same_bits_on
 
 import jax_hybridep as hep
 from jax_hybridep.config import make_plan
@@ -276,3 +277,36 @@ def test_wire_rows_round_trip_bit_for_bit():
         empty = wire.decode(wire.empty(2, words))
         assert (np.asarray(empty[-3]) == -1).all() and (np.asarray(empty[-2]) == -1).all()
         assert (np.asarray(empty[-1]) == 0).all() and (np.asarray(empty[0]) == 0).all()
+
+
+# ----------------------------------------------------------------------------- under jax.vmap
+
+
+@pytest.mark.parametrize(
+    "shape,axes", [((4,), ("ep",)), ((2, 2), ("node", "local"))], ids=["flat4", "node2_local2"]
+)
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+def test_jacobians_through_ragged_levels_are_the_padded_bits(shape, axes, weighted):
+    """`jax.jacrev` maps combine's and dispatch's VJPs over cotangents: the ragged levels send
+    the batch as wider rows (ragged_steps._batched_as_rows), bit for bit the padded route."""
+    mesh = make_mesh(shape, axes)
+    topo = hep.Topology.from_mesh(mesh, axes)
+    ranks, tokens, k, experts = topo.ep_size, 3, 2, 2 * topo.ep_size
+    rng = np.random.default_rng(5)
+    idx, w = random_routing(rng, ranks * tokens, k, experts, invalid_fraction=0.1)
+    x = rng.standard_normal((ranks * tokens, 4)).astype(np.float32)
+
+    def build(kind):
+        cfg = hep.DispatchConfig(num_experts=experts)
+
+        def step(x, idx, w):
+            d = ROUTES[kind].dispatch(x, idx, w, topology=topo, config=cfg)
+            y = d.tokens * 2
+            if weighted:
+                return hep.combine(y, d.handle, weights=d.weights)
+            return hep.combine(y * d.weights[:, None], d.handle)
+
+        f = jax.shard_map(step, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
+        return jax.jit(jax.jacrev(f, argnums=(0, 2)))
+
+    same_bits_on(("xla_ragged",), build, x, idx, w)

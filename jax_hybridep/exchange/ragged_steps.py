@@ -146,6 +146,38 @@ def _zeros(shape, dtype, like):
 # ----------------------------------------------------------------------------- the level
 
 
+def _batched_as_rows(exchange, axis_name, operand, output, *offsets):
+    """`exchange(operand, output, *offsets)`; under `jax.vmap` (combine's and dispatch's VJPs
+    mapped over cotangents, e.g. `jax.jacrev`) the batch of rows travels as one exchange of rows
+    `batch` times wider, with the same offsets. jax 0.12's own batching rule of
+    `ragged_all_to_all` fails on offsets that are not batched (`assert x.ndim == 2` in
+    `_ragged_all_to_all_batched_collective`), and the offsets here come from the dispatch, never
+    batched."""
+    if not (compat.is_batched(operand) or compat.is_batched(output)):
+        return exchange(operand, output, *offsets, axis_name=axis_name)
+
+    @jax.custom_batching.custom_vmap
+    def one(operand, output, *offsets):
+        return exchange(operand, output, *offsets, axis_name=axis_name)
+
+    @one.def_vmap
+    def rule(axis_size, in_batched, operand, output, *offsets):
+        if any(in_batched[2:]):
+            raise NotImplementedError("ragged levels take no offsets batched by jax.vmap")
+
+        def wide(x, batched):  # [batch, N, ...] -> [N, batch * ...]
+            x = x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)
+
+        shape = output.shape[1:] if in_batched[1] else output.shape
+        got = _batched_as_rows(
+            exchange, axis_name, wide(operand, in_batched[0]), wide(output, in_batched[1]), *offsets
+        )
+        return jnp.moveaxis(got.reshape((shape[0], axis_size) + shape[1:]), 1, 0), True
+
+    return one(operand, output, *offsets)
+
+
 def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis, dtype=jnp.int32) - x
 
@@ -171,14 +203,15 @@ class RaggedLevel:
     def _ragged(self, plan: DispatchPlan, level: int, me, counts, operand, output):
         """operand's copies (laid out by `counts[me, :]`) into output (by `counts[:, me]`):
         sender i's block for p lands on p at `sum(counts[:i, p])`."""
-        return self.exchange(
+        return _batched_as_rows(
+            self.exchange,
+            plan.topology.levels[level],
             operand,
             output,
             _exclusive_cumsum(counts[me]),
             counts[me],
             _exclusive_cumsum(counts, axis=0)[me],
             counts[:, me],
-            axis_name=plan.topology.levels[level],
         )
 
     def send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
