@@ -29,7 +29,9 @@ send, senders receive into their send layout): forward carries [M, H] rows to [B
 [B, H] partials to [M * min(S, K), H] summed per held item over the peers in ascending order in
 float32 (§2.1.4), pick [B, K] values back likewise. The items the next step holds differ from
 the padded level's only in their slots (the padded level's order with the empty slots removed),
-so rows, drops, counts, stats and every sum are the padded level's bit for bit.
+so rows, drops, counts, stats and every sum are the padded level's bit for bit. Under
+`jax.vmap` (the VJPs mapped over cotangents, `jax.jacrev`) a batch of values crosses as one
+exchange of rows that many times wider, with the same offsets.
 
 `RaggedLevel(exchange=...)` takes the collective (`jax.lax.ragged_all_to_all`'s signature): the
 op itself where XLA compiles it, and on CPU, whose XLA cannot (jaxlib 0.12.0.1: "HLO opcode
