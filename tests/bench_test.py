@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_hybridep import _native
+from jax_hybridep import _native, level_traffic
 from jax_hybridep.bench import gpu_transport, runner, workloads
 from jax_hybridep.bench import main as bench_main
 
@@ -34,6 +34,8 @@ CASE_FIELDS = (
     "received_tokens",
     "algo_bw_GBps",
     "level_bytes",
+    "level_sends",
+    "sent_bytes",
     "buffer_bytes",
     "xla_memory_bytes",
     "dropped",
@@ -245,6 +247,14 @@ def test_traffic_consistent(doc):
         hier = pick[("hybridep-ffi/hierarchical", routing, "dropless")]["level_bytes"]
         xla = pick[("hybridep-xla/flat", routing, "dropless")]["level_bytes"]
         assert flat == xla
+        # On CPU the xla route's levels are padded: (S - 1) * T slots per rank, any routing.
+        case = pick[("hybridep-xla/flat", routing, "dropless")]
+        preset, ranks = workloads.PRESETS["tiny"], 4
+        slot = level_traffic.slot_bytes(preset.hidden, preset.dtype, preset.top_k)
+        assert case["level_sends"] == {"ep": "padded"}
+        assert case["sent_bytes"] == {"ep": ranks * (ranks - 1) * preset.tokens * slot}
+        host = pick[("hybridep-ffi/flat", routing, "dropless")]
+        assert host["level_sends"] == {"ep": "copies"} and host["sent_bytes"]["ep"] == flat["ep"]
         assert flat["ep"] == flat["node"] + flat["local"]  # measured == counted from routing
         assert hier["node"] <= flat["node"]  # one copy per (token, destination node)
         assert pick[("worst_case", routing, "dropless")]["level_bytes"]["node"] >= flat["node"]

@@ -7,20 +7,23 @@ lacks the real one. On CPU that gives every step kind of jax_hybridep/exchange/r
 | kind         | layout             | levels walked                         | bottom              |
 |--------------|--------------------|---------------------------------------|---------------------|
 | `xla`        | JnpLayout          | XlaLevel x L                          | XlaRows             |
+| `xla_ragged` | JnpLayout          | RaggedLevel x L (stand-in exchange)   | XlaRows             |
 | `ffi`        | HostLayout         | none (1 level) / HostDirectLevel x L  | HostFused / HostRows|
 | `ffi_packed` | HostGatheredLayout | HostPackedLevel x L, or x (L - 1) and | HostRows            |
 |              |                    | HostDirectLevel on the fastest        |                     |
-| `gpu_twin`   | JnpLayout          | XlaLevel x (L - 1)                    | CudaBottom (twin)   |
+| `gpu_twin`   | JnpLayout          | RaggedLevel x (L - 1) (stand-in)      | CudaBottom (twin)   |
 
 `ffi_packed` is the host route as a run with one process per node sees it (every level but the
 fastest crosses processes; a single level does): the packed levels exchange through XLA
-all-to-alls, so it runs in this one process. `gpu_twin` is the GPU route with the CUDA bottom's
-exchanges issued by their pure-JAX twin (tests/transport_twin.py) and the jnp layout: everything
-else runs as on GPUs (slow levels by XLA all-to-alls, the bottom spanning the fastest level, the
-record, combine and both VJPs); the kernels themselves are held to the same §2.1 model on a GPU
-(tests/cuda_transport_test.py) and on the CPU under the host executor
-(tests/host_executor_transport_test.py). The twin keeps the CPU topology, so its routing-weight
-gradient takes the CPU's fixed summation order, as the
+all-to-alls, so it runs in this one process. `xla_ragged` is the `xla` route as GPUs and TPUs
+build it, its ragged exchanges issued by the pure-JAX stand-in of `jax.lax.ragged_all_to_all`
+(tests/ragged_standin.py; XLA:CPU cannot compile the op). `gpu_twin` is the GPU route with the
+CUDA bottom's exchanges issued by their pure-JAX twin (tests/transport_twin.py) and the jnp
+layout: everything else runs as on GPUs (slow levels by ragged exchanges, through the same
+stand-in; the bottom spanning the fastest level, the record, combine and both VJPs); the kernels
+themselves are held to the same §2.1 model on a GPU (tests/cuda_transport_test.py) and on the
+CPU under the host executor (tests/host_executor_transport_test.py). The twin keeps the CPU
+topology, so its routing-weight gradient takes the CPU's fixed summation order, as the
 reference does (on GPUs both backends take XLA's reduction there: jax_hybridep/weight_grad.py).
 A new level kind or bottom is one more entry here.
 
@@ -36,10 +39,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from ragged_standin import ragged_all_to_all
 from transport_twin import JaxExchanges
 
 import jax_hybridep as hep
-from jax_hybridep.exchange import cuda, layout_steps, routes
+from jax_hybridep.exchange import cuda, layout_steps, ragged_steps, routes
 from jax_hybridep.ops import dispatch_with_route
 
 
@@ -53,12 +57,31 @@ def _across_processes(topo: hep.Topology) -> hep.Topology:
     return dataclasses.replace(topo, single_process=False, level_local=local)
 
 
+def _standin_levels(route: routes.Route) -> routes.Route:
+    """The route with its ragged levels' exchange issued by the CPU stand-in."""
+    levels = tuple(
+        dataclasses.replace(step, exchange=ragged_all_to_all)
+        if isinstance(step, ragged_steps.RaggedLevel)
+        else step
+        for step in route.levels
+    )
+    return dataclasses.replace(route, levels=levels)
+
+
+def ragged_route(topo: hep.Topology) -> routes.Route:
+    """The `xla` backend's route on GPUs and TPUs (ragged levels), through the stand-in."""
+    route = routes.route_for("xla", dataclasses.replace(topo, platform="gpu"))
+    assert all(isinstance(step, ragged_steps.RaggedLevel) for step in route.levels)
+    return _standin_levels(route)
+
+
 def gpu_twin_route(topo: hep.Topology, exchanges=None) -> routes.Route:
-    """The GPU route, its CUDA bottom's custom calls (`exchanges`, default the pure-JAX twin) and
-    layout swapped for pure-JAX ones."""
+    """The GPU route, its CUDA bottom's custom calls (`exchanges`, default the pure-JAX twin),
+    layout and slower levels' ragged exchanges swapped for pure-JAX ones."""
     gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
     assert isinstance(gpu.bottom, cuda.CudaBottom)
     twin = cuda.CudaBottom(exchanges=exchanges or JaxExchanges())
+    gpu = _standin_levels(gpu)
     return dataclasses.replace(gpu, layout=layout_steps.JnpLayout(), bottom=twin)
 
 
@@ -107,6 +130,7 @@ ROUTES = {
         RouteKind("xla", "xla", reference=None),
         RouteKind("ffi", "ffi"),
         RouteKind("ffi_packed", "ffi", sees=_across_processes),
+        RouteKind("xla_ragged", "xla", explicit=ragged_route),
         RouteKind("gpu_twin", "ffi", explicit=gpu_twin_route),
     )
 }

@@ -13,7 +13,16 @@ from route_kinds import ROUTES, same_bits_on
 
 import jax_hybridep as hep
 from jax_hybridep import _native
-from jax_hybridep.exchange import cuda, host_fused, host_steps, layout_steps, routes, xla_steps
+from jax_hybridep.config import make_plan
+from jax_hybridep.exchange import (
+    cuda,
+    host_fused,
+    host_steps,
+    layout_steps,
+    ragged_steps,
+    routes,
+    xla_steps,
+)
 
 
 def _topology(levels, local, single_process=True, platform="cpu") -> hep.Topology:
@@ -73,9 +82,34 @@ def test_xla_route_walks_every_level_and_gpu_route_spans_the_fastest():
     xla = routes.route_for("xla", topo)
     assert _kinds(xla) == (layout_steps.JnpLayout, (xla_steps.XlaLevel,) * 3, xla_steps.XlaRows)
     gpu = routes.route_for("ffi", dataclasses.replace(topo, platform="gpu"))
-    assert _kinds(gpu) == (layout_steps.CudaLayout, (xla_steps.XlaLevel,) * 2, cuda.CudaBottom)
+    assert _kinds(gpu) == (
+        layout_steps.CudaLayout,
+        (ragged_steps.RaggedLevel,) * 2,
+        cuda.CudaBottom,
+    )
     gpu.check(topo)
     xla.check(topo)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_xla_backend_sends_real_items_where_xla_compiles_ragged_all_to_all(platform):
+    """On GPUs and TPUs the xla backend's levels are ragged (`xla_ragged`), `auto` picks it
+    where the ffi backend cannot or may not run, and on CPU the padded `xla` route stays."""
+    topo = dataclasses.replace(_topology((2, 4), (True, True)), platform=platform)
+    ragged = routes.route_for("xla", topo)
+    assert ragged.name == "xla_ragged" and ragged.backend == "xla"
+    assert _kinds(ragged) == (
+        layout_steps.JnpLayout,
+        (ragged_steps.RaggedLevel,) * 2,
+        xla_steps.XlaRows,
+    )
+    ragged.check(topo)
+    plan = make_plan(topo, hep.DispatchConfig(num_experts=16), tokens=8, k=2)
+    for backend in ("xla", "auto"):
+        cfg = hep.DispatchConfig(num_experts=16, backend=backend)
+        assert routes.select(cfg, topo, frozenset(topo.mesh_axes), plan) == ragged
+    cpu = routes.route_for("xla", dataclasses.replace(topo, platform="cpu"))
+    assert cpu.name == "xla" and _kinds(cpu)[1] == (xla_steps.XlaLevel,) * 2
 
 
 def test_route_must_cover_the_topology():

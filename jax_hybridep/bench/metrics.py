@@ -10,6 +10,11 @@
   for hierarchical) plus, for flat, the node/local split counted in numpy from the routing.
   Dense baselines: their whole padded buffers ((R - L) / R of each rank's buffer crosses nodes,
   (L - 1) / R stays inside); MaxText with real ragged_all_to_all: its ×top-k expanded rows.
+* Sent bytes (hybridep): what the route's levels put on the links one direction, all ranks
+  summed, as each level sends (`jax_hybridep.level_traffic`, `level_sends` per level): a padded
+  level (S - 1) * M slots per rank whatever the routing, a ragged one its real copies' slots
+  plus the counts' all-gather, slots being payload plus 12 K bytes of metadata; host levels and
+  spanning bottoms their copies' payload.
 * Fair ratios: `ratio_to_best_baseline` = the best baseline's median / this case's median (> 1 is
   faster) within the same routing, direction and capacity setting: dropless against the dropless
   baselines (worst-case buffers, MaxText worst-case factor), capacity f against GShard at the same
@@ -22,8 +27,9 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
-from jax_hybridep import traffic
+from jax_hybridep import level_traffic, traffic
 from jax_hybridep.bench import baselines
 
 
@@ -48,6 +54,8 @@ def case_row(
     level_rows,
     axes,
     recv_rows,
+    route=None,
+    topology=None,
     memory,
     err,
     compile_s,
@@ -56,9 +64,26 @@ def case_row(
     ranks, t, k = wl.ranks, wl.tokens, preset.top_k
     received = wl.received_tokens()
     per_node = ranks // nodes
+    per_rank = np.asarray(level_rows)  # [ranks, levels]
+    level_rows = per_rank.sum(0)
+    sends, sent = None, None
     if case.method == "hybridep":
         copy = traffic.copy_bytes(h, preset.dtype, case.wire_dtype)  # a copy on the wire
         level = {str(name): int(r) * copy for name, r in zip(axes, level_rows, strict=True)}
+        if route is not None:
+            sends = level_traffic.route_sends(route)
+            counted = level_traffic.sent_bytes(
+                topology,
+                sends,
+                per_rank,
+                tokens=t,
+                hidden=h,
+                dtype=preset.dtype,
+                k=k,
+                rows=recv_rows,
+                wire_dtype=case.wire_dtype,
+            )
+            sent = {str(n): int(v) for n, v in zip(axes, counted.sum(0), strict=True)}
         if case.topology == "flat":
             level.update({n: c * copy for n, c in wl.flat_copies(nodes).items()})
         buf_rows = recv_rows
@@ -103,6 +128,8 @@ def case_row(
         "received_tokens": received,
         "algo_bw_GBps": passes(direction) * received * h * b / median / 1e9,
         "level_bytes": level,
+        "level_sends": None if sends is None else dict(zip(map(str, axes), sends, strict=True)),
+        "sent_bytes": sent,
         "buffer_bytes": int(buf_rows) * h * b,
         "xla_memory_bytes": memory,
         "dropped": int(dropped),

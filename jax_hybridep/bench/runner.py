@@ -173,6 +173,7 @@ def _shard_fn(case: Case, mesh, axes, experts: int):
     ranks = mesh.devices.size
     if case.method == "hybridep":
         topo = hep.Topology.from_mesh(mesh, levels=axes)
+        traced = {}  # the route the dispatch took, set while tracing (level_traffic counts by it)
 
         def fn(x, idx, w):
             budget = None if case.budget is None else case.budget.rows(*idx.shape)
@@ -185,12 +186,14 @@ def _shard_fn(case: Case, mesh, axes, experts: int):
                 wire_dtype=case.wire_dtype,
             )
             d = hep.dispatch(x, idx, w, topology=topo, config=cfg)
+            traced["route"] = d.handle.route
             rows = d.tokens
             if case.variant == "barrier":
                 rows = jax.lax.optimization_barrier(rows)
             out = hep.combine(rows, d.handle, weights=d.weights)
             return out, d.stats.dropped, d.stats.level_rows, d.tokens
 
+        fn.traced = traced
         return fn
     base = baselines.make(
         case.method, axes, ranks, experts, case.capacity_factor, case.backend == "ragged"
@@ -355,8 +358,10 @@ def run(
                         median=median,
                         times=times,
                         dropped=dropped_rows,
-                        level_rows=np.asarray(level_rows).sum(0),
+                        level_rows=np.asarray(level_rows),
                         axes=axes,
+                        route=getattr(fn, "traced", {}).get("route"),
+                        topology=hep.Topology.from_mesh(mesh, levels=axes),
                         recv_rows=recv,
                         memory=memory_bytes(compiled),
                         err=err,

@@ -117,13 +117,32 @@ def make_inputs(preset: Preset, ranks: int, routing: str, seed: int = 0) -> Benc
         weights /= weights.sum(-1, keepdims=True)
     elif routing == "deepseek":
         idx, weights = _deepseek(logits, experts, k, ranks)
-    else:  # skewed: expert 0 is hot (~half the tokens), experts 1-3 warm
-        bias = np.zeros(experts, np.float32)
-        bias[0], bias[1:4] = 2.5, 1.0
-        idx = _distinct_topk(logits + bias, k)
+    else:
+        idx = _distinct_topk(logits + _skew(experts), k)
         weights = np.exp(np.take_along_axis(logits, idx, -1))
         weights = (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
     return BenchInputs(routing, x, idx, weights, ct, ranks, experts)
+
+
+def _skew(experts: int) -> np.ndarray:
+    """The skewed routing's logit bias: expert 0 is hot (~half the tokens), experts 1-3 warm."""
+    bias = np.zeros(experts, np.float32)
+    bias[0], bias[1:4] = 2.5, 1.0
+    return bias
+
+
+def topk_ids(routing: str, logits: np.ndarray, top_k: int, groups: int) -> np.ndarray:
+    """[n, top_k] int32: the expert ids `make_inputs` routes router logits [n, E] to (no
+    payload drawn: what the traffic accounting needs at sizes whose tokens would not fit);
+    `groups`: DeepSeek routing's expert groups (`make_inputs`: one per EP rank)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    experts = logits.shape[1]
+    if routing == "uniform":
+        return _distinct_topk(logits, top_k)
+    if routing == "deepseek":
+        return _deepseek(logits, experts, top_k, groups)[0]
+    return _distinct_topk(logits + _skew(experts), top_k)
 
 
 def _deepseek(logits, experts, k, ranks):

@@ -11,6 +11,7 @@ also fuses combine's VJP (the routing-weight dot in weight_grad's order, the row
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,8 @@ class _HostLevel:
 class HostDirectLevel(_HostLevel):
     """A level whose ranks share this process: item copies written straight into the peers."""
 
+    sends: ClassVar[str] = "copies"  # what crosses the level (jax_hybridep/level_traffic.py)
+
     def _send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
         coord, level_group = level_peer(plan, level, shard)
         *nxt, send_slot = call(
@@ -152,6 +155,8 @@ class HostDirectLevel(_HostLevel):
 @dataclasses.dataclass(frozen=True)
 class HostPackedLevel(_HostLevel):
     """A level that crosses processes: packed by a handler around an XLA all-to-all."""
+
+    sends: ClassVar[str] = "padded"  # what crosses the level (jax_hybridep/level_traffic.py)
 
     def _send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
         *packed, send_slot = call(

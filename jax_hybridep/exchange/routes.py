@@ -9,10 +9,11 @@ first implementation of the requested backend that serves the topology, if the p
 
 | name          | backend | serves            | layout         | levels walked       | bottom     |
 |---------------|---------|-------------------|----------------|---------------------|------------|
-| `xla`         | `xla`   | any               | JnpLayout      | XlaLevel x L        | XlaRows    |
+| `xla_ragged`  | `xla`   | GPU, TPU          | JnpLayout      | RaggedLevel x L     | XlaRows    |
+| `xla`         | `xla`   | any other         | JnpLayout      | XlaLevel x L        | XlaRows    |
 | `host_fused`  | `ffi`   | CPU, one local lvl| HostLayout     | none                | HostFused  |
 | `host_walked` | `ffi`   | CPU, otherwise    | Host(Gathered) | HostDirect/Packed xL| HostRows   |
-| `cuda`        | `ffi`   | GPU               | CudaLayout     | XlaLevel x (L - 1)  | CudaBottom |
+| `cuda`        | `ffi`   | GPU               | CudaLayout     | RaggedLevel x (L-1) | CudaBottom |
 
 (Host layouts gather through the rendezvous when the EP group is in this process, through XLA
 otherwise; a host level is direct-write when its ranks share the process, packed otherwise.)
@@ -30,7 +31,14 @@ import os
 from collections.abc import Callable
 
 from jax_hybridep.config import BACKEND_ENV, BACKENDS, DispatchConfig, DispatchPlan
-from jax_hybridep.exchange import cuda, host_fused, host_steps, layout_steps, xla_steps
+from jax_hybridep.exchange import (
+    cuda,
+    host_fused,
+    host_steps,
+    layout_steps,
+    ragged_steps,
+    xla_steps,
+)
 from jax_hybridep.exchange.steps import Bottom, LayoutStep, LevelStep
 from jax_hybridep.exchange.wire import Carrier, WireForm
 from jax_hybridep.topology import Topology
@@ -111,6 +119,11 @@ def _xla(topology: Topology) -> Steps:
     return Steps(layout_steps.JnpLayout(), levels, xla_steps.XlaRows(), Carrier.SPLIT)
 
 
+def _xla_ragged(topology: Topology) -> Steps:
+    levels = (ragged_steps.RaggedLevel(),) * len(topology.levels)
+    return Steps(layout_steps.JnpLayout(), levels, xla_steps.XlaRows(), Carrier.SPLIT)
+
+
 def _host_layout(topology: Topology) -> LayoutStep:
     if topology.single_process:
         return layout_steps.HostLayout()
@@ -134,11 +147,14 @@ def _host_walked(topology: Topology) -> Steps:
 
 
 def _cuda(topology: Topology) -> Steps:
-    slow = (xla_steps.XlaLevel(),) * (len(topology.levels) - 1)
+    slow = (ragged_steps.RaggedLevel(),) * (len(topology.levels) - 1)
     return Steps(layout_steps.CudaLayout(), slow, cuda.CudaBottom(), Carrier.SEND_QUANTISES)
 
 
 IMPLEMENTATIONS: tuple[Implementation, ...] = (
+    # Where XLA compiles ragged_all_to_all (GPU, TPU) the xla backend sends real items only; the
+    # padded `xla` entry serves everything else (XLA:CPU cannot compile the op).
+    Implementation("xla_ragged", "xla", ragged_steps.compiles_ragged, _xla_ragged),
     Implementation("xla", "xla", lambda t: True, _xla),
     Implementation("host_fused", "ffi", _host_fused_serves, _host_fused),
     Implementation("host_walked", "ffi", lambda t: t.platform == "cpu", _host_walked),

@@ -113,6 +113,8 @@ class LayoutStep(Protocol):
 class LevelStep(Protocol):
     """One kind of level: how items cross it, and how combine's values come back over it."""
 
+    sends: str  # how it crosses: "padded", "ragged" or "copies" (jax_hybridep/level_traffic.py)
+
     def send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
         """(the items held after the level, its LevelRecord)."""
 

@@ -11,6 +11,7 @@ handlers can match it bitwise.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,8 @@ class XlaLevelRecord(LevelRecord):
 class XlaLevel:
     """A level crossed by jnp packing and `jax.lax.all_to_all` (NCCL on GPUs, gloo or in-process
     copies on CPU)."""
+
+    sends: ClassVar[str] = "padded"  # what crosses the level (jax_hybridep/level_traffic.py)
 
     def send(self, plan: DispatchPlan, level: int, shard: Shard, held: Items):
         k = plan.k
