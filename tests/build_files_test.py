@@ -1,7 +1,8 @@
 """BUILD (Bazel, for monorepo users) must keep mirroring CMakeLists.txt (the authoritative build).
 
-Both files are read as text: every quoted or unquoted path under xla_ffi/ with a native-source
-suffix counts, comments do not. Bazel glob() patterns are expanded against the tree. The slow test
+Both files are read as text: every quoted or unquoted path under xla_ffi/ (the product) or lab/
+(the laboratory: the test module's hooks, the host executor) with a native-source suffix counts,
+comments do not. Bazel glob() patterns are expanded against the tree. The slow test
 at the bottom builds BUILD's host targets with a real (offline) Bazel, when one is installed.
 """
 
@@ -20,14 +21,15 @@ import tokenize
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-NATIVE_DIR = "xla_ffi"
+NATIVE_DIRS = ("xla_ffi", "lab")
 SOURCE_SUFFIXES = (".cc", ".cpp", ".cu")
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh")
 
-# A path (or glob pattern) under xla_ffi/, possibly behind a prefix such as
+# A path (or glob pattern) under xla_ffi/ or lab/, possibly behind a prefix such as
 # ${CMAKE_CURRENT_SOURCE_DIR}/ or ./, ending in a native suffix and not followed by more path.
 _PATH_RE = re.compile(
-    r"(?<![\w.*/-])(?:[\w${}.-]+/)*?(?P<path>xla_ffi/[\w.*/-]*?\.(?:cc|cpp|cu|h|hpp|cuh))(?![\w.-])"
+    r"(?<![\w.*/-])(?:[\w${}.-]+/)*?"
+    r"(?P<path>(?:xla_ffi|lab)/[\w.*/-]*?\.(?:cc|cpp|cu|h|hpp|cuh))(?![\w.-])"
 )
 
 
@@ -76,7 +78,12 @@ def _split(paths: set[str]) -> tuple[set[str], set[str]]:
 
 
 def _on_disk() -> tuple[set[str], set[str]]:
-    files = {p.relative_to(REPO).as_posix() for p in (REPO / NATIVE_DIR).rglob("*") if p.is_file()}
+    files = {
+        p.relative_to(REPO).as_posix()
+        for top in NATIVE_DIRS
+        for p in (REPO / top).rglob("*")
+        if p.is_file()
+    }
     return _split(files)
 
 
@@ -138,7 +145,7 @@ def test_every_native_source_is_built_by_both():
         src, _ = _split(paths)
         if disk_src - src:
             problems.append(
-                f"under {NATIVE_DIR}/ but not in {name}:\n"
+                f"under {'/ or '.join(NATIVE_DIRS)}/ but not in {name}:\n"
                 + "\n".join(f"    {p}" for p in sorted(disk_src - src))
             )
     assert not problems, "\n".join(problems)
@@ -150,7 +157,7 @@ def test_build_names_the_same_headers():
     if cmake_hdr:  # CMake lists headers: mirror that list
         expected = ("CMakeLists.txt", cmake_hdr)
     else:  # it does not: Bazel must declare every header in the tree (sandboxing needs them)
-        expected = (f"{NATIVE_DIR}/ on disk", _on_disk()[1])
+        expected = (f"{'/ and '.join(NATIVE_DIRS)}/ on disk", _on_disk()[1])
     assert bazel_hdr == expected[1], _diff_report("headers", expected, ("BUILD", bazel_hdr))
 
 

@@ -7,7 +7,7 @@
 #include <sstream>
 #include <utility>
 
-#include "xla_ffi/cuda/host/scheduler.h"
+#include "lab/host_executor/scheduler.h"
 
 namespace jax_hybridep::host {
 

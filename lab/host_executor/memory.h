@@ -3,8 +3,8 @@
 // red zone on each side and a shadow per byte: the last write and read (agent, event, source
 // address), whether they were relaxed atomics, and the bulk copy in flight into it. Anything
 // else a kernel touches (its stack, its parameters) is not tracked.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_MEMORY_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_MEMORY_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_MEMORY_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_MEMORY_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -79,4 +79,4 @@ class Memory {
 
 }  // namespace jax_hybridep::host
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_MEMORY_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_MEMORY_H_

@@ -1,8 +1,8 @@
 // The host executor's state and scheduler (executor.h), shared by its parts: the scheduler and
 // reports (executor.cc), the device primitives (primitives.cc) and the CUDA runtime API
 // (runtime_api.cc). Not for kernel code.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_SCHEDULER_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_SCHEDULER_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_SCHEDULER_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_SCHEDULER_H_
 
 #include <cstdint>
 #include <deque>
@@ -13,7 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "xla_ffi/cuda/host/executor.h"
+#include "lab/host_executor/executor.h"
 
 namespace jax_hybridep::host {
 
@@ -174,4 +174,4 @@ std::string KernelName(const void* kernel);
 
 }  // namespace jax_hybridep::host
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_SCHEDULER_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_SCHEDULER_H_

@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "xla_ffi/cuda/host/scheduler.h"
+#include "lab/host_executor/scheduler.h"
 
 namespace hx = jax_hybridep::host;
 

@@ -5,11 +5,11 @@
 #include <cstdint>
 #include <string>
 
+#include "lab/host_executor/executor.h"
+#include "lab/host_executor/probes.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "xla_ffi/cuda/host/executor.h"
-#include "xla_ffi/cuda/host/probes.h"
 #include "xla_ffi/cuda/testing/hooks.h"
 
 #ifndef JAX_HYBRIDEP_HOST_MODULE
@@ -62,7 +62,7 @@ NB_MODULE(JAX_HYBRIDEP_HOST_MODULE, m) {
         "run leaves them), its device and host memory, its streams; the settings stay. A pytest "
         "process goes on compiling XLA programs, which need the mappings and memory back.");
   m.def("run_probe", &hx::RunProbe, nb::arg("name"), nb::arg("arg") = 0,
-        "Runs a probe kernel (xla_ffi/cuda/host/probes.cu) and returns its outputs.");
+        "Runs a probe kernel (lab/host_executor/probes.cu) and returns its outputs.");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

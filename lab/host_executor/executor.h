@@ -9,8 +9,8 @@
 // vector clocks built from the primitives' happens-before (clock.h), shadow memory per byte
 // (memory.h). What goes wrong is a report: a data race, a deadlock, a misused primitive, an
 // out-of-bounds access, each naming the kernel, the thread and the source line.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_EXECUTOR_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_EXECUTOR_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_EXECUTOR_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_EXECUTOR_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -23,11 +23,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "xla_ffi/cuda/host/clock.h"
-#include "xla_ffi/cuda/host/cuda.h"
-#include "xla_ffi/cuda/host/fiber.h"
-#include "xla_ffi/cuda/host/memory.h"
-#include "xla_ffi/cuda/host/ptx.h"
+#include "lab/host_executor/clock.h"
+#include "lab/host_executor/cuda.h"
+#include "lab/host_executor/fiber.h"
+#include "lab/host_executor/memory.h"
+#include "lab/host_executor/ptx.h"
 
 struct HostStream;
 
@@ -275,4 +275,4 @@ struct HostStream {
   jax_hybridep::host::ClockRef base;  // everything completed on this stream so far
 };
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_EXECUTOR_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_EXECUTOR_H_

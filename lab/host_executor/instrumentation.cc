@@ -5,7 +5,7 @@
 // do nothing. The runtime itself is built without instrumentation.
 #include <cstddef>
 
-#include "xla_ffi/cuda/host/scheduler.h"
+#include "lab/host_executor/scheduler.h"
 
 namespace hx = jax_hybridep::host;
 

@@ -5,8 +5,8 @@
 // sparse (sorted (id, event) pairs), immutable once built and shared: after a __syncthreads the
 // 256 threads of a block hold one clock. Ids are issued afresh after every point where all
 // virtual GPUs are idle (everything before it happens before everything after).
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_CLOCK_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_CLOCK_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CLOCK_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CLOCK_H_
 
 #include <cstdint>
 #include <memory>
@@ -36,4 +36,4 @@ ClockRef JoinAll(const std::vector<ClockRef>& clocks, std::vector<ClockEntry> ex
 
 }  // namespace jax_hybridep::host
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_CLOCK_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CLOCK_H_

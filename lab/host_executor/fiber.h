@@ -1,8 +1,8 @@
 // Fibers: the host executor runs every CUDA thread as a fiber on one OS thread and switches
 // between them only where a thread synchronises, waits or polls, so a run is a pure function of
 // its seed. A fiber's stack has a guard page below it (an overflow faults, never corrupts).
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_FIBER_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_FIBER_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_FIBER_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_FIBER_H_
 
 #include <cstddef>
 #include <vector>
@@ -43,4 +43,4 @@ class Fiber {
 
 }  // namespace jax_hybridep::host
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_FIBER_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_FIBER_H_

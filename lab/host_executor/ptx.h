@@ -2,8 +2,8 @@
 // them (docs/host_executor.md): mbarriers with phases and transaction counts, the bulk-copy
 // engine, system-scope acquire/release flags, proxy fences, %globaltimer, and shared memory from
 // the block's bounds-checked arena.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_PTX_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_PTX_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PTX_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PTX_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -35,4 +35,4 @@ void* DynamicShared(size_t align);
 
 }  // namespace jax_hybridep::host
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_PTX_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PTX_H_

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "lab/host_executor/probes.h"
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/ptx.cuh"
-#include "xla_ffi/cuda/host/probes.h"
 
 namespace jax_hybridep::host {
 namespace {

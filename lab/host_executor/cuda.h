@@ -6,12 +6,12 @@
 //
 // Only what the kernels use is here: a kernel that starts using something else fails to compile
 // for the host until the executor models it.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_CUDA_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_CUDA_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CUDA_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CUDA_H_
 
 #ifndef JAX_HYBRIDEP_HOST_EXECUTOR
 #error \
-    "xla_ffi/cuda/host/cuda.h is the host executor's CUDA: build with -DJAX_HYBRIDEP_HOST_EXECUTOR"
+    "lab/host_executor/cuda.h is the host executor's CUDA: build with -DJAX_HYBRIDEP_HOST_EXECUTOR"
 #endif
 
 #include <cmath>
@@ -313,4 +313,4 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attrs, T* kernel) {
   return ::jax_hybridep::host::GetFuncAttributes(attrs, reinterpret_cast<const void*>(kernel));
 }
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_CUDA_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CUDA_H_

@@ -1,6 +1,6 @@
 // The host executor's probe kernels (probes.cu), run by name on the configured executor.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_PROBES_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_PROBES_H_
+#ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PROBES_H_
+#define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PROBES_H_
 
 #include <cstdint>
 #include <string>
@@ -13,4 +13,4 @@ std::vector<int64_t> RunProbe(const std::string& name, int64_t arg);
 
 }  // namespace jax_hybridep::host
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_HOST_PROBES_H_
+#endif  // JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PROBES_H_

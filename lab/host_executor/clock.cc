@@ -1,5 +1,5 @@
 // Vector clocks (clock.h).
-#include "xla_ffi/cuda/host/clock.h"
+#include "lab/host_executor/clock.h"
 
 #include <algorithm>
 #include <utility>

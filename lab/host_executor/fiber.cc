@@ -1,7 +1,7 @@
 // Fibers (fiber.h): a minimal callee-saved register switch on x86-64 (glibc's swapcontext makes
 // a signal-mask system call per switch, and a run switches millions of times), ucontext
 // elsewhere.
-#include "xla_ffi/cuda/host/fiber.h"
+#include "lab/host_executor/fiber.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "xla_ffi/cuda/host/scheduler.h"
+#include "lab/host_executor/scheduler.h"
 
 namespace jax_hybridep::host {
 namespace {

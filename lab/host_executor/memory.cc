@@ -1,5 +1,5 @@
 // The host executor's memory (memory.h).
-#include "xla_ffi/cuda/host/memory.h"
+#include "lab/host_executor/memory.h"
 
 #include <cstdlib>
 #include <cstring>

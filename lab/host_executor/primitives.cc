@@ -8,7 +8,7 @@
 #include <sstream>
 #include <string>
 
-#include "xla_ffi/cuda/host/scheduler.h"
+#include "lab/host_executor/scheduler.h"
 
 namespace jax_hybridep::host {
 namespace {
