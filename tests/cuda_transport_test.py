@@ -29,9 +29,10 @@ from transport_helpers import (
 )
 from transport_helpers import bits as _bits
 
-from jax_hybridep import _native, fp8
+from jax_hybridep import fp8
+from lab import native_module
 
-native = _native.testing_module()
+native = native_module.testing_module()
 
 
 def _run(rounds: list[Round], weighted: bool, send_blocks: int, **kw) -> dict:

@@ -1,5 +1,5 @@
 """The CUDA transport's steps without a GPU: the numpy twins (tests/transport_twin.py) against the
-host references the kernels mirror (xla_ffi/cuda/testing/reference.cc) and against the §2.1
+host references the kernels mirror (lab/native/cuda/reference.cc) and against the §2.1
 model, bit for bit (docs/design.md §2.1, §5).
 
 The references run on any machine with a CUDA build (`cuda_build`); the kernels themselves are
@@ -28,9 +28,10 @@ from transport_twin import (
     numpy_unpermute,
 )
 
-from jax_hybridep import _native, fp8
+from jax_hybridep import fp8
+from lab import native_module
 
-native = _native.testing_module()
+native = native_module.testing_module()
 
 pytestmark = pytest.mark.usefixtures("cuda_build")
 

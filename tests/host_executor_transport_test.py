@@ -2,7 +2,7 @@
 the §2.1 model (docs/design.md §2.1, tests/transport_helpers.py), with the executor's race,
 deadlock and misuse detectors watching every access (docs/host_executor.md).
 
-The harness is the GPU's (xla_ffi/cuda/testing/harness.cc): slot map, dispatch, combine and
+The harness is the GPU's (lab/native/cuda/harness.cc): slot map, dispatch, combine and
 redispatch per round, here with rank r on virtual GPU r, its own stream, and the host waiting
 only at the end, so every rank's exchanges overlap its peers'. Each configuration runs under a
 fixed seed and one that changes daily (tests/host_executor_helpers.py `seeds`); the many-seed

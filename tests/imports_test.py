@@ -22,7 +22,6 @@ ROOT = os.path.join(REPO, "jax_hybridep")
 PACKAGE = "jax_hybridep"
 NATIVE = (  # compiled extension modules (built elsewhere; no imports)
     "jax_hybridep._hybridep",
-    "jax_hybridep._hybridep_testing",
 )
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from transport_helpers import EXCHANGE_ROUTINGS, Round, got_bits, stacked_inputs
 
-from jax_hybridep import _native
+from lab import native_module
 
-native = _native.testing_module()
+native = native_module.testing_module()
 
 
 def reference_rounds(rounds: list[Round], weighted: bool) -> list[dict]:

@@ -5,7 +5,7 @@
 // between processes and the release of the windows at exit). The CUDA handlers come with their
 // state type (the per-site state each executable owns, xla_ffi/cuda/state/site_state.h).
 // Self-tests, the virtual-rank harness, benchmark hooks and introspection live in the test module
-// built beside it (xla_ffi/testing/module.cc); both run on the one runtime library.
+// built beside it (lab/native/module.cc); both run on the one runtime library.
 #include <cstdint>
 #include <exception>
 #include <string>

@@ -1,16 +1,16 @@
 // The host executor's Python module (docs/host_executor.md), built on demand by the tests from
 // the kernel sources in the working tree (tests/host_executor_helpers.py): the executor's
 // settings and counters, its probe kernels, and the transport's hooks and virtual-rank harness
-// (xla_ffi/cuda/testing/, the same sources a GPU build compiles) on its virtual GPUs.
+// (lab/native/cuda/, the same sources a GPU build compiles) on its virtual GPUs.
 #include <cstdint>
 #include <string>
 
 #include "lab/host_executor/executor.h"
 #include "lab/host_executor/probes.h"
+#include "lab/native/cuda/hooks.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "xla_ffi/cuda/testing/hooks.h"
 
 #ifndef JAX_HYBRIDEP_HOST_MODULE
 #define JAX_HYBRIDEP_HOST_MODULE _hybridep_host_executor

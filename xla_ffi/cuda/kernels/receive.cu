@@ -3,8 +3,9 @@
 // the local unpermute of combine (each received item's rows summed in ascending k), and the
 // reduce of the partials that came back. A warp takes a slot (or item) at a time; lanes move 16
 // bytes per access (one STG.128 per lane and row), and rows nobody fills are the only ones
-// zeroed. Sums are __fadd_rn / __fmul_rn in the host reference's order (testing/reference.cc),
-// 16-bit values go through numeric.h's conversions, FP8 wire rows through fp8.h's.
+// zeroed. Sums are __fadd_rn / __fmul_rn in the host reference's order
+// (lab/native/cuda/reference.cc), 16-bit values go through numeric.h's conversions, FP8 wire rows
+// through fp8.h's.
 #include <cuda_runtime.h>
 
 #include <algorithm>

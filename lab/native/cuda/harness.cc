@@ -20,14 +20,14 @@
 #include <utility>
 #include <vector>
 
+#include "lab/native/cuda/hook_support.h"
+#include "lab/native/cuda/hooks.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/cuda/testing/hook_support.h"
-#include "xla_ffi/cuda/testing/hooks.h"
 #include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {

@@ -1,7 +1,7 @@
 // Shared by the test module's hooks: host numpy arrays in and out, and argument checks that raise
 // ValueError naming the argument. Host-only (no CUDA).
-#ifndef JAX_HYBRIDEP_XLA_FFI_TESTING_ARRAY_HOOKS_H_
-#define JAX_HYBRIDEP_XLA_FFI_TESTING_ARRAY_HOOKS_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_ARRAY_HOOKS_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_ARRAY_HOOKS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -58,4 +58,4 @@ inline Dtype ParseDtype(const std::string& name) {
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_TESTING_ARRAY_HOOKS_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_ARRAY_HOOKS_H_

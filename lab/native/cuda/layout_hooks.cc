@@ -2,7 +2,7 @@
 // marked `gpu`: cuda_selftest_layout runs them on host inputs (or, with reference=True, the host
 // kernels of the same name), and cuda_device_count. Inputs are validated first: a bad row index
 // would make the CUDA kernels fault. Plain C++ against the CUDA runtime API.
-#include "xla_ffi/cuda/testing/layout_hooks.h"
+#include "lab/native/cuda/layout_hooks.h"
 
 #include <cuda_runtime_api.h>
 
@@ -19,12 +19,12 @@
 #include <utility>
 #include <vector>
 
+#include "lab/native/cuda/hook_support.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cuda/kernels/row_layout.h"
-#include "xla_ffi/cuda/testing/hook_support.h"
 #include "xla_ffi/exchange.h"
 #include "xla_ffi/layout.h"
 #include "xla_ffi/numeric.h"

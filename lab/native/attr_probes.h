@@ -1,6 +1,6 @@
 // CPU handlers decoding the CUDA handlers' attribute structs, for tests (attr_probes.cc).
-#ifndef JAX_HYBRIDEP_XLA_FFI_TESTING_ATTR_PROBES_H_
-#define JAX_HYBRIDEP_XLA_FFI_TESTING_ATTR_PROBES_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_ATTR_PROBES_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_ATTR_PROBES_H_
 
 #include <vector>
 
@@ -13,4 +13,4 @@ std::vector<HandlerEntry> AttrProbeHandlers();
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_TESTING_ATTR_PROBES_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_ATTR_PROBES_H_

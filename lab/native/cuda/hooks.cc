@@ -2,7 +2,7 @@
 // row steps, which the numpy twin (tests/transport_twin.py) is checked against bit for bit; and
 // the slot-map kernels on a GPU (or the host executor) against the same reference. Inputs are
 // validated first: a bad index would make the reference write out of bounds.
-#include "xla_ffi/cuda/testing/hooks.h"
+#include "lab/native/cuda/hooks.h"
 
 #include <cuda_runtime_api.h>
 
@@ -12,14 +12,14 @@
 #include <utility>
 #include <vector>
 
+#include "lab/native/cuda/hook_support.h"
+#include "lab/native/cuda/reference.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/cuda/testing/hook_support.h"
-#include "xla_ffi/cuda/testing/reference.h"
 #include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {

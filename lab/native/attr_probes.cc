@@ -4,7 +4,7 @@
 // side builds for each CUDA custom call, so a bundle that drifts from its struct (a member missing,
 // renamed or of another type) fails on a machine without a GPU. Each writes int32 values into
 // `out`, in the struct's member order; the layout probe appends the placement spans.
-#include "xla_ffi/testing/attr_probes.h"
+#include "lab/native/attr_probes.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -2,8 +2,8 @@
 // error) without a driver, and a self-test that runs the kernels on host inputs so pytest can
 // compare them bitwise with the host kernels and the numpy model (layout_hooks.cc). CUDA builds
 // only.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_LAYOUT_HOOKS_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_LAYOUT_HOOKS_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_CUDA_LAYOUT_HOOKS_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_CUDA_LAYOUT_HOOKS_H_
 
 #include "nanobind/nanobind.h"
 
@@ -14,4 +14,4 @@ void RegisterLayoutHooks(nanobind::module_& m);
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_LAYOUT_HOOKS_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_CUDA_LAYOUT_HOOKS_H_

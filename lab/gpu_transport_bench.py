@@ -1,13 +1,14 @@
-"""`python -m jax_hybridep.bench.gpu_transport`: the CUDA transport of one rank alone, per SM.
+"""`python -m lab.gpu_transport_bench`: the CUDA transport of one rank alone, per SM.
 
 One rank sends to its own registered window, so every byte goes through HBM: this measures the
 kernels' rate (what could fill an NVLink direction) without peers. Per SM count (blocks of the
 send kernels): the send, FP8 send and combine's send back, and the wide permute, unpermute and
 reduce (every SM), against a device-to-device copy measured in the same run, in payload bandwidth
 as Hybrid-EP defines it (received unique tokens x H x bytes / time, self traffic included); the
-rows are checked against the host references first. `--copy_ceiling`: C_sm instead, what 1 and 8
+rows are checked against the references first. `--copy_ceiling`: C_sm instead, what 1 and 8
 SMs copy by 16-byte LSU accesses and by the bulk-copy engine (the per-SM ceiling the send is built
-on). Needs a GPU and a CUDA build.
+on). Needs a GPU and a CUDA build with the test module (its hooks time the kernels:
+lab/native/cuda/bench_hooks.cc); run from the repository root.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import platform
 import shutil
 import subprocess
 
-from jax_hybridep import _native
 from jax_hybridep.bench import cli, report
+from lab import native_module
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -50,7 +51,7 @@ def measure(
 ) -> dict:
     """Runs the transport's hook (or derives from `raw`, its result) into GB/s (1e9 bytes/s)."""
     if raw is None:
-        raw = _native.testing_module().cuda_bench_transport(
+        raw = native_module.testing_module().cuda_bench_transport(
             dtype, tokens, hidden, k, experts, list(sms), iters=iters, warmup=warmup
         )
     payload = tokens * hidden * DTYPE_BYTES[dtype]  # unique tokens received (all local here)
@@ -139,7 +140,7 @@ def table(result: dict) -> str:
 def measure_copy_ceiling(copy_bytes=1 << 28, blocks=(1, 8), iters=10, warmup=2, raw=None):
     """C_sm: GB/s (payload copied, and read + write) per block count, LSU and bulk copies."""
     if raw is None:
-        raw = _native.testing_module().cuda_bench_copy_ceiling(
+        raw = native_module.testing_module().cuda_bench_copy_ceiling(
             copy_bytes, list(blocks), iters=iters, warmup=warmup
         )
     rows = []

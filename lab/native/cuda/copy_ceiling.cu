@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
+#include "lab/native/cuda/copy_ceiling.h"
 #include "xla_ffi/cuda/device/bulk.cuh"
-#include "xla_ffi/cuda/testing/copy_ceiling.h"
 
 namespace jax_hybridep {
 namespace {

@@ -1,5 +1,5 @@
 // The transport's rounds by the host kernels (transport_reference.h).
-#include "xla_ffi/testing/transport_reference.h"
+#include "lab/native/transport_reference.h"
 
 #include <cstdint>
 #include <optional>

@@ -1,8 +1,8 @@
 // Host references of the transport's row steps (kernels/transport.h), element for element in the
 // kernels' order, so tests compare the CUDA kernels and the numpy twin
 // (tests/transport_twin.py) with them bit for bit. Plain C++ (reference.cc).
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_REFERENCE_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_REFERENCE_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_CUDA_REFERENCE_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_CUDA_REFERENCE_H_
 
 #include <cstdint>
 
@@ -31,4 +31,4 @@ void ReduceHost(const SlotMapShape& shape, Dtype dtype, int64_t hidden, const ch
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_REFERENCE_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_CUDA_REFERENCE_H_

@@ -1,7 +1,7 @@
 // The copy-ceiling kernels of the GPU checks (copy_ceiling.cu): what one SM moves by 16-byte LSU
 // loads and stores against the bulk-copy engine, measured beside the transport in one lease.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_COPY_CEILING_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_COPY_CEILING_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_CUDA_COPY_CEILING_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_CUDA_COPY_CEILING_H_
 
 #include <cuda_runtime_api.h>
 
@@ -17,4 +17,4 @@ cudaError_t LaunchCopyCeiling(CopyPath path, const char* src, char* dst, int64_t
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_COPY_CEILING_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_CUDA_COPY_CEILING_H_

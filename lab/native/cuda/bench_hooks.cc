@@ -18,14 +18,14 @@
 #include <string>
 #include <vector>
 
+#include "lab/native/cuda/copy_ceiling.h"
+#include "lab/native/cuda/hook_support.h"
+#include "lab/native/cuda/hooks.h"
+#include "lab/native/cuda/reference.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/cuda/testing/copy_ceiling.h"
-#include "xla_ffi/cuda/testing/hook_support.h"
-#include "xla_ffi/cuda/testing/hooks.h"
-#include "xla_ffi/cuda/testing/reference.h"
 #include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {

@@ -1,6 +1,6 @@
 // Hooks on the host code for tests (host_hooks.h): values go in and out as raw little-endian
 // bytes, so tests compare them with numpy's and jax_hybridep.fp8's bit for bit.
-#include "xla_ffi/testing/host_hooks.h"
+#include "lab/native/host_hooks.h"
 
 #include <cstdint>
 #include <string>

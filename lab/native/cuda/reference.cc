@@ -1,7 +1,7 @@
 // Host references of the transport's slot map and row steps (kernels/slot_map.h, reference.h): the
 // specification the CUDA kernels and the numpy twin are checked against, written as plainly as
 // the steps allow.
-#include "xla_ffi/cuda/testing/reference.h"
+#include "lab/native/cuda/reference.h"
 
 #include <algorithm>
 #include <cstring>

@@ -2,8 +2,8 @@
 // (_hybridep_testing) and the host executor's module: host references (any machine with a CUDA
 // build), the slot-map kernels and the virtual-rank harness (a GPU or the executor), and the
 // benches of the GPU checks (scripts/gpu_check.sh).
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_HOOKS_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_HOOKS_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOKS_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOKS_H_
 
 #include "nanobind/nanobind.h"
 
@@ -18,4 +18,4 @@ void RegisterTransportBench(nanobind::module_& m);
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_HOOKS_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOKS_H_

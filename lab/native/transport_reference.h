@@ -2,15 +2,15 @@
 // of dispatch, combine, redispatch (scaled) and row values over R ranks), and their results by the
 // host kernels the host handlers run (exchange.h's pull transport): the reference the numpy model
 // of docs/design.md §2.1 is checked against, so a GPU run only has the CUDA kernels left to test.
-#ifndef JAX_HYBRIDEP_XLA_FFI_TESTING_TRANSPORT_REFERENCE_H_
-#define JAX_HYBRIDEP_XLA_FFI_TESTING_TRANSPORT_REFERENCE_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_TRANSPORT_REFERENCE_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_TRANSPORT_REFERENCE_H_
 
 #include <cstdint>
 #include <optional>
 
+#include "lab/native/array_hooks.h"
 #include "nanobind/nanobind.h"
 #include "xla_ffi/numeric.h"
-#include "xla_ffi/testing/array_hooks.h"
 
 namespace jax_hybridep {
 
@@ -42,4 +42,4 @@ void RegisterTransportReference(nanobind::module_& m);
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_TESTING_TRANSPORT_REFERENCE_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_TRANSPORT_REFERENCE_H_

@@ -1,7 +1,7 @@
 // The test module's hooks on the host code: the numeric conversions and FP8 steps the kernels
 // use, the transport's limits, and counts of the runtime's process-wide state (host_hooks.cc).
-#ifndef JAX_HYBRIDEP_XLA_FFI_TESTING_HOST_HOOKS_H_
-#define JAX_HYBRIDEP_XLA_FFI_TESTING_HOST_HOOKS_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_HOST_HOOKS_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_HOST_HOOKS_H_
 
 #include "nanobind/nanobind.h"
 
@@ -13,4 +13,4 @@ void RegisterHostHooks(nanobind::module_& m);
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_TESTING_HOST_HOOKS_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_HOST_HOOKS_H_

@@ -3,8 +3,8 @@
 // its own on the CPU platform) and whose execute stage reports how many SiteStates are alive, so
 // a test can watch XLA create one per call site of an executable and delete it with the
 // executable, retrace after retrace, without a GPU (state_probe.cc). CUDA builds only.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_STATE_PROBE_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_STATE_PROBE_H_
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_CUDA_STATE_PROBE_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_CUDA_STATE_PROBE_H_
 
 #include <vector>
 
@@ -25,4 +25,4 @@ void RegisterStateProbe(nanobind::module_& m);
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_STATE_PROBE_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_CUDA_STATE_PROBE_H_

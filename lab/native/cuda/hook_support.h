@@ -1,8 +1,8 @@
 // Shared by the test module's CUDA hooks (self-tests and benchmarks): a device count that is 0
 // without a driver, and a GPU session owning a stream and its allocations; the host-array helpers
-// are testing/array_hooks.h's. Plain C++ against the CUDA runtime API.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_HOOK_SUPPORT_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_HOOK_SUPPORT_H_
+// are lab/native/array_hooks.h's. Plain C++ against the CUDA runtime API.
+#ifndef JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOK_SUPPORT_H_
+#define JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOK_SUPPORT_H_
 
 #include <cuda_runtime_api.h>
 
@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "xla_ffi/testing/array_hooks.h"
+#include "lab/native/array_hooks.h"
 
 namespace jax_hybridep {
 
@@ -97,4 +97,4 @@ class GpuSession {
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_TESTING_HOOK_SUPPORT_H_
+#endif  // JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOK_SUPPORT_H_

@@ -2,21 +2,21 @@
 // runtime library (so it sees the same process-wide state): hooks on the host kernels, the
 // transport's host reference, CPU handlers probing the CUDA handlers' attribute decoding and, in
 // CUDA builds, the layout kernels' self-test, the transport's references, virtual-rank harness
-// and benches (xla_ffi/cuda/testing/hooks.h) and a CPU probe of the CUDA handlers' per-site
+// and benches (lab/native/cuda/hooks.h) and a CPU probe of the CUDA handlers' per-site
 // state.
 // Tests and jax_hybridep.bench.gpu_transport use it (jax_hybridep._native.testing_module()).
 #include <vector>
 
+#include "lab/native/attr_probes.h"
+#include "lab/native/host_hooks.h"
+#include "lab/native/transport_reference.h"
 #include "nanobind/nanobind.h"
 #include "xla_ffi/cpu_handlers.h"
-#include "xla_ffi/testing/attr_probes.h"
-#include "xla_ffi/testing/host_hooks.h"
-#include "xla_ffi/testing/transport_reference.h"
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
-#include "xla_ffi/cuda/testing/hooks.h"
-#include "xla_ffi/cuda/testing/layout_hooks.h"
-#include "xla_ffi/cuda/testing/state_probe.h"
+#include "lab/native/cuda/hooks.h"
+#include "lab/native/cuda/layout_hooks.h"
+#include "lab/native/cuda/state_probe.h"
 #endif
 
 namespace nb = nanobind;

@@ -1,5 +1,5 @@
 // The per-site state's lifecycle under XLA:CPU (state_probe.h).
-#include "xla_ffi/cuda/testing/state_probe.h"
+#include "lab/native/cuda/state_probe.h"
 
 #include <atomic>
 #include <cstdint>
