@@ -62,7 +62,7 @@ def module():
 
 @functools.cache
 def limits() -> dict:
-    """The kernels' limits as the native module states them (xla_ffi/limits.h,
+    """The kernels' limits as the native module states them (xla_ffi/common/limits.h,
     kernels/send_plan.h): max_send_blocks, max_top_k, max_window_ranks, send_chunk (items per
     send chunk; the slot maps are padded to it), shared_budget (the send kernel's dynamic shared
     memory). Python asks for them rather than copying them."""

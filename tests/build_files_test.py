@@ -110,21 +110,27 @@ def _diff_report(what: str, expected: tuple[str, set[str]], actual: tuple[str, s
 def test_parsers_see_the_known_targets():
     # Guards against a regex that silently matches nothing.
     for name, paths in (("CMakeLists.txt", cmake_paths()), ("BUILD", bazel_paths())):
-        assert {"xla_ffi/layout.cc", "xla_ffi/cpu_handlers.cc", "xla_ffi/module.cc"} <= paths, (
-            f"{name}: parsed {sorted(paths)}"
-        )
+        known = {
+            "xla_ffi/common/layout.cc",
+            "xla_ffi/cpu/handlers/handlers.cc",
+            "xla_ffi/module.cc",
+            "lab/native/module.cc",
+            "lab/host_executor/executor.cc",
+        }
+        assert known <= paths, f"{name}: parsed {sorted(paths)}"
 
 
 def test_parser_handles_formatting_variants():
     text = """
       add_library(x STATIC ${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/a.cc "xla_ffi/b.cu"
-        xla_ffi/cuda/c.cu)  # xla_ffi/commented.cc
+        xla_ffi/cuda/c.cu lab/d.cc)  # xla_ffi/commented.cc
       #[[ xla_ffi/bracket.cc ]]
     """
     assert _named_paths(_strip_cmake_comments(text)) == {
         "xla_ffi/a.cc",
         "xla_ffi/b.cu",
         "xla_ffi/cuda/c.cu",
+        "lab/d.cc",
     }
     build = 'srcs = ["xla_ffi/a.cc", \'xla_ffi/b.h\'],  # "xla_ffi/c.cc"\nhdrs = ["xla_ffi/x.hh"]'
     assert _named_paths(_strip_starlark_comments(build)) == {"xla_ffi/a.cc", "xla_ffi/b.h"}

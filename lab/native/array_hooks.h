@@ -11,7 +11,7 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/common/numeric.h"
 
 namespace jax_hybridep {
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/common/ffi_support.h"
+#include "xla_ffi/cpu/handlers/handlers.h"
 #include "xla_ffi/cuda/handlers/attrs.h"
-#include "xla_ffi/ffi_support.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;

@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu/handlers/handlers.h"
 
 namespace jax_hybridep {
 

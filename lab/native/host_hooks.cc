@@ -7,11 +7,11 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
-#include "xla_ffi/error_log.h"
-#include "xla_ffi/fp8.h"
-#include "xla_ffi/limits.h"
-#include "xla_ffi/numeric.h"
-#include "xla_ffi/rendezvous.h"
+#include "xla_ffi/common/error_log.h"
+#include "xla_ffi/common/fp8.h"
+#include "xla_ffi/common/limits.h"
+#include "xla_ffi/common/numeric.h"
+#include "xla_ffi/common/rendezvous.h"
 
 namespace nb = nanobind;
 
@@ -86,9 +86,9 @@ void RegisterHostHooks(nb::module_& m) {
   m.def("round_trip", &RoundTrip, nb::arg("dtype"), nb::arg("values"),
         "float32 values rounded to `dtype` and back by numeric.h's conversions.");
   m.def("fp8_quantize_rows", &Fp8QuantizeRows, nb::arg("dtype"), nb::arg("x"), nb::arg("hidden"),
-        "FP8 wire rows of tokens (xla_ffi/fp8.h, QuantizeRow).");
+        "FP8 wire rows of tokens (xla_ffi/common/fp8.h, QuantizeRow).");
   m.def("fp8_quantize_elements", &Fp8QuantizeElements, nb::arg("values"), nb::arg("inv"),
-        "QuantizeE4m3fn over float32 values (xla_ffi/fp8.h).");
+        "QuantizeE4m3fn over float32 values (xla_ffi/common/fp8.h).");
   m.def("fp8_dequantize_rows", &Fp8DequantizeRows, nb::arg("dtype"), nb::arg("wire"),
         nb::arg("hidden"), "Tokens from FP8 wire rows (DequantizeRow).");
   m.def(

@@ -11,7 +11,7 @@
 #include "lab/native/host_hooks.h"
 #include "lab/native/transport_reference.h"
 #include "nanobind/nanobind.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu/handlers/handlers.h"
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
 #include "lab/native/cuda/hooks.h"

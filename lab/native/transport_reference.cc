@@ -9,8 +9,8 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
-#include "xla_ffi/exchange.h"
-#include "xla_ffi/limits.h"
+#include "xla_ffi/common/limits.h"
+#include "xla_ffi/cpu/kernels/exchange.h"
 
 namespace nb = nanobind;
 

@@ -10,7 +10,7 @@
 
 #include "lab/native/array_hooks.h"
 #include "nanobind/nanobind.h"
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/common/numeric.h"
 
 namespace jax_hybridep {
 

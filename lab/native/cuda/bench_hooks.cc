@@ -24,9 +24,9 @@
 #include "lab/native/cuda/reference.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace {

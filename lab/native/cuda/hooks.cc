@@ -18,9 +18,9 @@
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace {

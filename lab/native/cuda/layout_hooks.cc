@@ -24,10 +24,10 @@
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
+#include "xla_ffi/common/layout.h"
+#include "xla_ffi/common/numeric.h"
+#include "xla_ffi/cpu/kernels/exchange.h"
 #include "xla_ffi/cuda/kernels/row_layout.h"
-#include "xla_ffi/exchange.h"
-#include "xla_ffi/layout.h"
-#include "xla_ffi/numeric.h"
 
 namespace nb = nanobind;
 

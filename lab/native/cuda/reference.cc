@@ -7,8 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace {

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
+#include "xla_ffi/common/numeric.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
-#include "xla_ffi/numeric.h"
 
 namespace jax_hybridep {
 

@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/common/numeric.h"
 
 namespace jax_hybridep {
 

@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/ffi_support.h"
 #include "xla_ffi/cuda/handlers/registry.h"
 #include "xla_ffi/cuda/handlers/support.h"
 #include "xla_ffi/cuda/kernels/row_layout.h"
 #include "xla_ffi/cuda/state/site_state.h"
-#include "xla_ffi/ffi_support.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;

@@ -20,14 +20,14 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/ffi_support.h"
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/handlers/attrs.h"
 #include "xla_ffi/cuda/handlers/registry.h"
 #include "xla_ffi/cuda/handlers/support.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
 #include "xla_ffi/cuda/state/site_state.h"
 #include "xla_ffi/cuda/state/windows.h"
-#include "xla_ffi/ffi_support.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;

@@ -12,11 +12,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/sync.cuh"
 #include "xla_ffi/cuda/device/warp.cuh"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace {

@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "xla_ffi/layout.h"
+#include "xla_ffi/common/layout.h"
 
 namespace jax_hybridep {
 

@@ -15,12 +15,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/device/bulk.cuh"
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/sync.cuh"
 #include "xla_ffi/cuda/device/warp.cuh"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "xla_ffi/fp8.h"
+#include "xla_ffi/common/fp8.h"
 
 namespace jax_hybridep {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "xla_ffi/numeric.h"  // JAX_HYBRIDEP_HOST_DEVICE
+#include "xla_ffi/common/numeric.h"  // JAX_HYBRIDEP_HOST_DEVICE
 
 namespace jax_hybridep {
 

@@ -6,10 +6,10 @@
 
 #include <cstdint>
 
+#include "xla_ffi/common/limits.h"  // kMaxWindowRanks
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/ptx.cuh"
 #include "xla_ffi/cuda/kernels/slot_map.h"
-#include "xla_ffi/limits.h"  // kMaxWindowRanks
 
 namespace jax_hybridep {
 namespace {

@@ -38,10 +38,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "xla_ffi/common/limits.h"
+#include "xla_ffi/common/numeric.h"
 #include "xla_ffi/cuda/kernels/send_plan.h"
 #include "xla_ffi/cuda/state/window.h"
-#include "xla_ffi/limits.h"
-#include "xla_ffi/numeric.h"
 
 namespace jax_hybridep {
 

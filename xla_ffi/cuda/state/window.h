@@ -8,8 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "xla_ffi/limits.h"   // kMaxWindowRanks, kMaxSendBlocks
-#include "xla_ffi/numeric.h"  // JAX_HYBRIDEP_HOST_DEVICE
+#include "xla_ffi/common/limits.h"   // kMaxWindowRanks, kMaxSendBlocks
+#include "xla_ffi/common/numeric.h"  // JAX_HYBRIDEP_HOST_DEVICE
 
 namespace jax_hybridep {
 

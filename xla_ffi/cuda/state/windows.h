@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "xla_ffi/common/rendezvous.h"
 #include "xla_ffi/cuda/state/window.h"
-#include "xla_ffi/rendezvous.h"
 
 namespace jax_hybridep {
 

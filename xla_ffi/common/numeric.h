@@ -3,8 +3,8 @@
 // Both round to nearest even, like XLA's convert, so host and XLA results agree bitwise. No
 // compiler half-precision types are used: their availability differs between compilers and
 // targets, and the arithmetic here is always done in float32.
-#ifndef JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_
-#define JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_NUMERIC_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_NUMERIC_H_
 
 #include <cstdint>
 #include <cstring>
@@ -214,4 +214,4 @@ inline float RowDotT(const void* __restrict y, const void* __restrict g, int64_t
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_NUMERIC_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_NUMERIC_H_

@@ -3,8 +3,8 @@
 // library's own exception types (StrictModeError, TransportError) with the same message.
 // Framework-free and thread-safe; identical messages (every rank of a group reports the same
 // failure) are kept once, and at most kMaxRecordedErrors are kept until they are taken.
-#ifndef JAX_HYBRIDEP_XLA_FFI_ERROR_LOG_H_
-#define JAX_HYBRIDEP_XLA_FFI_ERROR_LOG_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_ERROR_LOG_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_ERROR_LOG_H_
 
 #include <cstddef>
 #include <string>
@@ -27,4 +27,4 @@ std::vector<std::pair<ErrorKind, std::string>> TakeRecordedErrors();
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_ERROR_LOG_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_ERROR_LOG_H_

@@ -1,11 +1,11 @@
-#include "xla_ffi/exchange.h"
+#include "xla_ffi/cpu/kernels/exchange.h"
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "xla_ffi/fp8.h"
-#include "xla_ffi/row_kernel.h"
+#include "xla_ffi/common/fp8.h"
+#include "xla_ffi/common/row_kernel.h"
 
 namespace jax_hybridep {
 namespace {

@@ -1,8 +1,8 @@
-#include "xla_ffi/fp8.h"
+#include "xla_ffi/common/fp8.h"
 
 #include <array>
 
-#include "xla_ffi/row_kernel.h"
+#include "xla_ffi/common/row_kernel.h"
 
 namespace jax_hybridep {
 

@@ -8,13 +8,13 @@
 // partial sums the same way back, and each sender adds its peers' partials in ascending peer order.
 //
 // Framework-free: raw pointers only.
-#ifndef JAX_HYBRIDEP_XLA_FFI_LEVELS_H_
-#define JAX_HYBRIDEP_XLA_FFI_LEVELS_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_CPU_KERNELS_LEVELS_H_
+#define JAX_HYBRIDEP_XLA_FFI_CPU_KERNELS_LEVELS_H_
 
 #include <cstdint>
 
-#include "xla_ffi/exchange.h"
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/common/numeric.h"
+#include "xla_ffi/cpu/kernels/exchange.h"
 
 namespace jax_hybridep {
 
@@ -73,4 +73,4 @@ void WriteBlocks(int64_t size, int64_t block_bytes, int64_t coord, const char* s
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_LEVELS_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_CPU_KERNELS_LEVELS_H_

@@ -12,13 +12,13 @@
 //
 // Framework-free: raw pointers only. The caller provides the peers' buffers (shared process memory)
 // and the barriers between the write and read steps.
-#ifndef JAX_HYBRIDEP_XLA_FFI_EXCHANGE_H_
-#define JAX_HYBRIDEP_XLA_FFI_EXCHANGE_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_CPU_KERNELS_EXCHANGE_H_
+#define JAX_HYBRIDEP_XLA_FFI_CPU_KERNELS_EXCHANGE_H_
 
 #include <cstdint>
 #include <vector>
 
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/common/numeric.h"
 
 namespace jax_hybridep {
 
@@ -53,7 +53,7 @@ struct RowOutputs {
   // multiple (the destination's sum(group_sizes)) are left as they are in tokens and scaled,
   // and their dot is 0; the padding inside that extent is still written. 0: every row written.
   int64_t sparse_pad_multiple = 0;
-  // > 0: the sources are FP8 wire rows of this many elements (xla_ffi/fp8.h), written to
+  // > 0: the sources are FP8 wire rows of this many elements (xla_ffi/common/fp8.h), written to
   // `tokens` dequantised to the dtype (row_bytes = fp8_hidden * its size); 0: copied as they are.
   int64_t fp8_hidden = 0;
 };
@@ -127,4 +127,4 @@ inline void PrefetchRowForWrite(char* row, int64_t bytes) {
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_EXCHANGE_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_CPU_KERNELS_EXCHANGE_H_

@@ -5,13 +5,13 @@
 // float32 scales (unaligned, little-endian, read and written with memcpy). The arithmetic is the
 // jnp formula of jax_hybridep/fp8.py step by step in float32 (built without FMA contraction), so
 // host, CUDA and XLA agree bit for bit. Framework-free; host and device.
-#ifndef JAX_HYBRIDEP_XLA_FFI_FP8_H_
-#define JAX_HYBRIDEP_XLA_FFI_FP8_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_FP8_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_FP8_H_
 
 #include <cstdint>
 #include <cstring>
 
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/common/numeric.h"
 
 namespace jax_hybridep {
 
@@ -123,4 +123,4 @@ void DequantizeRow(const uint8_t* wire, int64_t hidden, Dtype dtype, void* out);
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_FP8_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_FP8_H_

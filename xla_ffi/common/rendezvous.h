@@ -17,8 +17,8 @@
 // without end), and a later call starts again at generation 0. A watchdog fails a rendezvous that
 // is not complete by its deadline with an error naming the ranks that did not arrive, and fails the
 // rest of that execution's exchanges at once; no state is left behind, so the process stays usable.
-#ifndef JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
-#define JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_RENDEZVOUS_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_RENDEZVOUS_H_
 
 #include <array>
 #include <chrono>
@@ -71,4 +71,4 @@ int64_t CallSiteStateCount();
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_RENDEZVOUS_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_RENDEZVOUS_H_

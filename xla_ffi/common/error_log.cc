@@ -1,4 +1,4 @@
-#include "xla_ffi/error_log.h"
+#include "xla_ffi/common/error_log.h"
 
 #include <algorithm>
 #include <mutex>

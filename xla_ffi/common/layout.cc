@@ -1,4 +1,4 @@
-#include "xla_ffi/layout.h"
+#include "xla_ffi/common/layout.h"
 
 #include <algorithm>
 #include <vector>

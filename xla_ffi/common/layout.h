@@ -3,8 +3,8 @@
 //
 // Framework-free: raw pointers, no XLA or nanobind headers. Every function is deterministic and
 // integer-only, so each backend computes the same rows, drops and group sizes.
-#ifndef JAX_HYBRIDEP_XLA_FFI_LAYOUT_H_
-#define JAX_HYBRIDEP_XLA_FFI_LAYOUT_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_LAYOUT_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_LAYOUT_H_
 
 #include <cstdint>
 
@@ -54,4 +54,4 @@ void DroppedPerSource(const int32_t* all_counts, int64_t num_ranks, int64_t num_
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_LAYOUT_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_LAYOUT_H_

@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
-#include "xla_ffi/ffi_support.h"
-#include "xla_ffi/levels.h"
-#include "xla_ffi/rendezvous.h"
+#include "xla_ffi/common/ffi_support.h"
+#include "xla_ffi/common/rendezvous.h"
+#include "xla_ffi/cpu/handlers/handlers.h"
+#include "xla_ffi/cpu/kernels/levels.h"
 
 namespace jax_hybridep {
 namespace {

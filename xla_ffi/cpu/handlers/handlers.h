@@ -1,6 +1,6 @@
 // The host (CPU) XLA FFI handlers, by target name.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_H_
-#define JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_HANDLERS_H_
+#define JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_HANDLERS_H_
 
 #include <vector>
 
@@ -13,11 +13,11 @@ struct HandlerEntry {
   XLA_FFI_Handler* handler;
 };
 
-// Every host handler: the one-level ones (cpu_handlers.cc) and the per-level steps of multi-level
-// topologies (cpu_level_handlers.cc).
+// Every host handler: the one-level ones (handlers.cc) and the per-level steps of multi-level
+// topologies (level_handlers.cc).
 std::vector<HandlerEntry> CpuHandlers();
 std::vector<HandlerEntry> CpuLevelHandlers();
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_HANDLERS_H_

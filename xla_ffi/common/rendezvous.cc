@@ -1,4 +1,4 @@
-#include "xla_ffi/rendezvous.h"
+#include "xla_ffi/common/rendezvous.h"
 
 #include <algorithm>
 #include <atomic>

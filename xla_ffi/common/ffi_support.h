@@ -1,7 +1,7 @@
 // Helpers shared by the XLA FFI handlers: status and dtype conversion, and joining an exchange
 // as an asynchronous FFI result.
-#ifndef JAX_HYBRIDEP_XLA_FFI_FFI_SUPPORT_H_
-#define JAX_HYBRIDEP_XLA_FFI_FFI_SUPPORT_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_FFI_SUPPORT_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_FFI_SUPPORT_H_
 
 #include <algorithm>
 #include <chrono>
@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/error_log.h"
-#include "xla_ffi/layout.h"
-#include "xla_ffi/numeric.h"
-#include "xla_ffi/rendezvous.h"
+#include "xla_ffi/common/error_log.h"
+#include "xla_ffi/common/layout.h"
+#include "xla_ffi/common/numeric.h"
+#include "xla_ffi/common/rendezvous.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;
@@ -301,4 +301,4 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jax_hybridep::LayoutExchangeAttrs,
                                       JAX_HYBRIDEP_LAYOUT_MEMBERS, StructMember<int64_t>("site"),
                                       StructMember<int64_t>("timeout_ms"));
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_FFI_SUPPORT_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_FFI_SUPPORT_H_

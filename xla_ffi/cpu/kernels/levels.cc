@@ -1,10 +1,10 @@
-#include "xla_ffi/levels.h"
+#include "xla_ffi/cpu/kernels/levels.h"
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "xla_ffi/exchange.h"
+#include "xla_ffi/cpu/kernels/exchange.h"
 
 namespace jax_hybridep {
 

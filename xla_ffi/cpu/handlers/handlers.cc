@@ -4,7 +4,7 @@
 // in a process-wide rendezvous (rendezvous.h) and, once all have arrived, each reads straight from
 // the others' inputs into its own outputs (exchange.h, "pull transport"). The EP rank and group
 // arrive as operands (from axis_index), never from the device ordinal.
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu/handlers/handlers.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/exchange.h"
-#include "xla_ffi/ffi_support.h"
-#include "xla_ffi/fp8.h"
-#include "xla_ffi/layout.h"
-#include "xla_ffi/rendezvous.h"
+#include "xla_ffi/common/ffi_support.h"
+#include "xla_ffi/common/fp8.h"
+#include "xla_ffi/common/layout.h"
+#include "xla_ffi/common/rendezvous.h"
+#include "xla_ffi/cpu/kernels/exchange.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;
@@ -245,7 +245,7 @@ ffi::Future ReturnRowValuesImpl(ffi::RunId run_id, ffi::Buffer<ffi::F32> values,
   return Exchange("row values", call, std::move(p));
 }
 
-// FP8 on the wire: each token of x [T, H] into its wire row (xla_ffi/fp8.h), at the source.
+// FP8 on the wire: each token of x [T, H] into its wire row (xla_ffi/common/fp8.h), at the source.
 ffi::Error Fp8QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> wire) {
   auto dtype = ToDtype(x.element_type(), "x");
   if (dtype.has_error()) return dtype.error();

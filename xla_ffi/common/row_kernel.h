@@ -1,7 +1,7 @@
 // JAX_HYBRIDEP_ROW_KERNEL: the attribute of the host row kernels' dtype dispatchers
 // (exchange.cc, fp8.cc).
-#ifndef JAX_HYBRIDEP_XLA_FFI_ROW_KERNEL_H_
-#define JAX_HYBRIDEP_XLA_FFI_ROW_KERNEL_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_ROW_KERNEL_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_ROW_KERNEL_H_
 
 // The row kernels are memory-bound loops; wider vectors cut their instruction count severalfold.
 // Multiversioned so one portable build still uses AVX2 and AVX-512 where the CPU has them. GCC 12
@@ -18,4 +18,4 @@
 #define JAX_HYBRIDEP_ROW_KERNEL
 #endif
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_ROW_KERNEL_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_ROW_KERNEL_H_

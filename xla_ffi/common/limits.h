@@ -1,8 +1,8 @@
 // Limits of the CUDA transport that the Python side validates against (DispatchConfig.num_sms,
 // the CUDA bottom's top-k check); the native module exports them (`limits()`) and
 // tests/native_test.py checks the Python mirrors. Header-only and framework-free.
-#ifndef JAX_HYBRIDEP_XLA_FFI_LIMITS_H_
-#define JAX_HYBRIDEP_XLA_FFI_LIMITS_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_LIMITS_H_
+#define JAX_HYBRIDEP_XLA_FFI_COMMON_LIMITS_H_
 
 #include <cstdint>
 
@@ -17,4 +17,4 @@ constexpr int64_t kMaxWindowRanks = 128;
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_LIMITS_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_COMMON_LIMITS_H_
