@@ -21,7 +21,7 @@
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
 #include "xla_ffi/cuda/handlers/registry.h"
-#include "xla_ffi/cuda/state/windows.h"
+#include "xla_ffi/cuda/state/window_registry.h"
 #endif
 
 namespace nb = nanobind;

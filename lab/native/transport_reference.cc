@@ -6,16 +6,66 @@
 #include <string>
 #include <vector>
 
+#include "lab/native/array_hooks.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/common/limits.h"
+#include "xla_ffi/common/numeric.h"
 #include "xla_ffi/cpu/kernels/exchange.h"
 
 namespace nb = nanobind;
 
 namespace jax_hybridep {
 namespace {
+
+// Inputs of N rounds over R ranks (byte arrays are uint8, rows of row_bytes), validated.
+struct TransportRounds {
+  Dtype dtype;
+  int64_t N, R, T, K, C, row_bytes;
+  HostArray<uint8_t> x;        // [N, R, T, row_bytes]: dispatched tokens
+  HostArray<int32_t> dest;     // [N, R, T, K]: destination rank per (t, k), -1: none
+  HostArray<int32_t> row_pos;  // [N, R, T, K]: the row there (-1 exactly where dest is)
+  HostArray<float> weights;    // [N, R, T, K]: routing weights
+  HostArray<uint8_t> y;        // [N, R, C, row_bytes]: combined rows
+  std::optional<HostArray<float>> y_weights;  // [N, R, C] or none: combine unweighted
+  HostArray<uint8_t> g;                       // [N, R, T, row_bytes]: redispatched tokens
+  HostArray<float> scale;                     // [N, R, C]: redispatch's row scales
+  HostArray<float> values;                    // [N, R, C]: row values sent back
+};
+
+// Checks shapes, ranges and dest/row_pos agreement (ValueError naming the argument otherwise).
+TransportRounds CheckTransportRounds(const std::string& dtype, int64_t rows, HostArray<uint8_t> x,
+                                     HostArray<int32_t> dest, HostArray<int32_t> row_pos,
+                                     HostArray<float> weights, HostArray<uint8_t> y,
+                                     std::optional<HostArray<float>> y_weights,
+                                     HostArray<uint8_t> g, HostArray<float> scale,
+                                     HostArray<float> values) {
+  TransportRounds in{ParseDtype(dtype), 0,       0, 0,         0, rows,  0,     x, dest,
+                     row_pos,           weights, y, y_weights, g, scale, values};
+  Require(x.ndim() == 4 && dest.ndim() == 4, "x: expected [N, R, T, row_bytes], dest [N, R, T, K]");
+  in.N = x.shape(0), in.R = x.shape(1), in.T = x.shape(2), in.row_bytes = x.shape(3);
+  in.K = dest.shape(3);
+  const int64_t N = in.N, R = in.R, T = in.T, K = in.K, C = rows, rb = in.row_bytes;
+  Require(N >= 1 && R >= 1 && R <= kMaxWindowRanks, "need N >= 1 rounds and 1 <= R <= 128");
+  Require(K >= 1 && K <= kMaxTopK, "K must be in [1, 64]");
+  Require(C >= 0, "rows must be >= 0");
+  Require(rb % DtypeBytes(in.dtype) == 0, "x: row_bytes is not whole elements");
+  RequireShape(dest, "dest", {N, R, T, K});
+  RequireShape(row_pos, "row_pos", {N, R, T, K});
+  RequireShape(weights, "weights", {N, R, T, K});
+  RequireShape(y, "y", {N, R, C, rb});
+  if (y_weights) RequireShape(*y_weights, "y_weights", {N, R, C});
+  RequireShape(g, "g", {N, R, T, rb});
+  RequireShape(scale, "scale", {N, R, C});
+  RequireShape(values, "values", {N, R, C});
+  RequireRange(dest.data(), dest.size(), R, "dest");
+  RequireRange(row_pos.data(), row_pos.size(), C, "row_pos");
+  for (size_t i = 0; i < dest.size(); ++i) {
+    Require((dest.data()[i] < 0) == (row_pos.data()[i] < 0), "dest and row_pos disagree on -1");
+  }
+  return in;
+}
 
 // Every output of N rounds, [N, R, ...] as the GPU hook returns them.
 nb::dict Reference(const TransportRounds& in) {
@@ -83,38 +133,6 @@ nb::dict Reference(const TransportRounds& in) {
 }
 
 }  // namespace
-
-TransportRounds CheckTransportRounds(const std::string& dtype, int64_t rows, HostArray<uint8_t> x,
-                                     HostArray<int32_t> dest, HostArray<int32_t> row_pos,
-                                     HostArray<float> weights, HostArray<uint8_t> y,
-                                     std::optional<HostArray<float>> y_weights,
-                                     HostArray<uint8_t> g, HostArray<float> scale,
-                                     HostArray<float> values) {
-  TransportRounds in{ParseDtype(dtype), 0,       0, 0,         0, rows,  0,     x, dest,
-                     row_pos,           weights, y, y_weights, g, scale, values};
-  Require(x.ndim() == 4 && dest.ndim() == 4, "x: expected [N, R, T, row_bytes], dest [N, R, T, K]");
-  in.N = x.shape(0), in.R = x.shape(1), in.T = x.shape(2), in.row_bytes = x.shape(3);
-  in.K = dest.shape(3);
-  const int64_t N = in.N, R = in.R, T = in.T, K = in.K, C = rows, rb = in.row_bytes;
-  Require(N >= 1 && R >= 1 && R <= kMaxWindowRanks, "need N >= 1 rounds and 1 <= R <= 128");
-  Require(K >= 1 && K <= kMaxTopK, "K must be in [1, 64]");
-  Require(C >= 0, "rows must be >= 0");
-  Require(rb % DtypeBytes(in.dtype) == 0, "x: row_bytes is not whole elements");
-  RequireShape(dest, "dest", {N, R, T, K});
-  RequireShape(row_pos, "row_pos", {N, R, T, K});
-  RequireShape(weights, "weights", {N, R, T, K});
-  RequireShape(y, "y", {N, R, C, rb});
-  if (y_weights) RequireShape(*y_weights, "y_weights", {N, R, C});
-  RequireShape(g, "g", {N, R, T, rb});
-  RequireShape(scale, "scale", {N, R, C});
-  RequireShape(values, "values", {N, R, C});
-  RequireRange(dest.data(), dest.size(), R, "dest");
-  RequireRange(row_pos.data(), row_pos.size(), C, "row_pos");
-  for (size_t i = 0; i < dest.size(); ++i) {
-    Require((dest.data()[i] < 0) == (row_pos.data()[i] < 0), "dest and row_pos disagree on -1");
-  }
-  return in;
-}
 
 void RegisterTransportReference(nb::module_& m) {
   m.def(

@@ -48,19 +48,23 @@ inline ffi::ErrorOr<Dtype> ToDtype(ffi::DataType type, const char* what) {
   }
 }
 
-// The dtype rows are written in: the output's, or, for FP8 wire rows delivered as they travel
-// (fp8_hidden > 0 and a uint8 output: DispatchConfig(fp8_rows=True)), none, as they are only
-// copied (the placeholder is never read).
-inline ffi::ErrorOr<Dtype> ToRowsDtype(ffi::DataType out_type, int64_t fp8_hidden,
-                                       const char* what) {
-  if (out_type == ffi::DataType::U8 && fp8_hidden > 0) return Dtype::kF32;
-  return ToDtype(out_type, what);
-}
+// How a handler writes the rows of its output: in `dtype`, dequantising FP8 wire rows of
+// `dequantized_hidden` elements into them (RowOutputs::fp8_hidden; 0: none to dequantise).
+struct OutputRows {
+  Dtype dtype;
+  int64_t dequantized_hidden;
+};
 
-// The H of the FP8 wire rows a handler dequantises into its output (RowOutputs::fp8_hidden):
-// fp8_hidden, unless the output is uint8 wire rows themselves (fp8_rows: copied as they are).
-inline int64_t DequantizedHidden(ffi::DataType out_type, int64_t fp8_hidden) {
-  return out_type == ffi::DataType::U8 ? 0 : fp8_hidden;
+// The output rows of a handler whose rows travel as FP8 wire rows of H = fp8_hidden (0: not FP8).
+// Into a 16-bit or float32 output they are dequantised; into a uint8 output
+// (DispatchConfig(fp8_rows=True)) they are delivered as they travel, only copied: nothing is
+// dequantised and the dtype is a placeholder never read.
+inline ffi::ErrorOr<OutputRows> ToOutputRows(ffi::DataType out_type, int64_t fp8_hidden,
+                                             const char* what) {
+  if (out_type == ffi::DataType::U8 && fp8_hidden > 0) return OutputRows{Dtype::kF32, 0};
+  auto dtype = ToDtype(out_type, what);
+  if (dtype.has_error()) return ffi::Unexpected(std::move(dtype.error()));
+  return OutputRows{dtype.value(), fp8_hidden};
 }
 
 // combine's VJP reads y[row] beside each row of the output cotangent g it writes: y must be

@@ -6,27 +6,15 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <optional>
-#include <set>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "lab/native/cuda/hook_support.h"
 #include "nanobind/nanobind.h"
-#include "nanobind/ndarray.h"
-#include "nanobind/stl/optional.h"
-#include "nanobind/stl/string.h"
 #include "xla_ffi/common/layout.h"
-#include "xla_ffi/common/numeric.h"
-#include "xla_ffi/cpu/kernels/exchange.h"
 #include "xla_ffi/cuda/kernels/row_layout.h"
 
 namespace nb = nanobind;

@@ -128,9 +128,9 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
                          ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
                          RowExchangeAttrs exchange, ffi::Result<ffi::AnyBuffer> tokens,
                          ffi::ResultBuffer<ffi::F32> row_weights) {
-  auto dtype = ToRowsDtype(tokens->element_type(), exchange.fp8_hidden, "the rows");
-  if (dtype.has_error()) return Failed(dtype.error());
-  const int64_t fp8_hidden = DequantizedHidden(tokens->element_type(), exchange.fp8_hidden);
+  auto output = ToOutputRows(tokens->element_type(), exchange.fp8_hidden, "the rows");
+  if (output.has_error()) return Failed(output.error());
+  const OutputRows written = output.value();
   const CallSite call = MakeCallSite(run_id, rank, group, exchange);
   const int64_t T = x.dimensions()[0];
   const ExchangeShape shape{call.num_ranks, T, row_pos.dimensions()[1], tokens->dimensions()[0],
@@ -146,8 +146,8 @@ ffi::Future DispatchImpl(ffi::RunId run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     rows_out.tokens = out;
     rows_out.weights = out_weights;
     rows_out.sparse_pad_multiple = exchange.sparse_pad_multiple;
-    rows_out.fp8_hidden = fp8_hidden;
-    PullRows(shape, call.rank, sources.data(), dtype.value(), rows_out);
+    rows_out.fp8_hidden = written.dequantized_hidden;
+    PullRows(shape, call.rank, sources.data(), written.dtype, rows_out);
     return Status::Ok();
   };
   return Exchange("dispatch", call, std::move(p));

@@ -89,8 +89,8 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
                            ffi::Buffer<ffi::F32> weights, RowAttrs attrs,
                            ffi::Result<ffi::AnyBuffer> tokens,
                            ffi::ResultBuffer<ffi::F32> row_weights) {
-  auto dtype = ToRowsDtype(tokens->element_type(), attrs.fp8_hidden, "the rows");
-  if (dtype.has_error()) return dtype.error();
+  auto output = ToOutputRows(tokens->element_type(), attrs.fp8_hidden, "the rows");
+  if (output.has_error()) return output.error();
   const LevelShape shape = MakeLevelShape(rows, pos, 1, 1);
   const LevelItems items{static_cast<char*>(rows.untyped_data()), nullptr, pos.typed_data(),
                          weights.typed_data()};
@@ -98,8 +98,8 @@ ffi::Error ExpandItemsImpl(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> pos,
   out.tokens = static_cast<char*>(tokens->untyped_data());
   out.weights = row_weights->typed_data();
   out.sparse_pad_multiple = attrs.sparse_pad_multiple;
-  out.fp8_hidden = DequantizedHidden(tokens->element_type(), attrs.fp8_hidden);
-  ExpandItems(shape, items, tokens->dimensions()[0], dtype.value(), out);
+  out.fp8_hidden = output->dequantized_hidden;
+  ExpandItems(shape, items, tokens->dimensions()[0], output->dtype, out);
   return ffi::Error::Success();
 }
 

@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "xla_ffi/cuda/device/ptx.cuh"
-#include "xla_ffi/cuda/device/warp.cuh"
 #include "xla_ffi/cuda/kernels/transport.h"
 
 namespace jax_hybridep {

@@ -27,9 +27,6 @@ namespace jax_hybridep {
 namespace {
 using namespace device;  // NOLINT: the kernels' device helpers
 
-__host__ __device__ int64_t Round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
-__host__ __device__ int64_t Round128(int64_t bytes) { return (bytes + 127) / 128 * 128; }
-
 // What a send kernel moves: rows of `src` to the destinations its row map names.
 struct SendArgs {
   ExchangeParams ex;

@@ -38,6 +38,13 @@ JAX_HYBRIDEP_HOST_DEVICE inline int64_t ChunkPadded(int64_t n) {
   return (n + kSendChunk - 1) / kSendChunk * kSendChunk;
 }
 
+// Byte counts rounded up: bulk copies move 16-byte multiples; the ring of stages starts on a
+// 128-byte boundary after the two row-map slots. The plan and the kernel round alike.
+JAX_HYBRIDEP_HOST_DEVICE inline int64_t Round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+JAX_HYBRIDEP_HOST_DEVICE inline int64_t Round128(int64_t bytes) {
+  return (bytes + 127) / 128 * 128;
+}
+
 struct SendPlan {
   int64_t stage_bytes;  // bytes of one stage (a whole row, or a piece of one)
   int64_t pieces;       // stages per row (1: whole rows)

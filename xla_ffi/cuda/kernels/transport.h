@@ -19,16 +19,16 @@
 // Combine first unpermutes on this rank (each received item's rows summed in float32 in
 // ascending k, rounded once: a wide local kernel), then sends one partial per (source, item).
 //
-// Flags and expected values live in device memory. Every rank's window (state/window.h) holds an
-// exchange counter (`epoch`) that the last block of each exchange's final kernel advances, so a
-// kernel reads its exchange number from memory (graph-capturable, no host counter), and each flag
-// carries a tag of (exchange number, call site). A wait accepts its own tag, or the next
+// Flags and expected values live in device memory. Every rank's window (state/window_regions.h)
+// holds an exchange counter (`epoch`) that the last block of each exchange's final kernel advances,
+// so a kernel reads its exchange number from memory (graph-capturable, no host counter), and each
+// flag carries a tag of (exchange number, call site). A wait accepts its own tag, or the next
 // exchange's number (a peer already one exchange ahead writes the other window half); a flag of
 // the same exchange from another call site, or from further ahead, means the ranks disagree on
 // the exchange sequence: the wait records a mismatch and gives up. A wait also gives up after
 // `timeout_ns`. Failures are recorded in the mapped host record (TransportError: kWaitTimeout,
-// kWaitMismatch) and reported at the next call (windows.h WindowError). Half reuse is safe: a
-// rank writes half g % 2 again only at g + 2, after it saw every peer's flag of g + 1, which each
+// kWaitMismatch) and reported at the next call (window_registry.h WindowError). Half reuse is safe:
+// a rank writes half g % 2 again only at g + 2, after it saw every peer's flag of g + 1, which each
 // peer raises only after it finished reading g.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_TRANSPORT_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_TRANSPORT_H_
@@ -41,7 +41,7 @@
 #include "xla_ffi/common/limits.h"
 #include "xla_ffi/common/numeric.h"
 #include "xla_ffi/cuda/kernels/send_plan.h"
-#include "xla_ffi/cuda/state/window.h"
+#include "xla_ffi/cuda/state/window_regions.h"
 
 namespace jax_hybridep {
 

@@ -1,6 +1,6 @@
-// A window's regions (window.h): two halves of ranks * items payload slots, the flags of every
-// (source, send block), the exchange counter and the error claim, each 256-byte aligned.
-#include "xla_ffi/cuda/state/window.h"
+// A window's regions (window_regions.h): two halves of ranks * items payload slots, the flags of
+// every (source, send block), the exchange counter and the error claim, each 256-byte aligned.
+#include "xla_ffi/cuda/state/window_regions.h"
 
 #include <cstdint>
 

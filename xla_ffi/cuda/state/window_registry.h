@@ -1,4 +1,4 @@
-// Registered windows (window.h) of the GPUs of one process: allocated once per (EP group,
+// Registered windows (window_regions.h) of the GPUs of one process: allocated once per (EP group,
 // geometry) and device, peer pointers exchanged once through a host rendezvous, reused for every
 // exchange behind the flags, freed by ReleaseWindows (Python calls it at exit).
 //
@@ -7,8 +7,8 @@
 // a random process token, its GPU and a CUDA IPC handle of its window through a key-value exchange
 // (the jax.distributed store, set by the module) and opens the handles of the ranks in other
 // processes. Plain C++ against the CUDA runtime API.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOWS_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOWS_H_
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGISTRY_H_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGISTRY_H_
 
 #include <chrono>
 #include <cstdint>
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "xla_ffi/common/rendezvous.h"
-#include "xla_ffi/cuda/state/window.h"
+#include "xla_ffi/cuda/state/window_regions.h"
 
 namespace jax_hybridep {
 
@@ -69,4 +69,4 @@ void ReleaseWindows();
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOWS_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGISTRY_H_

@@ -1,9 +1,9 @@
 // One rank's window of the GPU transport (kernels/transport.h): the registered device memory
 // every peer writes into, its regions and their offsets (the same on every rank of a group), and
 // the mapped host record its failed waits write to. Plain C++: the host allocates it
-// (windows.cc), the kernels address it.
-#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_H_
-#define JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_H_
+// (window_registry.cc), the kernels address it.
+#ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGIONS_H_
+#define JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGIONS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -55,4 +55,4 @@ struct PeerWindows {
 
 }  // namespace jax_hybridep
 
-#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_H_
+#endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGIONS_H_

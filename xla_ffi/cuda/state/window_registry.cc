@@ -1,5 +1,5 @@
-// The process-wide registry of registered windows (windows.h).
-#include "xla_ffi/cuda/state/windows.h"
+// The process-wide registry of registered windows (window_registry.h).
+#include "xla_ffi/cuda/state/window_registry.h"
 
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -15,7 +15,7 @@
 #include <tuple>
 #include <vector>
 
-#include "xla_ffi/cuda/state/window.h"
+#include "xla_ffi/cuda/state/window_regions.h"
 
 namespace jax_hybridep {
 namespace {
