@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the host targets of //:BUILD with Bazel, offline, and smoke-tests the resulting modules.
+# Builds the CPU targets of //:BUILD with Bazel, offline, and smoke-tests the resulting modules.
 #
 # Made for Debian's bazel-bootstrap (Bazel 4.2.3; `apt-get install bazel-bootstrap`), which cannot
 # download rules: every external repository BUILD needs is wired to a local stand-in
@@ -140,7 +140,7 @@ def load(name, where):
 mod, testing = load("_hybridep", "jax_hybridep/"), load("_hybridep_testing", "")
 regs = mod.cpu_registrations()
 assert regs and all(name.startswith("jax_hybridep_") for name in regs), regs
-assert mod.with_cuda is False and testing.with_cuda is False, "host-only build reports CUDA"
+assert mod.with_cuda is False and testing.with_cuda is False, "CPU-only build reports CUDA"
 assert {n for n in dir(mod) if not n.startswith("__")} == {
     "cpu_registrations", "limits", "send_plan", "take_recorded_errors", "with_cuda"}, dir(mod)
 assert testing.open_exchange_count() == 0

@@ -11,7 +11,7 @@
 #               unpermute and reduce
 #   kernels     the kernels against the §2.1 model: virtual-rank harness R = 2, 4, 8, window
 #               reuse, FP8 of every bf16 pattern, flag mismatch and timeout; the slot-map and the
-#               layout step's kernels against the host references
+#               layout step's kernels against the references
 #   jax         JAX-level dispatch/combine and VJPs through the CUDA handlers (FP8 of every bf16
 #               pattern included) against the xla backend
 #   bench       JAX-level bench, only once kernels and jax passed (never time a wrong transport):

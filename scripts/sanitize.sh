@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the host native module with AddressSanitizer + UndefinedBehaviorSanitizer (CPU only, no
+# Builds the native modules with AddressSanitizer + UndefinedBehaviorSanitizer (CPU only, no
 # CUDA) into build/sanitize and runs the host handlers' test cases under it; scripts/test.sh runs
 # it after the suite. Any ASan report or undefined behaviour fails the run.
 #   bash scripts/sanitize.sh                 # the default selection below

@@ -3,7 +3,7 @@
 Both files are read as text: every quoted or unquoted path under xla_ffi/ (the product) or lab/
 (the laboratory: the test module's hooks, the host executor) with a native-source suffix counts,
 comments do not. Bazel glob() patterns are expanded against the tree. The slow test
-at the bottom builds BUILD's host targets with a real (offline) Bazel, when one is installed.
+at the bottom builds BUILD's CPU targets with a real (offline) Bazel, when one is installed.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def test_named_files_exist():
     shutil.which("bazel") is None and os.environ.get("JAX_HYBRIDEP_REQUIRE_BAZEL") != "1",
     reason="bazel is not installed (CI installs Debian's bazel-bootstrap and requires this test)",
 )
-def test_bazel_builds_host_targets_offline():
+def test_bazel_builds_cpu_targets_offline():
     for pkg in ("nanobind", "jaxlib"):
         if importlib.util.find_spec(pkg) is None:
             pytest.skip(f"{pkg} is not importable from {sys.executable}")

@@ -101,6 +101,6 @@ def gpu():
 
 @pytest.fixture
 def cuda_build():
-    """Skips unless the self-test hooks exist (the host references need no GPU)."""
+    """Skips unless the self-test hooks exist (the references need no GPU)."""
     if not _native.module().with_cuda:
         _skip_or_fail("jax_hybridep was built without CUDA (with_cuda is False)")

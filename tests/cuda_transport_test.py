@@ -5,7 +5,7 @@ kernels of the FFI handlers: the slot map, the send, the wide permute, the unper
 back and the reduce, with nothing but the flags between ranks. Rounds reuse the windows (both
 halves, the exchange counters). Every output is compared with the §2.1 model
 (tests/transport_helpers.py, itself held to the host kernels by tests/transport_model_test.py)
-and the slot map with the host reference; FP8 dispatch with the jnp quantisation over every
+and the slot map with the reference; FP8 dispatch with the jnp quantisation over every
 bfloat16 pattern; a rank tagging its flags with another call site must make its peers report a
 mismatch, a silent rank a timeout. The same harness runs on the CPU under the host executor
 (tests/host_executor_transport_test.py). Tests marked `gpu` skip without a GPU and fail instead

@@ -1,5 +1,5 @@
 """The CUDA transport's steps without a GPU: the numpy twins (tests/transport_twin.py) against the
-host references the kernels mirror (lab/native/cuda/reference.cc) and against the §2.1
+references the kernels mirror (lab/native/cuda/reference.cc) and against the §2.1
 model, bit for bit (docs/design.md §2.1, §5).
 
 The references run on any machine with a CUDA build (`cuda_build`); the kernels themselves are

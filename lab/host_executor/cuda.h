@@ -1,11 +1,11 @@
-// CUDA as the host executor presents it to kernel sources compiled by the host compiler
+// CUDA as the host executor presents it to kernel sources compiled by the C++ compiler
 // (docs/host_executor.md): the language's qualifiers and built-in variables, the vector types,
 // the warp, block and atomic intrinsics, and the runtime API the launchers call, each backed by
 // the executor's model of the hardware (executor.h). `include/cuda_runtime.h` and
 // `include/cuda_runtime_api.h` forward here, so the kernels' own #includes find it.
 //
 // Only what the kernels use is here: a kernel that starts using something else fails to compile
-// for the host until the executor models it.
+// for the executor until it models it.
 #ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CUDA_H_
 #define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_CUDA_H_
 
@@ -178,7 +178,7 @@ inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
 inline int __ffs(int v) { return __builtin_ffs(v); }
 inline int __ffsll(long long v) { return __builtin_ffsll(v); }
 inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz(static_cast<unsigned>(v)); }
-// Round-to-nearest float arithmetic: what the host does anyway (built with -ffp-contract=off).
+// Round-to-nearest float arithmetic: what the CPU does anyway (built with -ffp-contract=off).
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
@@ -266,7 +266,7 @@ cudaError_t cudaMalloc(T** ptr, size_t bytes) {
 cudaError_t cudaFree(void* ptr);
 cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned flags);
 cudaError_t cudaFreeHost(void* ptr);
-cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned flags);
+cudaError_t cudaHostGetDevicePointer(void** device, void* mapped, unsigned flags);
 cudaError_t cudaMemset(void* ptr, int value, size_t bytes);
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream = nullptr);
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);

@@ -47,8 +47,6 @@ void Executor::Reset() {
   sleepers.clear();
   bulk_waiters.clear();
   memory.Clear();
-  for (auto& [host, raw] : host_allocations) std::free(raw);
-  host_allocations.clear();
   gpus.clear();
   gpus.resize(std::max(options.gpus, 1));
   for (int g = 0; g < static_cast<int>(gpus.size()); ++g) {

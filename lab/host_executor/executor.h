@@ -1,4 +1,4 @@
-// The host executor (docs/host_executor.md): CUDA kernels compiled by the host compiler run on
+// The host executor (docs/host_executor.md): CUDA kernels compiled by the C++ compiler run on
 // the CPU as grids of blocks x warps x 32 lanes on several virtual GPUs at once, each GPU with
 // its own global memory, streams and SMs, every CUDA thread a fiber on one OS thread.
 //
@@ -227,7 +227,7 @@ struct StreamOp {
   const char* src = nullptr;
   size_t bytes = 0;
   int value = 0;
-  std::unique_ptr<char, FreeDeleter> owned_src;  // pageable host memory, staged
+  std::unique_ptr<char, FreeDeleter> owned_src;  // pageable (not pinned) memory, staged
 };
 
 // Who an agent id was (reports).

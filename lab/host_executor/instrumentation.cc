@@ -1,7 +1,7 @@
 // The compiler's ThreadSanitizer instrumentation, served by the host executor instead of
 // libtsan: kernel sources compiled with -fsanitize=thread (and tsan-distinguish-volatile) call
 // these for every memory access they make, and the executor checks each against its shadow
-// memory (executor.h). Outside a kernel thread (the launchers' host code in the same files) they
+// memory (executor.h). Outside a kernel thread (the launchers' code in the same files) they
 // do nothing. The runtime itself is built without instrumentation.
 #include <cstddef>
 
@@ -64,8 +64,8 @@ void __tsan_vptr_read(void**) {}
 
 }  // extern "C"
 
-// std:: atomics in the instrumented files are host code (shared_ptr reference counts of a launch's
-// parameters), never a kernel's: performed as asked, unchecked. Memory orders are the
+// std:: atomics in the instrumented files are the launchers' code (shared_ptr reference counts of a
+// launch's parameters), never a kernel's: performed as asked, unchecked. Memory orders are the
 // ThreadSanitizer ABI's (0 relaxed ... 5 seq_cst); seq_cst serves them all.
 #define JAX_HYBRIDEP_ATOMICS(bits, type)                                                          \
   extern "C" type __tsan_atomic##bits##_load(const volatile type* a, int) {                       \

@@ -1,5 +1,5 @@
 // The host executor's memory (docs/host_executor.md): every allocation a kernel may touch (a
-// virtual GPU's global memory, mapped host memory, a block's shared memory) is a region with a
+// virtual GPU's global memory, mapped memory, a block's shared memory) is a region with a
 // red zone on each side and a shadow per byte: the last write and read (agent, event, source
 // address), whether they were relaxed atomics, and the bulk copy in flight into it. Anything
 // else a kernel touches (its stack, its parameters) is not tracked.
@@ -16,7 +16,7 @@
 
 namespace jax_hybridep::host {
 
-enum class RegionKind { kGlobal, kHostMapped, kShared, kRedZone };
+enum class RegionKind { kGlobal, kMapped, kShared, kRedZone };
 
 // Byte flags.
 constexpr uint8_t kWriteRelaxed = 1;  // the last write was an atomic (or volatile) one

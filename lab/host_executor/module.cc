@@ -59,7 +59,8 @@ NB_MODULE(JAX_HYBRIDEP_HOST_MODULE, m) {
       "Counters of the current run.");
   m.def("release", &hx::Reset,
         "Ends the current run and frees what it holds: its threads and their stacks (a failed "
-        "run leaves them), its device and host memory, its streams; the settings stay. A pytest "
+        "run leaves them), its virtual GPUs' and mapped memory, its streams; the settings stay. A "
+        "pytest "
         "process goes on compiling XLA programs, which need the mappings and memory back.");
   m.def("run_probe", &hx::RunProbe, nb::arg("name"), nb::arg("arg") = 0,
         "Runs a probe kernel (lab/host_executor/probes.cu) and returns its outputs.");

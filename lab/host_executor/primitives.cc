@@ -609,7 +609,7 @@ bool CheckBulk(Thread* t, const char* what, const void* shared, const void* glob
                 "one shared allocation of this block (" + where + "): shared memory out of bounds");
   }
   const Region* g = e.memory.Find(global);
-  if (g == nullptr || (g->kind != RegionKind::kGlobal && g->kind != RegionKind::kHostMapped) ||
+  if (g == nullptr || (g->kind != RegionKind::kGlobal && g->kind != RegionKind::kMapped) ||
       static_cast<const char*>(global) + bytes > g->end) {
     return fail("its global range of " + std::to_string(bytes) +
                 " bytes is not inside one allocation: global memory out of bounds");

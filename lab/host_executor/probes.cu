@@ -1,7 +1,7 @@
 // Probe kernels of the host executor's own tests (tests/host_executor_test.py): each primitive
 // the transport's kernels use, driven through the same device layer (ptx.cuh), with results the
 // tests hold against the PTX ISA's and the CUDA programming guide's semantics; and misused
-// primitives the executor must report. Compiled like the kernels (instrumented, host compiler).
+// primitives the executor must report. Compiled like the kernels (instrumented, the C++ compiler).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -264,9 +264,9 @@ T* Device(size_t n, int fill = 0) {
 
 template <typename T>
 std::vector<int64_t> Fetch(const T* device, size_t n) {
-  std::vector<T> host(n);
-  cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost);
-  return std::vector<int64_t>(host.begin(), host.end());
+  std::vector<T> out(n);
+  cudaMemcpy(out.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return std::vector<int64_t>(out.begin(), out.end());
 }
 
 void Check(cudaError_t s, const char* what) {
@@ -315,11 +315,11 @@ std::vector<int64_t> Run(const std::string& name, int64_t arg) {
   }
   if (name == "bulk_round_trip" || name == "bulk_store_without_proxy_fence") {
     const int words = static_cast<int>(arg);
-    std::vector<int> host(words);
-    for (int i = 0; i < words; ++i) host[i] = 3 * i - 40;
+    std::vector<int> values(words);
+    for (int i = 0; i < words; ++i) values[i] = 3 * i - 40;
     int* in = Device<int>(words);
     int* out = Device<int>(words);
-    cudaMemcpy(in, host.data(), words * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(in, values.data(), words * 4, cudaMemcpyHostToDevice);
     Check(LaunchKernel(&BulkRoundTrip, one, dim3(32), static_cast<size_t>(words) * 4, nullptr, in,
                        out, words, name == "bulk_round_trip"),
           "launch");

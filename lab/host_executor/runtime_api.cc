@@ -28,7 +28,7 @@ cudaError_t Memory(cudaStream_t stream, hx::StreamOp op, bool wait) {
   if (e.failed) return cudaErrorLaunchFailure;
   HostStream* s = e.Stream(stream);
   if (op.kind == hx::StreamOp::kMemcpy && e.memory.Find(op.src) == nullptr) {
-    // Pageable host memory: consumed when the call returns, as CUDA stages it.
+    // Pageable (not pinned) memory: consumed when the call returns, as CUDA stages it.
     auto* staged = static_cast<char*>(std::malloc(std::max<size_t>(op.bytes, 1)));
     std::memcpy(staged, op.src, op.bytes);
     op.src = staged;
@@ -176,8 +176,8 @@ cudaError_t cudaFree(void* ptr) {
 }
 
 cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned) {
-  hx::Region* r = E().memory.Allocate(bytes, 64, hx::RegionKind::kHostMapped, -1, nullptr,
-                                      "mapped host memory");
+  hx::Region* r =
+      E().memory.Allocate(bytes, 64, hx::RegionKind::kMapped, -1, nullptr, "mapped memory");
   if (r == nullptr) return Status(cudaErrorMemoryAllocation);
   *ptr = r->begin;
   return cudaSuccess;
@@ -185,8 +185,8 @@ cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned) {
 
 cudaError_t cudaFreeHost(void* ptr) { return cudaFree(ptr); }
 
-cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned) {
-  *device = host;  // one address space
+cudaError_t cudaHostGetDevicePointer(void** device, void* mapped, unsigned) {
+  *device = mapped;  // one address space
   return cudaSuccess;
 }
 

@@ -36,8 +36,7 @@ class Executor {
   std::vector<Gpu> gpus;
   int current_gpu = 0;
   cudaError_t last_error = cudaSuccess;
-  std::unordered_map<const void*, int> max_dynamic_smem;    // cudaFuncSetAttribute
-  std::unordered_map<const void*, void*> host_allocations;  // cudaHostAlloc'd, mapped
+  std::unordered_map<const void*, int> max_dynamic_smem;  // cudaFuncSetAttribute
 
   uint64_t now_ns = 0;
   std::vector<AgentInfo> agents;      // by agent id (0: none)

@@ -1,5 +1,5 @@
-// Shared by the test module's hooks: host numpy arrays in and out, and argument checks that raise
-// ValueError naming the argument. Host-only (no CUDA).
+// Shared by the test module's hooks: numpy arrays in and out (in CPU memory: CpuArray), and
+// argument checks that raise ValueError naming the argument. No CUDA.
 #ifndef JAX_HYBRIDEP_LAB_NATIVE_ARRAY_HOOKS_H_
 #define JAX_HYBRIDEP_LAB_NATIVE_ARRAY_HOOKS_H_
 
@@ -18,7 +18,7 @@ namespace jax_hybridep {
 namespace nb = nanobind;
 
 template <typename T>
-using HostArray = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+using CpuArray = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
 
 template <typename T>
 inline nb::object ToNumpy(std::vector<T> values, std::vector<size_t> shape) {
@@ -32,7 +32,7 @@ inline void Require(bool ok, const std::string& message) {
 }
 
 template <typename T>
-inline void RequireShape(const HostArray<T>& a, const char* name, std::vector<int64_t> shape) {
+inline void RequireShape(const CpuArray<T>& a, const char* name, std::vector<int64_t> shape) {
   bool ok = a.ndim() == shape.size();
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = static_cast<int64_t>(a.shape(i)) == shape[i];
   std::string want, got;

@@ -1,9 +1,9 @@
 // CPU handlers that decode the CUDA handlers' attribute structs (xla_ffi/cuda/handlers/attrs.h, and
-// the host layout bundle the CUDA layout takes, LayoutAttrsView) with the very decoders the CUDA
-// handlers use, and write back what they decoded: a test emits them with the attributes the Python
-// side builds for each CUDA custom call, so a bundle that drifts from its struct (a member missing,
-// renamed or of another type) fails on a machine without a GPU. Each writes int32 values into
-// `out`, in the struct's member order; the layout probe appends the placement spans.
+// the host handlers' layout bundle the CUDA layout takes, LayoutAttrsView) with the very decoders
+// the CUDA handlers use, and write back what they decoded: a test emits them with the attributes
+// the Python side builds for each CUDA custom call, so a bundle that drifts from its struct (a
+// member missing, renamed or of another type) fails on a machine without a GPU. Each writes int32
+// values into `out`, in the struct's member order; the layout probe appends the placement spans.
 #include "lab/native/attr_probes.h"
 
 #include <algorithm>

@@ -1,14 +1,14 @@
 // The test module, _hybridep_testing, built beside the production module _hybridep on the same
-// runtime library (so it sees the same process-wide state): hooks on the host kernels, the
-// transport's host reference, CPU handlers probing the CUDA handlers' attribute decoding and, in
-// CUDA builds, the layout kernels' self-test, the transport's references, virtual-rank harness
-// and benches (lab/native/cuda/hooks.h) and a CPU probe of the CUDA handlers' per-site
-// state.
-// Tests and jax_hybridep.bench.gpu_transport use it (jax_hybridep._native.testing_module()).
+// runtime library (so it sees the same process-wide state): hooks on the code both platforms
+// share, the transport's reference by the CPU kernels, CPU handlers probing the CUDA handlers'
+// attribute decoding and, in CUDA builds, the layout kernels' self-test, the transport's
+// references, virtual-rank harness and benches (lab/native/cuda/hooks.h) and a CPU probe of the
+// CUDA handlers' per-site state. Built only with JAX_HYBRIDEP_TESTING=ON and installed outside the
+// package; tests and lab/gpu_transport_bench.py reach it through lab/native_module.py.
 #include <vector>
 
 #include "lab/native/attr_probes.h"
-#include "lab/native/host_hooks.h"
+#include "lab/native/common_hooks.h"
 #include "lab/native/transport_reference.h"
 #include "nanobind/nanobind.h"
 #include "xla_ffi/cpu/handlers/handlers.h"
@@ -64,7 +64,7 @@ NB_MODULE(_hybridep_testing, m) {
   m.def("cpu_state_type_registrations", &jax_hybridep::CpuStateTypeRegistrations,
         "The test module's FFI type name -> {'type_id', 'type_info'} capsules, for platform "
         "'cpu' (registered before the handlers).");
-  jax_hybridep::RegisterHostHooks(m);
+  jax_hybridep::RegisterCommonHooks(m);
   jax_hybridep::RegisterTransportReference(m);
 #ifdef JAX_HYBRIDEP_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -1,4 +1,4 @@
-// The transport's rounds by the host kernels (transport_reference.h).
+// The transport's rounds by the CPU kernels (transport_reference.h).
 #include "lab/native/transport_reference.h"
 
 #include <cstdint>
@@ -23,24 +23,23 @@ namespace {
 struct TransportRounds {
   Dtype dtype;
   int64_t N, R, T, K, C, row_bytes;
-  HostArray<uint8_t> x;        // [N, R, T, row_bytes]: dispatched tokens
-  HostArray<int32_t> dest;     // [N, R, T, K]: destination rank per (t, k), -1: none
-  HostArray<int32_t> row_pos;  // [N, R, T, K]: the row there (-1 exactly where dest is)
-  HostArray<float> weights;    // [N, R, T, K]: routing weights
-  HostArray<uint8_t> y;        // [N, R, C, row_bytes]: combined rows
-  std::optional<HostArray<float>> y_weights;  // [N, R, C] or none: combine unweighted
-  HostArray<uint8_t> g;                       // [N, R, T, row_bytes]: redispatched tokens
-  HostArray<float> scale;                     // [N, R, C]: redispatch's row scales
-  HostArray<float> values;                    // [N, R, C]: row values sent back
+  CpuArray<uint8_t> x;        // [N, R, T, row_bytes]: dispatched tokens
+  CpuArray<int32_t> dest;     // [N, R, T, K]: destination rank per (t, k), -1: none
+  CpuArray<int32_t> row_pos;  // [N, R, T, K]: the row there (-1 exactly where dest is)
+  CpuArray<float> weights;    // [N, R, T, K]: routing weights
+  CpuArray<uint8_t> y;        // [N, R, C, row_bytes]: combined rows
+  std::optional<CpuArray<float>> y_weights;  // [N, R, C] or none: combine unweighted
+  CpuArray<uint8_t> g;                       // [N, R, T, row_bytes]: redispatched tokens
+  CpuArray<float> scale;                     // [N, R, C]: redispatch's row scales
+  CpuArray<float> values;                    // [N, R, C]: row values sent back
 };
 
 // Checks shapes, ranges and dest/row_pos agreement (ValueError naming the argument otherwise).
-TransportRounds CheckTransportRounds(const std::string& dtype, int64_t rows, HostArray<uint8_t> x,
-                                     HostArray<int32_t> dest, HostArray<int32_t> row_pos,
-                                     HostArray<float> weights, HostArray<uint8_t> y,
-                                     std::optional<HostArray<float>> y_weights,
-                                     HostArray<uint8_t> g, HostArray<float> scale,
-                                     HostArray<float> values) {
+TransportRounds CheckTransportRounds(const std::string& dtype, int64_t rows, CpuArray<uint8_t> x,
+                                     CpuArray<int32_t> dest, CpuArray<int32_t> row_pos,
+                                     CpuArray<float> weights, CpuArray<uint8_t> y,
+                                     std::optional<CpuArray<float>> y_weights, CpuArray<uint8_t> g,
+                                     CpuArray<float> scale, CpuArray<float> values) {
   TransportRounds in{ParseDtype(dtype), 0,       0, 0,         0, rows,  0,     x, dest,
                      row_pos,           weights, y, y_weights, g, scale, values};
   Require(x.ndim() == 4 && dest.ndim() == 4, "x: expected [N, R, T, row_bytes], dest [N, R, T, K]");
@@ -75,7 +74,7 @@ nb::dict Reference(const TransportRounds& in) {
       combined(N * R * T * rb);
   std::vector<float> weights(N * R * C), row_values(N * R * T * K);
   std::vector<int32_t> recv_row_pos(N * R * R * T * K, -1);
-  auto bytes = [](const HostArray<uint8_t>& a, int64_t at) {
+  auto bytes = [](const CpuArray<uint8_t>& a, int64_t at) {
     return reinterpret_cast<const char*>(a.data()) + at;
   };
   for (int64_t n = 0; n < N; ++n) {
@@ -137,10 +136,10 @@ nb::dict Reference(const TransportRounds& in) {
 void RegisterTransportReference(nb::module_& m) {
   m.def(
       "transport_reference",
-      [](const std::string& dtype, int64_t rows, HostArray<uint8_t> x, HostArray<int32_t> dest,
-         HostArray<int32_t> row_pos, HostArray<float> weights, HostArray<uint8_t> y,
-         std::optional<HostArray<float>> y_weights, HostArray<uint8_t> g, HostArray<float> scale,
-         HostArray<float> values) {
+      [](const std::string& dtype, int64_t rows, CpuArray<uint8_t> x, CpuArray<int32_t> dest,
+         CpuArray<int32_t> row_pos, CpuArray<float> weights, CpuArray<uint8_t> y,
+         std::optional<CpuArray<float>> y_weights, CpuArray<uint8_t> g, CpuArray<float> scale,
+         CpuArray<float> values) {
         return Reference(CheckTransportRounds(dtype, rows, x, dest, row_pos, weights, y, y_weights,
                                               g, scale, values));
       },
@@ -148,7 +147,7 @@ void RegisterTransportReference(nb::module_& m) {
       nb::arg("weights"), nb::arg("y"), nb::arg("y_weights").none(), nb::arg("g"), nb::arg("scale"),
       nb::arg("values"),
       "The transport's N rounds (dispatch, combine, redispatch scaled, row values; inputs "
-      "[N, R, ...] as cuda_selftest_transport takes them) by the host handlers' kernels "
+      "[N, R, ...] as cuda_selftest_transport takes them) by the host handlers' CPU kernels "
       "(exchange.h: PullRows, PullCombine, PullRowValues). Returns the same dict of [N, R, ...] "
       "results, without a GPU.");
 }

@@ -1,6 +1,6 @@
 // The direct-write transport's rounds as the test module takes them ([N, R, ...] inputs: N rounds
 // of dispatch, combine, redispatch (scaled) and row values over R ranks), and their results by the
-// host kernels the host handlers run (exchange.h's pull transport): the reference the numpy model
+// CPU kernels the host handlers run (exchange.h's pull transport): the reference the numpy model
 // of docs/design.md §2.1 is checked against, so a GPU run only has the CUDA kernels left to test.
 #ifndef JAX_HYBRIDEP_LAB_NATIVE_TRANSPORT_REFERENCE_H_
 #define JAX_HYBRIDEP_LAB_NATIVE_TRANSPORT_REFERENCE_H_

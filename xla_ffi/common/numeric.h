@@ -1,6 +1,6 @@
 // Conversions between float32 and the 16-bit float formats the ops carry.
 //
-// Both round to nearest even, like XLA's convert, so host and XLA results agree bitwise. No
+// Both round to nearest even, like XLA's convert, so the CPU kernels and XLA agree bitwise. No
 // compiler half-precision types are used: their availability differs between compilers and
 // targets, and the arithmetic here is always done in float32.
 #ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_NUMERIC_H_
@@ -9,34 +9,35 @@
 #include <cstdint>
 #include <cstring>
 
-// The same conversions run in CUDA kernels, which must match the host bit for bit.
+// The same conversions run in CUDA kernels, which must match the CPU kernels bit for bit: a
+// function marked so compiles for the CPU and, under nvcc, for the GPU too.
 #ifdef __CUDACC__
-#define JAX_HYBRIDEP_HOST_DEVICE __host__ __device__
+#define JAX_HYBRIDEP_CPU_AND_GPU __host__ __device__
 #else
-#define JAX_HYBRIDEP_HOST_DEVICE
+#define JAX_HYBRIDEP_CPU_AND_GPU
 #endif
 
 namespace jax_hybridep {
 
 enum class Dtype { kF32, kBF16, kF16 };
 
-JAX_HYBRIDEP_HOST_DEVICE inline float BitsToFloat(uint32_t bits) {
+JAX_HYBRIDEP_CPU_AND_GPU inline float BitsToFloat(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline uint32_t FloatToBits(float f) {
+JAX_HYBRIDEP_CPU_AND_GPU inline uint32_t FloatToBits(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
   return bits;
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline float Bf16ToFloat(uint16_t h) {
+JAX_HYBRIDEP_CPU_AND_GPU inline float Bf16ToFloat(uint16_t h) {
   return BitsToFloat(static_cast<uint32_t>(h) << 16);
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
+JAX_HYBRIDEP_CPU_AND_GPU inline uint16_t FloatToBf16(float f) {
   uint32_t bits = FloatToBits(f);
   if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it quiet and keep the sign.
     return static_cast<uint16_t>((bits >> 16) | 0x0040u);
@@ -45,7 +46,7 @@ JAX_HYBRIDEP_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>((bits + rounding_bias) >> 16);
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline float F16ToFloat(uint16_t h) {
+JAX_HYBRIDEP_CPU_AND_GPU inline float F16ToFloat(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exponent = (h >> 10) & 0x1fu;
   uint32_t mantissa = h & 0x3ffu;
@@ -58,7 +59,7 @@ JAX_HYBRIDEP_HOST_DEVICE inline float F16ToFloat(uint16_t h) {
   return BitsToFloat(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline uint16_t FloatToF16(float f) {
+JAX_HYBRIDEP_CPU_AND_GPU inline uint16_t FloatToF16(float f) {
   uint32_t bits = FloatToBits(f);
   uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   uint32_t abs_bits = bits & 0x7fffffffu;
@@ -75,7 +76,7 @@ JAX_HYBRIDEP_HOST_DEVICE inline uint16_t FloatToF16(float f) {
   return sign | static_cast<uint16_t>(abs_bits >> 13);
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline float LoadAsFloat(const void* base, int64_t i, Dtype dtype) {
+JAX_HYBRIDEP_CPU_AND_GPU inline float LoadAsFloat(const void* base, int64_t i, Dtype dtype) {
   switch (dtype) {
     case Dtype::kF32:
       return static_cast<const float*>(base)[i];
@@ -87,7 +88,7 @@ JAX_HYBRIDEP_HOST_DEVICE inline float LoadAsFloat(const void* base, int64_t i, D
   return 0.0f;
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline void StoreFromFloat(void* base, int64_t i, float value,
+JAX_HYBRIDEP_CPU_AND_GPU inline void StoreFromFloat(void* base, int64_t i, float value,
                                                     Dtype dtype) {
   switch (dtype) {
     case Dtype::kF32:
@@ -102,13 +103,13 @@ JAX_HYBRIDEP_HOST_DEVICE inline void StoreFromFloat(void* base, int64_t i, float
   }
 }
 
-JAX_HYBRIDEP_HOST_DEVICE inline int64_t DtypeBytes(Dtype dtype) {
+JAX_HYBRIDEP_CPU_AND_GPU inline int64_t DtypeBytes(Dtype dtype) {
   return dtype == Dtype::kF32 ? 4 : 2;
 }
 
 // The widest power-of-two word (up to 16 bytes) dividing both addresses and the byte count: the
 // vector width a row copy between them can use.
-JAX_HYBRIDEP_HOST_DEVICE inline int WordBytes(const void* a, const void* b, int64_t bytes) {
+JAX_HYBRIDEP_CPU_AND_GPU inline int WordBytes(const void* a, const void* b, int64_t bytes) {
   const uint64_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
                         static_cast<uint64_t>(bytes);
   for (int w = 16; w > 1; w /= 2) {
@@ -118,8 +119,8 @@ JAX_HYBRIDEP_HOST_DEVICE inline int WordBytes(const void* a, const void* b, int6
 }
 
 // Row kernels over `hidden` elements, with the dtype fixed at compile time so the loops
-// vectorise (host dispatchers by dtype and CPU: exchange.h). They do exactly the scalar operations
-// above, element by element, in the same order (no reassociation; the build disables FMA
+// vectorise (the CPU kernels dispatch by dtype and CPU: exchange.h). They do exactly the scalar
+// operations above, element by element, in the same order (no reassociation; the build disables FMA
 // contraction), so results are bitwise those of a scalar loop and of XLA, at any vector width.
 
 // acc[h] = acc[h] + row[h] (times w when weighted), in float32. kFirst: acc is +0 and not read
@@ -169,7 +170,7 @@ inline void ScaleRowT(void* __restrict out, const void* __restrict in, int64_t h
 // lanes halved pairwise (lane l += lane l + w/2 for a width w; an odd last lane moves down) until
 // one is left. L = min(hidden, 16 * ceil(hidden / 1024)): at most ~64 steps per lane, and a
 // multiple of 16 floats (one AVX-512 register) whenever hidden >= 16.
-JAX_HYBRIDEP_HOST_DEVICE inline int64_t RowDotLanes(int64_t hidden) {
+JAX_HYBRIDEP_CPU_AND_GPU inline int64_t RowDotLanes(int64_t hidden) {
   const int64_t lanes = 16 * ((hidden + 1023) / 1024);
   return hidden < lanes ? hidden : lanes;
 }

@@ -419,6 +419,8 @@ void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t
   mine->ranks[rank]->done(statuses[rank]);
 }
 
+// Read by the test module only (declared in lab/native/introspection.h): exchanges waiting for
+// ranks, and generation counters held.
 int64_t OpenExchangeCount() {
   Registry& registry = GetRegistry();
   std::lock_guard<std::mutex> lock(registry.mu);

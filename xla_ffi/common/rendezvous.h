@@ -1,4 +1,5 @@
-// Process-wide meeting point for the ranks of one exchange (host direct-write transport).
+// Process-wide meeting point for the ranks of one exchange (the host handlers' direct-write
+// transport; the CUDA windows take its Status).
 //
 // XLA:CPU runs each device's program on its own thread, and its thunk executor may order
 // independent thunks differently on different devices. A custom call that blocked its device
@@ -61,13 +62,6 @@ struct Participant {
 void JoinExchange(const std::string& name, int64_t run_id, int64_t site, int64_t group,
                   int64_t rank, int64_t num_ranks, std::chrono::milliseconds timeout,
                   Participant participant);
-
-// Number of exchanges waiting for ranks (for tests: 0 when the process is idle).
-int64_t OpenExchangeCount();
-
-// Number of (call site, EP group, rank) generation counters held (for tests: a site's counters go
-// once its exchanges have completed, so this stays bounded however often a program is retraced).
-int64_t CallSiteStateCount();
 
 }  // namespace jax_hybridep
 

@@ -1,4 +1,4 @@
-// JAX_HYBRIDEP_ROW_KERNEL: the attribute of the host row kernels' dtype dispatchers
+// JAX_HYBRIDEP_ROW_KERNEL: the attribute of the CPU row kernels' dtype dispatchers
 // (exchange.cc, fp8.cc).
 #ifndef JAX_HYBRIDEP_XLA_FFI_COMMON_ROW_KERNEL_H_
 #define JAX_HYBRIDEP_XLA_FFI_COMMON_ROW_KERNEL_H_

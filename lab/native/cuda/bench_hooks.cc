@@ -6,7 +6,7 @@
 //                            through HBM): the slot map, the send (16-bit and FP8) and combine's
 //                            send back per SM count, the wide permute, unpermute and reduce,
 //                            beside a device-to-device copy; the rows are checked against the
-//                            host references before any figure is returned;
+//                            references before any figure is returned;
 //   cuda_send_kernel_info    the loaded send kernel's registers and shared memory.
 #include <cuda_runtime_api.h>
 
@@ -243,37 +243,37 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
   const std::vector<TransportError> errors = gpu.Download(error, 1);
   Require(errors[0].code == 0, "a wait failed during the benchmark");
 
-  // The figures are of exchanges that compute the right thing: rows and sums against the host
+  // The figures are of exchanges that compute the right thing: rows and sums against the
   // references (reference.h) on the same metadata.
-  std::vector<int32_t> h_rows(np * K), h_slot(C), h_info(2), h_send(mp), h_item(np);
-  std::vector<float> h_weights(C);
-  SlotMapHost(shape, 0, gathered.data(), h_send.data(), h_item.data(), h_rows.data(),
-              h_weights.data(), h_slot.data(), h_info.data());
-  Require(gpu.Download(recv_rows, np * K) == h_rows && gpu.Download(row_slot, C) == h_slot &&
-              gpu.Download(info, 2) == h_info && gpu.Download(send_slot, mp) == h_send,
-          "the slot-map kernels disagree with the host reference");
-  const char* host_x = reinterpret_cast<const char*>(pattern.data());
+  std::vector<int32_t> ref_rows(np * K), ref_slot(C), ref_info(2), ref_send(mp), ref_item(np);
+  std::vector<float> ref_weights(C);
+  SlotMapReference(shape, 0, gathered.data(), ref_send.data(), ref_item.data(), ref_rows.data(),
+                   ref_weights.data(), ref_slot.data(), ref_info.data());
+  Require(gpu.Download(recv_rows, np * K) == ref_rows && gpu.Download(row_slot, C) == ref_slot &&
+              gpu.Download(info, 2) == ref_info && gpu.Download(send_slot, mp) == ref_send,
+          "the slot-map kernels disagree with the reference");
+  const char* x_bytes = reinterpret_cast<const char*>(pattern.data());
   const int64_t stride = WindowRegionsFor(geometry).slot_stride;
   std::vector<char> slots(T * stride), wire(T * stride), want(C * row_bytes),
       want_fp8(C * row_bytes);
   for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(slots.data() + t * stride, host_x + t * row_bytes, row_bytes);
-    QuantizeRow(host_x + t * row_bytes, hidden, dtype,
+    std::memcpy(slots.data() + t * stride, x_bytes + t * row_bytes, row_bytes);
+    QuantizeRow(x_bytes + t * row_bytes, hidden, dtype,
                 reinterpret_cast<uint8_t*>(wire.data() + t * stride));
   }
-  PermuteHost(shape, slots.data(), stride, row_bytes, h_rows.data(), h_slot.data(), h_info.data(),
-              0, want.data(), dtype, 0, nullptr, nullptr);
-  PermuteHost(shape, wire.data(), stride, wire_bytes, h_rows.data(), h_slot.data(), h_info.data(),
-              0, want_fp8.data(), dtype, hidden, nullptr, nullptr);
-  Require(gpu.Download(out, C * row_bytes) == want, "the permute disagrees with the host");
+  PermuteReference(shape, slots.data(), stride, row_bytes, ref_rows.data(), ref_slot.data(),
+                   ref_info.data(), 0, want.data(), dtype, 0, nullptr, nullptr);
+  PermuteReference(shape, wire.data(), stride, wire_bytes, ref_rows.data(), ref_slot.data(),
+                   ref_info.data(), 0, want_fp8.data(), dtype, hidden, nullptr, nullptr);
+  Require(gpu.Download(out, C * row_bytes) == want, "the permute disagrees with the reference");
   Require(gpu.Download(fp8_out, C * row_bytes) == want_fp8,
-          "the FP8 dispatch disagrees with the host row kernels");
+          "the FP8 dispatch disagrees with the CPU row kernels");
   std::vector<char> want_partials(T * row_bytes), want_combined(T * row_bytes);
-  UnpermuteHost(shape, dtype, hidden, reinterpret_cast<const char*>(pattern.data()),
-                h_weights.data(), h_rows.data(), h_info.data(), want_partials.data());
-  ReduceHost(shape, dtype, hidden, want_partials.data(), dest.data(), want_combined.data());
+  UnpermuteReference(shape, dtype, hidden, reinterpret_cast<const char*>(pattern.data()),
+                     ref_weights.data(), ref_rows.data(), ref_info.data(), want_partials.data());
+  ReduceReference(shape, dtype, hidden, want_partials.data(), dest.data(), want_combined.data());
   Require(gpu.Download(combined, T * row_bytes) == want_combined,
-          "the combine disagrees with the host references");
+          "the combine disagrees with the references");
 
   char* copy_src = gpu.Zeros<char>(copy_bytes);
   char* copy_dst = gpu.Zeros<char>(copy_bytes);

@@ -5,7 +5,7 @@
 //     ranks' sends before any rank's receive (no residency needed);
 //   * per_rank_devices: rank r on device r with its own stream, as across the GPUs of a node
 //     (the host executor's virtual GPUs, docs/host_executor.md). Without sync_each_phase the
-//     host waits only at the end, so a rank's next exchange overlaps its peers' last one.
+//     caller waits only at the end, so a rank's next exchange overlaps its peers' last one.
 // Rounds reuse the windows, so both halves and the exchange counters are exercised; a rank can
 // be made to tag its flags with another call site (the waits must report a mismatch) or to send
 // nothing (they must time out).
@@ -41,7 +41,7 @@ std::string FailureMessage(const TransportError& e) {
          what + "; flag " + std::to_string(e.seen) + ", expected " + std::to_string(e.expected);
 }
 
-// Rank r's share of a [N, R, per] host array: [N, per], contiguous.
+// Rank r's share of a [N, R, per] numpy array: [N, per], contiguous.
 template <typename T>
 std::vector<T> RankSlice(const T* data, int64_t N, int64_t R, int64_t r, int64_t per) {
   std::vector<T> out(N * per);
@@ -66,11 +66,11 @@ struct RankMemory {
   char *tokens, *combined, *redispatched, *scaled;
 };
 
-nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArray<uint8_t> x,
-                           HostArray<int32_t> dest, HostArray<int32_t> row_pos,
-                           HostArray<float> weights, HostArray<uint8_t> y,
-                           std::optional<HostArray<float>> y_weights, HostArray<uint8_t> g,
-                           HostArray<float> scale, int64_t send_blocks, int64_t fp8_hidden,
+nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, CpuArray<uint8_t> x,
+                           CpuArray<int32_t> dest, CpuArray<int32_t> row_pos,
+                           CpuArray<float> weights, CpuArray<uint8_t> y,
+                           std::optional<CpuArray<float>> y_weights, CpuArray<uint8_t> g,
+                           CpuArray<float> scale, int64_t send_blocks, int64_t fp8_hidden,
                            int64_t zero_pad_multiple, int64_t timeout_ms, int64_t mismatch_rank,
                            int64_t silent_rank, bool per_rank_devices, bool sync_each_phase) {
   const Dtype dtype = ParseDtype(dtype_name);
@@ -126,14 +126,14 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
   const WindowRegions layout = WindowRegionsFor(geometry);
   PeerWindows peers{};
   for (int64_t r = 0; r < R; ++r) peers.base[r] = gpu(r).Zeros<char>(layout.total);
-  void* host_error = nullptr;
-  CheckCuda(cudaHostAlloc(&host_error, sizeof(TransportError) * R,
+  void* errors_mapped = nullptr;
+  CheckCuda(cudaHostAlloc(&errors_mapped, sizeof(TransportError) * R,
                           cudaHostAllocMapped | cudaHostAllocPortable),
             "cudaHostAlloc");
-  std::unique_ptr<void, cudaError_t (*)(void*)> host_error_owner(host_error, cudaFreeHost);
-  std::memset(host_error, 0, sizeof(TransportError) * R);
+  std::unique_ptr<void, cudaError_t (*)(void*)> errors_owner(errors_mapped, cudaFreeHost);
+  std::memset(errors_mapped, 0, sizeof(TransportError) * R);
   void* mapped_error = nullptr;
-  CheckCuda(cudaHostGetDevicePointer(&mapped_error, host_error, 0), "cudaHostGetDevicePointer");
+  CheckCuda(cudaHostGetDevicePointer(&mapped_error, errors_mapped, 0), "cudaHostGetDevicePointer");
   auto exchange = [&](int64_t r, int64_t bytes, uint32_t site) {
     ExchangeParams ex{};
     ex.window = layout;
@@ -154,7 +154,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, HostArra
       CheckCuda(cudaStreamSynchronize(session->stream()), "transport kernels");
     }
     for (int64_t r = 0; r < R; ++r) {
-      const TransportError e = static_cast<const TransportError*>(host_error)[r];
+      const TransportError e = static_cast<const TransportError*>(errors_mapped)[r];
       Require(e.code == 0, FailureMessage(e));
     }
   };
@@ -328,7 +328,7 @@ void RegisterTransportHarness(nb::module_& m) {
         "The transport with R ranks: N rounds (the inputs' leading dimension) of layout, dispatch "
         "(FP8 with fp8_hidden), combine and redispatch (scaled) on the same windows; all on this "
         "GPU's one stream, or (per_rank_devices) rank r on device r with its own stream, the "
-        "host waiting after every phase or (sync_each_phase=False) only at the end. "
+        "the caller waiting after every phase or (sync_each_phase=False) only at the end. "
         "mismatch_rank tags that rank's flags with another call site, silent_rank sends nothing "
         "(each must fail with ValueError). Returns a dict of [N, R, ...] results.");
 }

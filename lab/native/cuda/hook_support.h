@@ -1,5 +1,5 @@
 // Shared by the test module's CUDA hooks (self-tests and benchmarks): a device count that is 0
-// without a driver, and a GPU session owning a stream and its allocations; the host-array helpers
+// without a driver, and a GPU session owning a stream and its allocations; the numpy-array helpers
 // are lab/native/array_hooks.h's. Plain C++ against the CUDA runtime API.
 #ifndef JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOK_SUPPORT_H_
 #define JAX_HYBRIDEP_LAB_NATIVE_CUDA_HOOK_SUPPORT_H_
@@ -71,9 +71,9 @@ class GpuSession {
   }
 
   template <typename T>
-  T* Upload(const T* host, size_t n) {
+  T* Upload(const T* values, size_t n) {
     T* ptr = Zeros<T>(n);
-    CheckCuda(cudaMemcpyAsync(ptr, host, n * sizeof(T), cudaMemcpyHostToDevice, stream_),
+    CheckCuda(cudaMemcpyAsync(ptr, values, n * sizeof(T), cudaMemcpyHostToDevice, stream_),
               "cudaMemcpyAsync");
     return ptr;
   }
@@ -82,11 +82,11 @@ class GpuSession {
   template <typename T>
   std::vector<T> Download(const T* device, size_t n) {
     Use();
-    std::vector<T> host(n);
-    CheckCuda(cudaMemcpyAsync(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost, stream_),
+    std::vector<T> out(n);
+    CheckCuda(cudaMemcpyAsync(out.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost, stream_),
               "cudaMemcpyAsync");
     CheckCuda(cudaStreamSynchronize(stream_), "kernel");
-    return host;
+    return out;
   }
 
  private:

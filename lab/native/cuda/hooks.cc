@@ -1,4 +1,4 @@
-// Hooks of the transport that need no GPU (hooks.h): the host references of the slot map and the
+// Hooks of the transport that need no GPU (hooks.h): the references of the slot map and the
 // row steps, which the numpy twin (tests/transport_twin.py) is checked against bit for bit; and
 // the slot-map kernels on a GPU (or the host executor) against the same reference. Inputs are
 // validated first: a bad index would make the reference write out of bounds.
@@ -26,7 +26,7 @@ namespace jax_hybridep {
 namespace {
 
 // gathered [S, M, K, 3]: destinations in [-1, S), rows in [-1, rows), -1 together.
-SlotMapShape CheckGathered(const HostArray<int32_t>& gathered, int64_t rank, int64_t rows) {
+SlotMapShape CheckGathered(const CpuArray<int32_t>& gathered, int64_t rank, int64_t rows) {
   Require(gathered.ndim() == 4 && gathered.shape(3) == 3, "gathered: expected [S, M, K, 3]");
   const SlotMapShape shape{static_cast<int64_t>(gathered.shape(0)),
                            static_cast<int64_t>(gathered.shape(1)),
@@ -43,16 +43,16 @@ SlotMapShape CheckGathered(const HostArray<int32_t>& gathered, int64_t rank, int
   return shape;
 }
 
-nb::dict Layout(HostArray<int32_t> gathered, int64_t rank, int64_t rows, bool reference) {
+nb::dict Layout(CpuArray<int32_t> gathered, int64_t rank, int64_t rows, bool reference) {
   const SlotMapShape shape = CheckGathered(gathered, rank, rows);
   const int64_t S = shape.ranks, M = shape.items, K = shape.k;
   const size_t mp = ChunkPadded(M), np = ChunkPadded(S * M);
   std::vector<int32_t> send_slot(mp * S), recv_item(np), recv_rows(np * K), row_slot(rows), info(2);
   std::vector<float> row_weights(rows);
   if (reference) {
-    SlotMapHost(shape, static_cast<int32_t>(rank), gathered.data(), send_slot.data(),
-                recv_item.data(), recv_rows.data(), row_weights.data(), row_slot.data(),
-                info.data());
+    SlotMapReference(shape, static_cast<int32_t>(rank), gathered.data(), send_slot.data(),
+                     recv_item.data(), recv_rows.data(), row_weights.data(), row_slot.data(),
+                     info.data());
   } else {
     GpuSession gpu;
     const int32_t r32 = static_cast<int32_t>(rank);
@@ -87,8 +87,8 @@ nb::dict Layout(HostArray<int32_t> gathered, int64_t rank, int64_t rows, bool re
 
 // A receiver's metadata as the layout gives it: n = info[0] slots, each row filled at most once,
 // row_slot consistent with recv_rows.
-void CheckReceiverMaps(const HostArray<int32_t>& recv_rows, const HostArray<int32_t>& row_slot,
-                       const HostArray<int32_t>& info, int64_t slots, int64_t rows) {
+void CheckReceiverMaps(const CpuArray<int32_t>& recv_rows, const CpuArray<int32_t>& row_slot,
+                       const CpuArray<int32_t>& info, int64_t slots, int64_t rows) {
   Require(recv_rows.ndim() == 2, "recv_rows: expected [slots, K]");
   RequireShape(row_slot, "row_slot", {rows});
   RequireShape(info, "info", {2});
@@ -111,11 +111,11 @@ void CheckReceiverMaps(const HostArray<int32_t>& recv_rows, const HostArray<int3
   }
 }
 
-nb::tuple ReferencePermute(const std::string& dtype_name, HostArray<uint8_t> slots,
-                           int64_t row_bytes, HostArray<int32_t> recv_rows,
-                           HostArray<int32_t> row_slot, HostArray<int32_t> info,
+nb::tuple ReferencePermute(const std::string& dtype_name, CpuArray<uint8_t> slots,
+                           int64_t row_bytes, CpuArray<int32_t> recv_rows,
+                           CpuArray<int32_t> row_slot, CpuArray<int32_t> info,
                            int64_t zero_pad_multiple, int64_t fp8_hidden,
-                           std::optional<HostArray<float>> scale) {
+                           std::optional<CpuArray<float>> scale) {
   const Dtype dtype = ParseDtype(dtype_name);
   Require(slots.ndim() == 2, "slots: expected [n, slot_stride]");
   const int64_t rows = row_slot.ndim() == 1 ? row_slot.shape(0) : -1;
@@ -131,18 +131,18 @@ nb::tuple ReferencePermute(const std::string& dtype_name, HostArray<uint8_t> slo
   const int64_t out_row_bytes = fp8_hidden > 0 ? fp8_hidden * DtypeBytes(dtype) : row_bytes;
   const SlotMapShape shape{0, 0, static_cast<int64_t>(recv_rows.shape(1)), rows};
   std::vector<uint8_t> out(rows * out_row_bytes, 0xab), scaled(scale ? out.size() : 0, 0xab);
-  PermuteHost(shape, reinterpret_cast<const char*>(slots.data()), stride, row_bytes,
-              recv_rows.data(), row_slot.data(), info.data(), zero_pad_multiple,
-              reinterpret_cast<char*>(out.data()), dtype, fp8_hidden,
-              scale ? scale->data() : nullptr, reinterpret_cast<char*>(scaled.data()));
+  PermuteReference(shape, reinterpret_cast<const char*>(slots.data()), stride, row_bytes,
+                   recv_rows.data(), row_slot.data(), info.data(), zero_pad_multiple,
+                   reinterpret_cast<char*>(out.data()), dtype, fp8_hidden,
+                   scale ? scale->data() : nullptr, reinterpret_cast<char*>(scaled.data()));
   const size_t c = rows, b = out_row_bytes;
   nb::object scaled_out = scale ? ToNumpy(std::move(scaled), {c, b}) : nb::none();
   return nb::make_tuple(ToNumpy(std::move(out), {c, b}), scaled_out);
 }
 
-nb::object ReferenceUnpermute(const std::string& dtype_name, HostArray<uint8_t> y,
-                              std::optional<HostArray<float>> weights, HostArray<int32_t> recv_rows,
-                              HostArray<int32_t> row_slot, HostArray<int32_t> info) {
+nb::object ReferenceUnpermute(const std::string& dtype_name, CpuArray<uint8_t> y,
+                              std::optional<CpuArray<float>> weights, CpuArray<int32_t> recv_rows,
+                              CpuArray<int32_t> row_slot, CpuArray<int32_t> info) {
   const Dtype dtype = ParseDtype(dtype_name);
   Require(y.ndim() == 2 && y.shape(1) % DtypeBytes(dtype) == 0, "y: expected [C, row_bytes]");
   const int64_t rows = y.shape(0), row_bytes = y.shape(1);
@@ -151,14 +151,14 @@ nb::object ReferenceUnpermute(const std::string& dtype_name, HostArray<uint8_t> 
   const int64_t n = info.data()[0];
   const SlotMapShape shape{0, 0, static_cast<int64_t>(recv_rows.shape(1)), rows};
   std::vector<uint8_t> partials(n * row_bytes);
-  UnpermuteHost(shape, dtype, row_bytes / DtypeBytes(dtype),
-                reinterpret_cast<const char*>(y.data()), weights ? weights->data() : nullptr,
-                recv_rows.data(), info.data(), reinterpret_cast<char*>(partials.data()));
+  UnpermuteReference(shape, dtype, row_bytes / DtypeBytes(dtype),
+                     reinterpret_cast<const char*>(y.data()), weights ? weights->data() : nullptr,
+                     recv_rows.data(), info.data(), reinterpret_cast<char*>(partials.data()));
   return ToNumpy(std::move(partials), {static_cast<size_t>(n), static_cast<size_t>(row_bytes)});
 }
 
-nb::object ReferenceReduce(const std::string& dtype_name, HostArray<uint8_t> partials,
-                           HostArray<int32_t> dest) {
+nb::object ReferenceReduce(const std::string& dtype_name, CpuArray<uint8_t> partials,
+                           CpuArray<int32_t> dest) {
   const Dtype dtype = ParseDtype(dtype_name);
   Require(partials.ndim() == 3, "partials: expected [S, M, row_bytes]");
   const int64_t S = partials.shape(0), M = partials.shape(1), row_bytes = partials.shape(2);
@@ -167,9 +167,9 @@ nb::object ReferenceReduce(const std::string& dtype_name, HostArray<uint8_t> par
   RequireRange(dest.data(), dest.size(), S, "dest");
   const SlotMapShape shape{S, M, static_cast<int64_t>(dest.shape(1)), 0};
   std::vector<uint8_t> out(M * row_bytes);
-  ReduceHost(shape, dtype, row_bytes / DtypeBytes(dtype),
-             reinterpret_cast<const char*>(partials.data()), dest.data(),
-             reinterpret_cast<char*>(out.data()));
+  ReduceReference(shape, dtype, row_bytes / DtypeBytes(dtype),
+                  reinterpret_cast<const char*>(partials.data()), dest.data(),
+                  reinterpret_cast<char*>(out.data()));
   return ToNumpy(std::move(out), {static_cast<size_t>(M), static_cast<size_t>(row_bytes)});
 }
 
@@ -179,20 +179,20 @@ void RegisterTransportHooks(nb::module_& m) {
   m.def("cuda_slot_map", &Layout, nb::arg("gathered"), nb::arg("rank"), nb::arg("rows"),
         nb::arg("reference") = true,
         "The slot map of `rank` from the gathered routing [S, M, K, 3] (destination, "
-        "row, weight bits): the host reference, or (reference=False) the CUDA kernels. Returns "
+        "row, weight bits): the reference, or (reference=False) the CUDA kernels. Returns "
         "a dict of send_slot, recv_item, recv_rows, row_weights, row_slot, info.");
   m.def("cuda_reference_permute", &ReferencePermute, nb::arg("dtype"), nb::arg("slots"),
         nb::arg("row_bytes"), nb::arg("recv_rows"), nb::arg("row_slot"), nb::arg("info"),
         nb::arg("zero_pad_multiple") = 0, nb::arg("fp8_hidden") = 0,
         nb::arg("scale").none() = nb::none(),
-        "Host reference of the permute (rows untouched by it are 0xab). Returns (rows, "
+        "Reference of the permute (rows untouched by it are 0xab). Returns (rows, "
         "scaled or None), uint8.");
   m.def("cuda_reference_unpermute", &ReferenceUnpermute, nb::arg("dtype"), nb::arg("y"),
         nb::arg("weights").none(), nb::arg("recv_rows"), nb::arg("row_slot"), nb::arg("info"),
-        "Host reference of the unpermute. Returns the partials [n, row_bytes], uint8.");
+        "Reference of the unpermute. Returns the partials [n, row_bytes], uint8.");
   m.def("cuda_reference_reduce", &ReferenceReduce, nb::arg("dtype"), nb::arg("partials"),
         nb::arg("dest"),
-        "Host reference of the reduce (partials [S, M, row_bytes] at [source d, item m]). "
+        "Reference of the reduce (partials [S, M, row_bytes] at [source d, item m]). "
         "Returns [M, row_bytes], uint8.");
 }
 

@@ -1,5 +1,5 @@
 // Hooks of the layout step's CUDA kernels (kernels/row_layout.h) on the test module, for tests
-// marked `gpu`: cuda_selftest_layout runs them on host inputs (or, with reference=True, the host
+// marked `gpu`: cuda_selftest_layout runs them on numpy inputs (or, with reference=True, the CPU
 // kernels of the same name), and cuda_device_count. Inputs are validated first: a bad row index
 // would make the CUDA kernels fault. Plain C++ against the CUDA runtime API.
 #include "lab/native/cuda/layout_hooks.h"
@@ -21,8 +21,8 @@ namespace nb = nanobind;
 
 namespace jax_hybridep {
 namespace {
-nb::dict SelftestLayout(HostArray<int32_t> topk_idx, int64_t num_experts,
-                        HostArray<int64_t> placement_rank, HostArray<int64_t> placement_slot,
+nb::dict SelftestLayout(CpuArray<int32_t> topk_idx, int64_t num_experts,
+                        CpuArray<int64_t> placement_rank, CpuArray<int64_t> placement_slot,
                         int64_t num_slots, int64_t capacity, int64_t rows, int64_t pad_multiple,
                         bool reference) {
   Require(topk_idx.ndim() == 3, "topk_idx: expected [R, T, K]");
@@ -56,7 +56,7 @@ nb::dict SelftestLayout(HostArray<int32_t> topk_idx, int64_t num_experts,
     DroppedPerSource(counts.data(), R, E, keep.data(), dropped_per_source.data());
   } else {
     // The handler's part of the layout on the GPU: PlanGroups and AssignRows over the counts XLA
-    // all-gathers in production (counted here on the host, as jnp counts them there).
+    // all-gathers in production (counted here on the CPU, as jnp counts them there).
     for (int64_t r = 0; r < R; ++r) {
       CountRows(topk_idx.data() + r * T * K, T, K, E, counts.data() + r * E);
     }
@@ -114,8 +114,8 @@ void RegisterLayoutHooks(nb::module_& m) {
         nb::arg("placement_rank"), nb::arg("placement_slot"), nb::arg("num_slots"),
         nb::arg("capacity"), nb::arg("rows"), nb::arg("pad_multiple"), nb::arg("reference") = false,
         "Layout of all ranks (topk_idx [R, T, K]): PlanGroups and AssignRows on the GPU over the "
-        "host's counts, or with reference=True every step (CountRows, PlanGroups, AssignRows, "
-        "DroppedPerSource) on the host, whose dict also holds counts, invalid and "
+        "CPU's counts, or with reference=True every step (CountRows, PlanGroups, AssignRows, "
+        "DroppedPerSource) on the CPU, whose dict also holds counts, invalid and "
         "dropped_per_source.");
 }
 

@@ -1,4 +1,4 @@
-// Host references of the transport's slot map and row steps (kernels/slot_map.h, reference.h): the
+// References of the transport's slot map and row steps (kernels/slot_map.h, reference.h): the
 // specification the CUDA kernels and the numpy twin are checked against, written as plainly as
 // the steps allow.
 #include "lab/native/cuda/reference.h"
@@ -29,9 +29,9 @@ bool GoesTo(const SlotMapShape& shape, const int32_t* gathered, int64_t s, int64
 
 }  // namespace
 
-void SlotMapHost(const SlotMapShape& shape, int32_t rank, const int32_t* gathered,
-                 int32_t* send_slot, int32_t* recv_item, int32_t* recv_rows, float* row_weights,
-                 int32_t* row_slot, int32_t* info) {
+void SlotMapReference(const SlotMapShape& shape, int32_t rank, const int32_t* gathered,
+                      int32_t* send_slot, int32_t* recv_item, int32_t* recv_rows,
+                      float* row_weights, int32_t* row_slot, int32_t* info) {
   const int64_t S = shape.ranks, M = shape.items, K = shape.k, C = shape.rows;
   std::fill_n(send_slot, ChunkPadded(M) * S, -1);
   std::fill_n(recv_item, ChunkPadded(S * M), -1);
@@ -64,10 +64,10 @@ void SlotMapHost(const SlotMapShape& shape, int32_t rank, const int32_t* gathere
   info[1] = last;
 }
 
-void PermuteHost(const SlotMapShape& shape, const char* slots, int64_t slot_stride,
-                 int64_t row_bytes, const int32_t* recv_rows, const int32_t* row_slot,
-                 const int32_t* info, int64_t zero_pad_multiple, char* out, Dtype dtype,
-                 int64_t fp8_hidden, const float* scale, char* out_scaled) {
+void PermuteReference(const SlotMapShape& shape, const char* slots, int64_t slot_stride,
+                      int64_t row_bytes, const int32_t* recv_rows, const int32_t* row_slot,
+                      const int32_t* info, int64_t zero_pad_multiple, char* out, Dtype dtype,
+                      int64_t fp8_hidden, const float* scale, char* out_scaled) {
   const int64_t K = shape.k, C = shape.rows;
   const bool fp8 = fp8_hidden > 0;
   const int64_t hidden = fp8 ? fp8_hidden : row_bytes / DtypeBytes(dtype);
@@ -102,9 +102,9 @@ void PermuteHost(const SlotMapShape& shape, const char* slots, int64_t slot_stri
   }
 }
 
-void UnpermuteHost(const SlotMapShape& shape, Dtype dtype, int64_t hidden, const char* y,
-                   const float* weights, const int32_t* recv_rows, const int32_t* info,
-                   char* partials) {
+void UnpermuteReference(const SlotMapShape& shape, Dtype dtype, int64_t hidden, const char* y,
+                        const float* weights, const int32_t* recv_rows, const int32_t* info,
+                        char* partials) {
   const int64_t K = shape.k, row_bytes = hidden * DtypeBytes(dtype);
   for (int64_t j = 0; j < info[0]; ++j) {
     for (int64_t h = 0; h < hidden; ++h) {
@@ -121,8 +121,8 @@ void UnpermuteHost(const SlotMapShape& shape, Dtype dtype, int64_t hidden, const
   }
 }
 
-void ReduceHost(const SlotMapShape& shape, Dtype dtype, int64_t hidden, const char* partials,
-                const int32_t* dest, char* out) {
+void ReduceReference(const SlotMapShape& shape, Dtype dtype, int64_t hidden, const char* partials,
+                     const int32_t* dest, char* out) {
   const int64_t S = shape.ranks, M = shape.items, K = shape.k;
   const int64_t row_bytes = hidden * DtypeBytes(dtype);
   for (int64_t m = 0; m < M; ++m) {

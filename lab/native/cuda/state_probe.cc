@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "lab/native/introspection.h"
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cuda/state/site_state.h"
@@ -32,7 +33,7 @@ ffi::ErrorOr<std::unique_ptr<ProbeSiteState>> Instantiate() {
 // out = [SiteStates alive now, executions of this call site's state so far (this one included)].
 ffi::Error Execute(ProbeSiteState* state, ffi::ResultBuffer<ffi::S32> out) {
   if (out->element_count() != 2) return ffi::Error::InvalidArgument("out must be int32[2]");
-  out->typed_data()[0] = static_cast<int32_t>(SiteState::Live());
+  out->typed_data()[0] = static_cast<int32_t>(LiveSiteStates());
   out->typed_data()[1] = ++state->executions;
   return ffi::Error::Success();
 }
@@ -54,7 +55,7 @@ XLA_FFI_Handler* ProbeExecute() { return kProbeExecute; }
 
 void RegisterStateProbe(nb::module_& m) {
   m.def(
-      "live_site_states", [] { return SiteState::Live(); },
+      "live_site_states", [] { return LiveSiteStates(); },
       "Per-site states of the CUDA handlers (and of the CPU probe) alive in this process.");
 }
 

@@ -1,4 +1,4 @@
-// The host (CPU) XLA FFI handlers, by target name.
+// The host handlers (XLA FFI handlers for XLA's Host platform, the CPU), by target name.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_HANDLERS_H_
 #define JAX_HYBRIDEP_XLA_FFI_CPU_HANDLERS_HANDLERS_H_
 

@@ -1,4 +1,4 @@
-// The steps of one exchange level on the host (docs/design.md §2.1, §3), as the host handlers run
+// The steps of one exchange level on the CPU (docs/design.md §2.1, §3), as the host handlers run
 // them.
 //
 // Inside one process every rank reads its peers' inputs once all have arrived ("pull transport"):

@@ -1,4 +1,4 @@
-// The per-level steps of hierarchical dispatch and combine, on the host (docs/design.md §2.1, §3).
+// The per-level steps of hierarchical dispatch and combine, on the CPU (docs/design.md §2.1, §3).
 //
 // Entering level l, a rank holds M items (M = T at the slowest level): payload rows plus, per k,
 // the destination EP rank (-1 when that k has no row below this rank), the destination row and the

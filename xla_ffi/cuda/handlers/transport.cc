@@ -8,8 +8,8 @@
 //   cuda_combine        the partials sent back (num_sms blocks, at most 8) + reduce (wide)
 // The exchanges keep, per call site and device (state/site_state.h, owned by the executable),
 // the rank and group (read from their operands on the first execution) and the site's window
-// (state/window_registry.h). Exchange numbers are not counted on the host: the kernels read them
-// from the window.
+// (state/window_registry.h). Exchange numbers are not counted by the handlers: the kernels read
+// them from the window.
 #include "xla_ffi/cuda/kernels/transport.h"
 
 #include <cuda_runtime_api.h>

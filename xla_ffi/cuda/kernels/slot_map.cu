@@ -1,7 +1,7 @@
 // The slot map's kernels (slot_map.h): per chunk of kSendChunk items, the items each
 // destination receives (count), their running totals over (source, chunk) in order (scan), then
 // every (item, destination)'s slot and the receiver's row map (assign). Integer steps only: the
-// same bits as the host reference SlotMapHost.
+// same bits as the reference SlotMapReference (lab/native/cuda/reference.cc).
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -83,9 +83,6 @@ class SiteState {
                                           xla::ffi::Buffer<xla::ffi::S32> rank,
                                           xla::ffi::Buffer<xla::ffi::S32> group);
 
-  // SiteStates alive in this process (of every kind), for the retrace tests.
-  static int64_t Live();
-
  private:
   std::mutex mu_;
   std::map<int32_t, std::unique_ptr<DeviceSite>> devices_;

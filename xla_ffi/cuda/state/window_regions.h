@@ -1,6 +1,7 @@
 // One rank's window of the GPU transport (kernels/transport.h): the registered device memory
 // every peer writes into, its regions and their offsets (the same on every rank of a group), and
-// the mapped host record its failed waits write to. Plain C++: the host allocates it
+// the mapped record its failed waits write to (pinned memory every GPU reaches). Plain C++: the
+// handlers allocate it
 // (window_registry.cc), the kernels address it.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGIONS_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_WINDOW_REGIONS_H_
@@ -9,7 +10,7 @@
 #include <cstdint>
 
 #include "xla_ffi/common/limits.h"   // kMaxWindowRanks, kMaxSendBlocks
-#include "xla_ffi/common/numeric.h"  // JAX_HYBRIDEP_HOST_DEVICE
+#include "xla_ffi/common/numeric.h"  // JAX_HYBRIDEP_CPU_AND_GPU
 
 namespace jax_hybridep {
 
@@ -35,7 +36,7 @@ struct WindowRegions {
 WindowRegions WindowRegionsFor(const WindowGeometry& geometry);
 size_t WindowBytes(const WindowGeometry& geometry);
 
-// Where this rank's first failed wait is recorded: in mapped host memory, written once.
+// Where this rank's first failed wait is recorded: in mapped memory, written once.
 struct TransportError {
   uint32_t code;   // 0: none, else kWaitTimeout or kWaitMismatch
   uint32_t rank;   // the rank that waited

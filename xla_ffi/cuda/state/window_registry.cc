@@ -76,11 +76,11 @@ class SetupStream {
 // The owner's allocations for one window, released unless kept.
 struct Allocation {
   char* base = nullptr;
-  TransportError* host = nullptr;
-  TransportError* mapped = nullptr;
+  TransportError* record = nullptr;  // the mapped error record, as the CPU reads it
+  TransportError* mapped = nullptr;  // the same, as the kernels address it
   ~Allocation() {
     if (base != nullptr) cudaFree(base);
-    if (host != nullptr) cudaFreeHost(host);
+    if (record != nullptr) cudaFreeHost(record);
   }
 };
 
@@ -100,13 +100,13 @@ Status Allocate(const WindowKey& key, int device, Allocation* a) {
     return CudaFailure(s, msg.str());
   }
   a->base = static_cast<char*>(ptr);
-  void* host = nullptr;
-  s = cudaHostAlloc(&host, sizeof(TransportError), cudaHostAllocMapped | cudaHostAllocPortable);
+  void* record = nullptr;
+  s = cudaHostAlloc(&record, sizeof(TransportError), cudaHostAllocMapped | cudaHostAllocPortable);
   if (s != cudaSuccess) return CudaFailure(s, "cudaHostAlloc");
-  a->host = static_cast<TransportError*>(host);
-  *a->host = TransportError{};
+  a->record = static_cast<TransportError*>(record);
+  *a->record = TransportError{};
   void* mapped = nullptr;
-  s = cudaHostGetDevicePointer(&mapped, host, 0);
+  s = cudaHostGetDevicePointer(&mapped, record, 0);
   if (s != cudaSuccess) return CudaFailure(s, "cudaHostGetDevicePointer");
   a->mapped = static_cast<TransportError*>(mapped);
   SetupStream stream;
@@ -317,12 +317,12 @@ Status AcquireWindow(const WindowKey& key, int32_t rank, int device,
     if (Status s = Allocate(key, device, &a); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(registry.mu);
     RankWindow& view = group->views[rank];
-    view.error_host = a.host;
+    view.error_cpu = a.record;
     view.error_device = a.mapped;
     group->bases[rank] = a.base;
     group->devices[rank] = device;
     a.base = nullptr;  // Kept: the group owns them now.
-    a.host = nullptr;
+    a.record = nullptr;
     ++group->joined;
     group->all_joined.notify_all();
   }
@@ -343,7 +343,7 @@ Status WindowError(const RankWindow& window) {
   if (window.released) {
     return Failure("the GPU exchange windows were released (process exit); no more exchanges");
   }
-  const volatile TransportError* e = window.error_host;
+  const volatile TransportError* e = window.error_cpu;
   if (e == nullptr || e->code == 0) return Status::Ok();
   std::ostringstream msg;
   if (e->code == kWaitMismatch) {
@@ -385,12 +385,12 @@ void ReleaseWindows() {
         cudaDeviceSynchronize();
         for (char* p : view.opened) cudaIpcCloseMemHandle(p);
         cudaFree(group->bases[r]);
-        cudaFreeHost(view.error_host);
+        cudaFreeHost(view.error_cpu);
       }
       group->bases[r] = nullptr;
       view.bases.clear();
       view.opened.clear();
-      view.error_host = view.error_device = nullptr;
+      view.error_cpu = view.error_device = nullptr;
       view.released = true;
     }
   }

@@ -1,6 +1,7 @@
 // Registered windows (window_regions.h) of the GPUs of one process: allocated once per (EP group,
-// geometry) and device, peer pointers exchanged once through a host rendezvous, reused for every
-// exchange behind the flags, freed by ReleaseWindows (Python calls it at exit).
+// geometry) and device, peer pointers exchanged once (through this registry, or a key-value
+// exchange across processes), reused for every exchange behind the flags, freed by ReleaseWindows
+// (Python calls it at exit).
 //
 // One process driving several GPUs reaches its peers' windows through peer access (NVLink or PCIe
 // P2P). When the group spans processes (one process per GPU, on one node), every rank publishes
@@ -39,7 +40,7 @@ void SetKvExchange(KvExchange exchange);
 // One rank's view of its window group.
 struct RankWindow {
   std::vector<char*> bases;                // [R]: every rank's window base from this device
-  TransportError* error_host = nullptr;    // mapped host record (read by the host)
+  TransportError* error_cpu = nullptr;     // the mapped record, as the handlers read it
   TransportError* error_device = nullptr;  // the same record as the kernels address it
   bool released = false;                   // ReleaseWindows freed it: exchanges on it fail
   std::vector<char*> opened;               // peers' windows this rank opened by CUDA IPC

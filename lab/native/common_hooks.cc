@@ -1,17 +1,17 @@
-// Hooks on the host code for tests (host_hooks.h): values go in and out as raw little-endian
+// Hooks on xla_ffi/common/ for tests (common_hooks.h): values go in and out as raw little-endian
 // bytes, so tests compare them with numpy's and jax_hybridep.fp8's bit for bit.
-#include "lab/native/host_hooks.h"
+#include "lab/native/common_hooks.h"
 
 #include <cstdint>
 #include <string>
 
+#include "lab/native/introspection.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla_ffi/common/error_log.h"
 #include "xla_ffi/common/fp8.h"
 #include "xla_ffi/common/limits.h"
 #include "xla_ffi/common/numeric.h"
-#include "xla_ffi/common/rendezvous.h"
 
 namespace nb = nanobind;
 
@@ -34,16 +34,16 @@ nb::bytes RoundTrip(const std::string& dtype, nb::bytes values) {
   return nb::bytes(out.data(), out.size());
 }
 
-Dtype HostDtype(const std::string& dtype) {
+Dtype RowDtype(const std::string& dtype) {
   if (dtype == "float32") return Dtype::kF32;
   if (dtype == "bfloat16") return Dtype::kBF16;
   if (dtype == "float16") return Dtype::kF16;
   throw nb::value_error("dtype must be 'float32', 'bfloat16' or 'float16'");
 }
 
-// FP8 wire rows of tokens ([T, hidden] of dtype), by the host kernels' QuantizeRow.
+// FP8 wire rows of tokens ([T, hidden] of dtype), by the CPU kernels' QuantizeRow.
 nb::bytes Fp8QuantizeRows(const std::string& dtype, nb::bytes x, int64_t hidden) {
-  const Dtype d = HostDtype(dtype);
+  const Dtype d = RowDtype(dtype);
   const int64_t row = hidden * DtypeBytes(d);
   if (hidden < 1 || x.size() % row != 0) throw nb::value_error("x must be whole rows of hidden");
   const int64_t tokens = static_cast<int64_t>(x.size()) / row;
@@ -68,7 +68,7 @@ nb::bytes Fp8QuantizeElements(nb::bytes values, float inv) {
 
 // The inverse, by DequantizeRow.
 nb::bytes Fp8DequantizeRows(const std::string& dtype, nb::bytes wire, int64_t hidden) {
-  const Dtype d = HostDtype(dtype);
+  const Dtype d = RowDtype(dtype);
   const int64_t wire_row = Fp8WireBytes(hidden);
   if (hidden < 1 || wire.size() % wire_row != 0) throw nb::value_error("wire must be whole rows");
   const int64_t tokens = static_cast<int64_t>(wire.size()) / wire_row;
@@ -82,7 +82,7 @@ nb::bytes Fp8DequantizeRows(const std::string& dtype, nb::bytes wire, int64_t hi
 
 }  // namespace
 
-void RegisterHostHooks(nb::module_& m) {
+void RegisterCommonHooks(nb::module_& m) {
   m.def("round_trip", &RoundTrip, nb::arg("dtype"), nb::arg("values"),
         "float32 values rounded to `dtype` and back by numeric.h's conversions.");
   m.def("fp8_quantize_rows", &Fp8QuantizeRows, nb::arg("dtype"), nb::arg("x"), nb::arg("hidden"),
