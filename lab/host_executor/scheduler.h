@@ -1,5 +1,6 @@
-// The host executor's state and scheduler (executor.h), shared by its parts: the scheduler and
-// reports (executor.cc), the device primitives (primitives.cc) and the CUDA runtime API
+// The host executor's state and scheduler (executor.h), shared by its parts: the scheduler
+// (executor.cc), launches and blocks (launches.cc), memory checks and reports (reports.cc), the
+// device primitives (collectives.cc, atomics.cc, bulk_copies.cc) and the CUDA runtime API
 // (runtime_api.cc). Not for kernel code.
 #ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_SCHEDULER_H_
 #define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_SCHEDULER_H_
