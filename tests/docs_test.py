@@ -23,7 +23,17 @@ README = ROOT / "README.md"
 DOC_PAGES = sorted([README, *(ROOT / "docs").glob("*.md")])
 
 # Where code and docs live; build outputs, virtual environments and raw results are not scanned.
-SCANNED_DIRS = ("jax_hybridep", "xla_ffi", "tests", "examples", "scripts", "docs", "bazel", ".ci")
+SCANNED_DIRS = (
+    "jax_hybridep",
+    "xla_ffi",
+    "lab",
+    "tests",
+    "examples",
+    "scripts",
+    "docs",
+    "bazel",
+    ".ci",
+)
 SCANNED_SUFFIXES = {".py", ".cc", ".h", ".cu", ".sh", ".md", ".toml", ".bzl", ".txt", ".cfg"}
 ROOT_FILES = ("README.md", "BUILD", "CMakeLists.txt", "pyproject.toml")
 RAW_RESULTS = ("docs/gpu/", "docs/sim/")
@@ -46,7 +56,7 @@ DESIGN_CITATION = re.compile(
 HEADING = re.compile(r"^#{1,6}\s+(\d+(?:\.\d+)*)\.?\s", re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 REPO_PATH = re.compile(
-    r"(?<![\w/.-])((?:jax_hybridep|xla_ffi|tests|examples|scripts|docs|bazel|\.ci)/[\w/.-]*\w/?)"
+    r"(?<![\w/.-])((?:jax_hybridep|xla_ffi|lab|tests|examples|scripts|docs|bazel|\.ci)/[\w/.-]*\w/?)"
     r"(?![\w{*/]|\.[{*\w])"
 )
 
