@@ -122,7 +122,7 @@ def test_silent_rank_times_out(gpu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", EXCHANGE_ROUTINGS)
-def test_slot_map_kernels_match_host_reference(gpu, routing):
+def test_slot_map_kernels_match_the_reference(gpu, routing):
     case = Round(routing, "float32", 4, R=8, T=200, seed=3)
     for r in range(case.R):
         got = native.cuda_slot_map(gathered(case), r, case.C, reference=False)

@@ -129,7 +129,7 @@ def test_silent_rank_times_out(hx):
 
 
 @pytest.mark.parametrize("routing", ["random", "many_chunks", "one_expert", "all_minus_one"])
-def test_slot_map_kernels_match_host_reference(hx, routing):
+def test_slot_map_kernels_match_the_reference(hx, routing):
     """The three slot-map kernels alone (count, scan, assign) against the reference, every
     rank of an 8-GPU level with 200 items (four chunks) each, or of 2 GPUs with 1501."""
     hx.configure(seed=seeds(1)[0], gpus=1)
