@@ -62,11 +62,20 @@ case "${1:-}" in
     # The GPU machine's Python (3.12) and jaxlib (0.11.2) must match the interpreter given here.
     PY=${PYTHON:-python3}
     rm -rf .gpu
+    # The built files themselves, loaded by path (an editable install's finder would otherwise
+    # answer for _hybridep_testing), where the GPU machine will have them: one runtime under both.
     build_module build/gpu_prebuild .gpu && ls -lR .gpu &&
-      "$PY" -c "import sys; sys.path[:0] = ['.gpu/jax_hybridep', '.gpu']
-import _hybridep as m, _hybridep_testing as t
+      "$PY" -c "import glob, importlib.util
+def load(name, where):
+    spec = importlib.util.spec_from_file_location(name, glob.glob(f'.gpu/{where}{name}.*so')[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+m, t = load('_hybridep', 'jax_hybridep/'), load('_hybridep_testing', '')
 handlers = m.cuda_registrations()
 assert m.with_cuda and 'jax_hybridep_cuda_dispatch' in handlers and t.cuda_selftest_transport, m
+t.record_transport_error('prebuild')
+assert ('transport', 'prebuild') in m.take_recorded_errors(), 'the modules share no runtime'
 print('prebuilt:', m.__file__, t.__file__, 'CUDA handlers:', len(handlers))"
     exit
     ;;
