@@ -1,7 +1,7 @@
 // What the tests read of the runtime's process-wide state. Declared here, in the laboratory,
 // because only the test module calls them; each is defined in the runtime beside the state it
-// reads (xla_ffi/common/rendezvous.cc, xla_ffi/cuda/state/site_state.cc), whose production
-// headers stay free of test-only declarations.
+// reads (xla_ffi/common/rendezvous.cc), whose production header stays free of test-only
+// declarations. The CUDA side's: lab/native/cuda/introspection.h.
 #ifndef JAX_HYBRIDEP_LAB_NATIVE_INTROSPECTION_H_
 #define JAX_HYBRIDEP_LAB_NATIVE_INTROSPECTION_H_
 
@@ -15,10 +15,6 @@ int64_t OpenExchangeCount();
 // Number of (call site, EP group, rank) generation counters held (a site's counters go once its
 // exchanges have completed, so this stays bounded however often a program is retraced).
 int64_t CallSiteStateCount();
-
-// SiteStates alive in this process, of every kind (the CUDA handlers' per-site state and the
-// test module's CPU probe of it): the retrace tests watch it. CUDA builds only.
-int64_t LiveSiteStates();
 
 }  // namespace jax_hybridep
 

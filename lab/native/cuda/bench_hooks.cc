@@ -21,6 +21,7 @@
 #include "lab/native/cuda/copy_ceiling.h"
 #include "lab/native/cuda/hook_support.h"
 #include "lab/native/cuda/hooks.h"
+#include "lab/native/cuda/introspection.h"
 #include "lab/native/cuda/reference.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
@@ -309,12 +310,13 @@ nb::dict BenchTransport(const std::string& dtype_name, int64_t tokens, int64_t h
 
 nb::dict KernelInfo() {
   if (CudaDeviceCount() == 0) throw std::runtime_error("no CUDA device available");
-  SendKernelInfo info{};
-  CheckCuda(GetSendKernelInfo(&info), "GetSendKernelInfo");
+  int registers = 0;
+  int64_t static_smem = 0, max_dynamic_smem = 0;
+  CheckCuda(GetSendKernelInfo(&registers, &static_smem, &max_dynamic_smem), "GetSendKernelInfo");
   nb::dict out;
-  out["registers"] = info.registers;
-  out["static_smem"] = info.static_smem;
-  out["max_dynamic_smem"] = info.max_dynamic_smem;
+  out["registers"] = registers;
+  out["static_smem"] = static_smem;
+  out["max_dynamic_smem"] = max_dynamic_smem;
   return out;
 }
 

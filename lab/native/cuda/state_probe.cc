@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "lab/native/introspection.h"
+#include "lab/native/cuda/introspection.h"
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cuda/state/site_state.h"

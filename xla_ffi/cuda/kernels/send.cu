@@ -385,18 +385,19 @@ cudaError_t LaunchSendPartials(const ExchangeParams& ex, const PeerWindows& peer
   return Launch<true, Dtype::kF32, false>(peers, a, stream);
 }
 
-cudaError_t GetSendKernelInfo(SendKernelInfo* info) {
+// Read by the test module only (declared in lab/native/cuda/introspection.h).
+cudaError_t GetSendKernelInfo(int* registers, int64_t* static_smem, int64_t* max_dynamic_smem) {
   cudaFuncAttributes attrs;
   cudaError_t s = cudaFuncGetAttributes(&attrs, &SendKernel<false, Dtype::kF32, false>);
   if (s != cudaSuccess) return s;
-  info->registers = attrs.numRegs;
-  info->static_smem = static_cast<int64_t>(attrs.sharedSizeBytes);
+  *registers = attrs.numRegs;
+  *static_smem = static_cast<int64_t>(attrs.sharedSizeBytes);
   int device = 0, optin = 0;
   s = cudaGetDevice(&device);
   if (s == cudaSuccess) {
     s = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
-  info->max_dynamic_smem = optin - info->static_smem;
+  *max_dynamic_smem = optin - *static_smem;
   return s;
 }
 

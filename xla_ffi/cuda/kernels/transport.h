@@ -114,15 +114,6 @@ cudaError_t LaunchReduce(const ExchangeParams& ex, Dtype dtype, int64_t k, const
 
 // ---------------------------------------------------------------------------- attributes
 
-// The send kernel's register and shared-memory figures as the loaded module reports them (for
-// the benches and the GPU checks; CI reads the same from the compiled module's SASS).
-struct SendKernelInfo {
-  int registers;
-  int64_t static_smem;
-  int64_t max_dynamic_smem;
-};
-cudaError_t GetSendKernelInfo(SendKernelInfo* info);
-
 }  // namespace jax_hybridep
 
 #endif  // JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_TRANSPORT_H_
