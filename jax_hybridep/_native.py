@@ -1,9 +1,8 @@
 """Loads the native module `_hybridep` and registers its XLA FFI targets once, at import.
 
 `_hybridep` is the production module: handler registrations and the few runtime services the
-package needs. Tests and the GPU transport benchmark reach the self-tests, harness, benchmark hooks
-and introspection through `testing_module()`, the `_hybridep_testing` module built beside it on the
-same runtime library (so it sees the same handlers' state).
+package needs. The native test hooks are the laboratory's (`lab/native_module.py`), never
+imported from here.
 """
 
 from __future__ import annotations
@@ -63,27 +62,8 @@ def module():
 
 @functools.cache
 def limits() -> dict:
-    """The kernels' limits as the native module states them (xla_ffi/limits.h,
+    """The kernels' limits as the native module states them (xla_ffi/common/limits.h,
     kernels/send_plan.h): max_send_blocks, max_top_k, max_window_ranks, send_chunk (items per
     send chunk; the slot maps are padded to it), shared_budget (the send kernel's dynamic shared
     memory). Python asks for them rather than copying them."""
     return dict(module().limits())
-
-
-@functools.cache
-def testing_module():
-    """The test module `_hybridep_testing` (self-tests, the virtual-rank harness, benchmark hooks,
-    introspection), its CPU probe handlers registered on first use; ImportError when missing."""
-    module()  # the same build hint when nothing native was built
-    try:
-        from jax_hybridep import _hybridep_testing  # noqa: PLC0415  (tests and benchmarks only)
-    except ImportError as err:
-        raise ImportError(
-            f"jax_hybridep's test module (_hybridep_testing) is missing. {_BUILD_HINT}. "
-            f"Import error: {err}"
-        ) from err
-    for name, registration in _hybridep_testing.cpu_state_type_registrations().items():
-        compat.register_ffi_state_type(name, registration, platform="cpu")
-    for name, handler in _hybridep_testing.cpu_registrations().items():
-        jax.ffi.register_ffi_target(name, handler, platform="cpu")
-    return _hybridep_testing

@@ -2,7 +2,7 @@
 
 JAX does not carry an exception's type out of a compiled call: a handler's or callback's failure
 surfaces as `jax.errors.JaxRuntimeError`. So every such failure is also recorded (host handlers in
-the native module's log, xla_ffi/error_log.h; the xla backend's strict check here), and
+the native module's log, xla_ffi/common/error_log.h; the xla backend's strict check here), and
 `check_errors()` raises it with its own type and message. `typed_errors()` does that for a block
 of code: a JaxRuntimeError inside it that the library recorded comes out as StrictModeError or
 TransportError.
@@ -28,7 +28,8 @@ class TransportError(RuntimeError):
 def strict_mode_message(
     group: int, dropped_per_rank: Sequence[int], invalid_per_rank: Sequence[int]
 ) -> str:
-    """The strict-mode error text; xla_ffi/ffi_support.h (StrictCheck) writes the same words."""
+    """The strict-mode error text; StrictCheck (xla_ffi/common/ffi_support.h) writes the same
+    words."""
     dropped = [int(v) for v in dropped_per_rank]
     invalid = [int(v) for v in invalid_per_rank]
     return (

@@ -1,6 +1,6 @@
 """FP8 on the wire (docs/design.md §2.1.8): each token quantised once at the source to float8_e4m3fn
 with one float32 scale per block of 128 elements of H (the last block shorter), dequantised at
-the receiver. The jnp formula here is the oracle; xla_ffi/fp8.h computes the same bits.
+the receiver. The jnp formula here is the oracle; xla_ffi/common/fp8.h computes the same bits.
 
 Per token and block, in float32 without fused multiply-add:
   amax = max(max |x_i| over the finite x_i of the block, 1e-4)

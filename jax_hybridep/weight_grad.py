@@ -3,7 +3,7 @@
 `combine(y, handle, weights=w)` is, per token, a sum of `w[row] * y[row]`; the cotangent of
 `w[row]` is the dot product over H of `y[row]` and the row of the output's cotangent dispatched
 along the same layout. On CPU the sum runs in one fixed order (below), which the host handlers
-compute inside the fused combine VJP (xla_ffi/numeric.h, RowDotT), so the `ffi` and `xla`
+compute inside the fused combine VJP (xla_ffi/common/numeric.h, RowDotT), so the `ffi` and `xla`
 backends agree bit for bit without materialising the cotangent's rows. On other platforms it is
 XLA's own reduction, shared by every backend there.
 

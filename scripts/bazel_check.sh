@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the host targets of //:BUILD with Bazel, offline, and smoke-tests the resulting modules.
+# Builds the CPU targets of //:BUILD with Bazel, offline, and smoke-tests the resulting modules.
 #
 # Made for Debian's bazel-bootstrap (Bazel 4.2.3; `apt-get install bazel-bootstrap`), which cannot
 # download rules: every external repository BUILD needs is wired to a local stand-in
@@ -95,6 +95,7 @@ TARGETS=(
   @jax_hybridep//:_hybridep
   @jax_hybridep//:_hybridep_testing
   @jax_hybridep//:jax_hybridep
+  @jax_hybridep//:lab
 )
 echo "bazel_check: $("$BAZEL" --version 2>/dev/null || echo bazel), python $PYTHON"
 echo "bazel_check: nanobind $NB_DIR, XLA FFI $XLA_INC"
@@ -114,27 +115,32 @@ cd "$WS"
   "${TARGETS[@]}"
 
 BIN="$("$BAZEL" --batch --output_user_root="$ROOT/out" info --compilation_mode=opt bazel-bin 2>/dev/null)"
-PKG="$BIN/external/jax_hybridep/jax_hybridep"
-for so in _hybridep.so _hybridep_testing.so libhybridep_runtime.so; do
-  [[ -f "$PKG/$so" ]] || { echo "bazel_check: $PKG/$so was not built" >&2; exit 1; }
+TOP="$BIN/external/jax_hybridep"
+PKG="$TOP/jax_hybridep"
+for so in "$PKG/_hybridep.so" "$PKG/libhybridep_runtime.so" "$TOP/_hybridep_testing.so"; do
+  [[ -f "$so" ]] || { echo "bazel_check: $so was not built" >&2; exit 1; }
 done
+if [[ -e "$PKG/_hybridep_testing.so" ]]; then
+  echo "bazel_check: the test module is inside the package ($PKG)" >&2; exit 1
+fi
 
-# The Bazel-built modules must import from the package directory (finding the runtime beside them)
-# and expose what the CMake-built ones do: the production module its CPU handlers only, the test
-# module its hooks, both on one runtime.
-"$PYTHON" - "$PKG" <<'EOF'
+# The Bazel-built modules must import from where they are installed (the production module from
+# the package directory, finding the runtime beside it; the test module from the top, finding it
+# in the package) and expose what the CMake-built ones do: the production module its CPU handlers
+# only, the test module its hooks, both on one runtime.
+"$PYTHON" - "$TOP" <<'EOF'
 import importlib.machinery, importlib.util, sys
-def load(name):
-    path = f"{sys.argv[1]}/{name}.so"
+def load(name, where):
+    path = f"{sys.argv[1]}/{where}{name}.so"
     loader = importlib.machinery.ExtensionFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     return mod
-mod, testing = load("_hybridep"), load("_hybridep_testing")
+mod, testing = load("_hybridep", "jax_hybridep/"), load("_hybridep_testing", "")
 regs = mod.cpu_registrations()
 assert regs and all(name.startswith("jax_hybridep_") for name in regs), regs
-assert mod.with_cuda is False and testing.with_cuda is False, "host-only build reports CUDA"
+assert mod.with_cuda is False and testing.with_cuda is False, "CPU-only build reports CUDA"
 assert {n for n in dir(mod) if not n.startswith("__")} == {
     "cpu_registrations", "limits", "send_plan", "take_recorded_errors", "with_cuda"}, dir(mod)
 assert testing.open_exchange_count() == 0

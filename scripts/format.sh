@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pip --disable-pip-version-check -q install ruff clang-format
-native=$(git ls-files 'xla_ffi/*.h' 'xla_ffi/*.cc' 'xla_ffi/*.cu' 'xla_ffi/*.cuh')
+native=$(git ls-files -- {xla_ffi,lab}/'*'.{h,cc,cu,cuh})
 if [ "${1:-}" = "--check" ]; then
   .venv/bin/ruff format --check . && .venv/bin/ruff check .
   .venv/bin/clang-format --dry-run --Werror $native

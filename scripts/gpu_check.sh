@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (docs/design.md §5), for a lent NVIDIA GPU machine without network
 # (docs/gpu.md "What a lease measures"). Default steps, in order:
-#   build       the native libraries (_hybridep, the test module _hybridep_testing and their
-#               libhybridep_runtime.so): those scripts/gpu_check.sh --prebuild made in .gpu/ (for
-#               this Python and jaxlib) if they import with CUDA, else built here (sm_90a SASS)
+#   build       the native libraries (_hybridep and its libhybridep_runtime.so in jax_hybridep/,
+#               the laboratory's test module _hybridep_testing at the top): those
+#               scripts/gpu_check.sh --prebuild made in .gpu/ (for this Python and jaxlib) if they
+#               import with CUDA, else built here (sm_90a SASS)
 #   csm         C_sm: what 1 and 8 SMs copy by 16-byte LSU accesses and by bulk copies
 #   transport   the transport alone on one rank through HBM at 1..24 SMs against the
 #               device-to-device copy: send (16-bit, FP8), combine's send back, the wide permute,
 #               unpermute and reduce
 #   kernels     the kernels against the §2.1 model: virtual-rank harness R = 2, 4, 8, window
 #               reuse, FP8 of every bf16 pattern, flag mismatch and timeout; the slot-map and the
-#               layout step's kernels against the host references
+#               layout step's kernels against the references
 #   jax         JAX-level dispatch/combine and VJPs through the CUDA handlers (FP8 of every bf16
 #               pattern included) against the xla backend
 #   bench       JAX-level bench, only once kernels and jax passed (never time a wrong transport):
@@ -20,6 +21,7 @@
 # On request (STEPS=...): multigpu (the JAX-level tests on every local GPU, CUDA IPC between
 # processes), racecheck, layer, lowering, profile (Nsight Compute at 8 SMs), sass (the runtime's
 # and the test module's SASS, to read sanitizer offsets against).
+# Run from the repository root's copy: the package and the laboratory (lab/) from the source tree.
 # GPU tests run with JAX_HYBRIDEP_REQUIRE_GPU=1 (a skip for want of a GPU fails). Steps run in that
 # order inside one time budget (DEADLINE_S, default 540 s, under the device tool's 600 s per call):
 # a step gets what is left, and steps that no longer fit are reported as skipped. A failing step
@@ -37,20 +39,21 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-# build_module DIR DEST: builds the wheel with CUDA (sm_90a) offline in DIR and puts its native
-# libraries (the two modules and the runtime they share) into DEST.
+# build_module DIR DEST: builds the wheel with CUDA (sm_90a) and the test module offline in DIR
+# and puts its native libraries where the wheel has them, under DEST: jax_hybridep/_hybridep and
+# jax_hybridep/libhybridep_runtime.so, and _hybridep_testing at the top (on the same runtime).
 build_module() {
   local dir=$1 dest=$2
-  rm -rf "$dir" && mkdir -p "$dest"
-  JAX_HYBRIDEP_CUDA=ON JAX_HYBRIDEP_CUDA_ARCHITECTURES=90a-real CMAKE_BUILD_PARALLEL_LEVEL=16 \
-    "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-index -C build-dir="$dir" \
-    -w "$dir" . || return 1
+  rm -rf "$dir" && mkdir -p "$dest/jax_hybridep"
+  JAX_HYBRIDEP_CUDA=ON JAX_HYBRIDEP_TESTING=ON JAX_HYBRIDEP_CUDA_ARCHITECTURES=90a-real \
+    CMAKE_BUILD_PARALLEL_LEVEL=16 "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-index \
+    -C build-dir="$dir" -w "$dir" . || return 1
   "$PY" -c "import glob, sys, zipfile
 z = zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0])
-names = [n for n in z.namelist() if n.startswith('jax_hybridep/') and n.endswith('.so')]
-assert len(names) == 3, names  # _hybridep, _hybridep_testing, libhybridep_runtime
+names = [n for n in z.namelist() if n.endswith('.so')]
+assert len(names) == 3, names  # _hybridep, libhybridep_runtime, _hybridep_testing
 for n in names:
-    open(sys.argv[2] + '/' + n.split('/')[-1], 'wb').write(z.read(n))" "$dir" "$dest"
+    open(sys.argv[2] + '/' + n, 'wb').write(z.read(n))" "$dir" "$dest"
 }
 
 DRY_RUN=
@@ -59,10 +62,20 @@ case "${1:-}" in
     # The GPU machine's Python (3.12) and jaxlib (0.11.2) must match the interpreter given here.
     PY=${PYTHON:-python3}
     rm -rf .gpu
-    build_module build/gpu_prebuild .gpu && ls -l .gpu &&
-      "$PY" -c "import sys; sys.path.insert(0, '.gpu'); import _hybridep as m, _hybridep_testing as t
+    # The built files themselves, loaded by path (an editable install's finder would otherwise
+    # answer for _hybridep_testing), where the GPU machine will have them: one runtime under both.
+    build_module build/gpu_prebuild .gpu && ls -lR .gpu &&
+      "$PY" -c "import glob, importlib.util
+def load(name, where):
+    spec = importlib.util.spec_from_file_location(name, glob.glob(f'.gpu/{where}{name}.*so')[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+m, t = load('_hybridep', 'jax_hybridep/'), load('_hybridep_testing', '')
 handlers = m.cuda_registrations()
 assert m.with_cuda and 'jax_hybridep_cuda_dispatch' in handlers and t.cuda_selftest_transport, m
+t.record_transport_error('prebuild')
+assert ('transport', 'prebuild') in m.take_recorded_errors(), 'the modules share no runtime'
 print('prebuilt:', m.__file__, t.__file__, 'CUDA handlers:', len(handlers))"
     exit
     ;;
@@ -155,22 +168,24 @@ cat "$LOGS/env.log"
 
 # imports_with_cuda LABEL: whether the modules in the source tree import, built with CUDA.
 imports_with_cuda() {
-  "$PY" -c "from jax_hybridep import _hybridep as m, _hybridep_testing as t
+  "$PY" -c "from jax_hybridep import _hybridep as m; import _hybridep_testing as t
 assert m.with_cuda and t.with_cuda and 'jax_hybridep_cuda_dispatch' in m.cuda_registrations()
 print('$1', m.__file__, t.__file__)"
 }
 
 # The libraries: the prebuilt ones if they import with CUDA here, else built here.
-clear_libraries() { rm -f jax_hybridep/_hybridep*.so jax_hybridep/libhybridep_runtime.so; }
+clear_libraries() {
+  rm -f jax_hybridep/_hybridep*.so jax_hybridep/libhybridep_runtime.so _hybridep_testing*.so
+}
 build() {
   clear_libraries
-  if compgen -G ".gpu/*.so" >/dev/null; then
-    cp .gpu/*.so jax_hybridep/
+  if compgen -G ".gpu/jax_hybridep/*.so" >/dev/null; then
+    cp .gpu/jax_hybridep/*.so jax_hybridep/ && cp .gpu/_hybridep_testing*.so .
     imports_with_cuda prebuilt && return 0
     echo "prebuilt libraries unusable here; building"
     clear_libraries
   fi
-  build_module build/gpu_check jax_hybridep && imports_with_cuda built
+  build_module build/gpu_check . && imports_with_cuda built
 }
 export PY
 export -f build build_module clear_libraries imports_with_cuda # `timeout` runs programs: functions go via bash
@@ -182,9 +197,9 @@ HAS_PYTEST_TIMEOUT=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo 1)
 per_test_limit() { [ -n "$HAS_PYTEST_TIMEOUT" ] && echo "--timeout=$1"; }
 export JAX_HYBRIDEP_REQUIRE_GPU=1
 BENCH_T=(--tokens 4096 --hidden 7168 --k 8 --experts 8 --iters 10 --warmup 2)
-run csm 30 --json "$LOGS/gpu_copy_ceiling.json" "$PY" -m jax_hybridep.bench.gpu_transport \
+run csm 30 --json "$LOGS/gpu_copy_ceiling.json" "$PY" -m lab.gpu_transport_bench \
   --copy_ceiling --sms 1,8 --iters 10 --warmup 2 --json "$LOGS/gpu_copy_ceiling.json"
-run transport 60 --json "$LOGS/gpu_transport.json" "$PY" -m jax_hybridep.bench.gpu_transport \
+run transport 60 --json "$LOGS/gpu_transport.json" "$PY" -m lab.gpu_transport_bench \
   "${BENCH_T[@]}" --json "$LOGS/gpu_transport.json"
 KERNEL_TESTS=(tests/cuda_transport_test.py tests/cuda_kernels_test.py)
 run kernels 90 "${PYTEST[@]}" $(per_test_limit 60) -m gpu --junitxml="$LOGS/kernels.xml" \
@@ -219,9 +234,9 @@ run lowering 60 "${PYTEST[@]}" $(per_test_limit 50) tests/cuda_lowering_test.py
 run profile 90 ncu --clock-control none \
   -k "regex:SendKernel|PermuteKernel|UnpermuteKernel|ReduceKernel" \
   -c 6 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-  --section Occupancy "$PY" -m jax_hybridep.bench.gpu_transport --sms 8 --iters 1 --warmup 0 \
+  --section Occupancy "$PY" -m lab.gpu_transport_bench --sms 8 --iters 1 --warmup 0 \
   --json ''
-run sass 60 bash -c "for f in jax_hybridep/libhybridep_runtime.so jax_hybridep/_hybridep_testing*.so; \
+run sass 60 bash -c "for f in jax_hybridep/libhybridep_runtime.so _hybridep_testing*.so; \
   do echo \"== \$f\"; cuobjdump -sass \$f; done | gzip > $LOGS/sass.txt.gz"
 
 {

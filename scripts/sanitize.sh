@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the host native module with AddressSanitizer + UndefinedBehaviorSanitizer (CPU only, no
+# Builds the native modules with AddressSanitizer + UndefinedBehaviorSanitizer (CPU only, no
 # CUDA) into build/sanitize and runs the host handlers' test cases under it; scripts/test.sh runs
 # it after the suite. Any ASan report or undefined behaviour fails the run.
 #   bash scripts/sanitize.sh                 # the default selection below
@@ -28,7 +28,7 @@ mkdir -p "$build"
 .venv/bin/cmake -S . -B "$build" -G Ninja -DCMAKE_MAKE_PROGRAM="$PWD/.venv/bin/ninja" \
   -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O0 -g" -DJAX_HYBRIDEP_SANITIZE=ON -DJAX_HYBRIDEP_CUDA=OFF \
-  -DPython_EXECUTABLE="$PWD/.venv/bin/python" >"$build.log" 2>&1 ||
+  -DJAX_HYBRIDEP_TESTING=ON -DPython_EXECUTABLE="$PWD/.venv/bin/python" >"$build.log" 2>&1 ||
   { cat "$build.log" >&2; exit 1; }
 .venv/bin/cmake --build "$build" --target _hybridep _hybridep_testing >>"$build.log" 2>&1 ||
   { cat "$build.log" >&2; exit 1; }
@@ -57,21 +57,22 @@ import sys
 
 import pytest
 
-# Load the sanitized builds as jax_hybridep._hybridep and _hybridep_testing before the package
-# imports its own; both find the sanitized runtime library beside them (build RPATH).
+# Load the sanitized builds as jax_hybridep._hybridep and the laboratory's _hybridep_testing
+# before the package and lab/native_module.py import the installed ones; both find the sanitized
+# runtime library beside them (build RPATH).
 build, args = pathlib.Path(sys.argv[1]), sys.argv[2:]
 loaded = {}
-for name in ("_hybridep", "_hybridep_testing"):
+for name, full in (("_hybridep", "jax_hybridep._hybridep"), ("_hybridep_testing", "_hybridep_testing")):
     (path,) = build.glob(f"{name}.*so")
-    full = f"jax_hybridep.{name}"
     loader = importlib.machinery.ExtensionFileLoader(full, str(path))
     spec = importlib.util.spec_from_file_location(full, path, loader=loader)
     loaded[name] = sys.modules[full] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded[name])
 
 import jax_hybridep  # noqa: E402
+from lab import native_module  # noqa: E402
 
 assert jax_hybridep._native._hybridep is loaded["_hybridep"], "the sanitized module was not loaded"
-assert jax_hybridep._native.testing_module() is loaded["_hybridep_testing"]
+assert native_module.testing_module() is loaded["_hybridep_testing"]
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *args]))
 EOF

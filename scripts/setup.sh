@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv (Python >= 3.12) with jax_hybridep built from source (native module, and CUDA
-# kernels when nvcc is found) plus the test tools. Safe to re-run; prints the interpreter it used.
+# kernels when nvcc is found), the laboratory's test module and the test tools. Safe to re-run;
+# prints the interpreter it used.
 #   PYTHON=/path/to/python3.12 bash scripts/setup.sh    # pick the interpreter yourself
 #   JAX_HYBRIDEP_CUDA=OFF bash scripts/setup.sh         # skip the CUDA kernels
 set -euo pipefail
@@ -43,6 +44,9 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # build environment, which would download a second jaxlib).
 "${pip[@]}" install "jax>=0.11.2" "jaxlib>=0.11.2" "scikit-build-core>=0.10" "nanobind>=2.4" \
   cmake ninja
-"${pip[@]}" install --no-build-isolation -e ".[test,examples]"
-.venv/bin/python -c "import jax, jax_hybridep._hybridep as m; print(f'setup: jax {jax.__version__},' \
-  f' native module built (CUDA kernels: {m.with_cuda})')"
+# The developer install: the package editable, with the laboratory's test module beside it
+# (_hybridep_testing, installed outside the package; a user's `pip install .` has none).
+JAX_HYBRIDEP_TESTING=ON "${pip[@]}" install --no-build-isolation -e ".[test,examples]"
+.venv/bin/python -c "import jax, jax_hybridep._hybridep as m, _hybridep_testing as t
+print(f'setup: jax {jax.__version__}, native module built (CUDA kernels: {m.with_cuda}),' \
+  f' test module {t.__name__} beside it')"

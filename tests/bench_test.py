@@ -11,9 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from jax_hybridep import _native, level_traffic
-from jax_hybridep.bench import gpu_transport, runner, workloads
+from jax_hybridep import level_traffic
 from jax_hybridep.bench import main as bench_main
+from jax_hybridep.bench import runner, workloads
+from lab import gpu_transport_bench, native_module
 
 CASE_FIELDS = (
     "method",
@@ -380,8 +381,8 @@ def test_gpu_transport_bandwidths_from_the_hook(monkeypatch, tmp_path):
         def cuda_bench_transport(self, *args, **kwargs):
             return raw
 
-    monkeypatch.setattr(_native, "testing_module", lambda: Hook())
-    result = gpu_transport.main(["--sms", "1,8", "--json", str(tmp_path / "t.json")])
+    monkeypatch.setattr(native_module, "testing_module", lambda: Hook())
+    result = gpu_transport_bench.main(["--sms", "1,8", "--json", str(tmp_path / "t.json")])
     payload = 4096 * 7168 * 2
     one, eight = result["per_sms"]
     assert math.isclose(one["send_gbps"], payload / 1000 / 1e3)
@@ -390,7 +391,7 @@ def test_gpu_transport_bandwidths_from_the_hook(monkeypatch, tmp_path):
     assert math.isclose(eight["permute_hbm_gbps"], 9 * payload / 50 / 1e3)
     assert math.isclose(eight["fp8_send_wire_gbps"], 4096 * 7392 / 100 / 1e3)
     assert math.isclose(result["copy_hbm_gbps"], 2 * (1 << 30) / 500 / 1e3)
-    text = gpu_transport.table(result)
+    text = gpu_transport_bench.table(result)
     assert "12 stages" in text and len(text.splitlines()) == 6
     assert (tmp_path / "t.json").exists()
 
@@ -402,12 +403,12 @@ def test_copy_ceiling_per_sm(monkeypatch):
         def cuda_bench_copy_ceiling(self, *args, **kwargs):
             return raw
 
-    monkeypatch.setattr(_native, "testing_module", lambda: Hook())
-    result = gpu_transport.main(["--copy_ceiling", "--sms", "1,8", "--json", ""])
+    monkeypatch.setattr(native_module, "testing_module", lambda: Hook())
+    result = gpu_transport_bench.main(["--copy_ceiling", "--sms", "1,8", "--json", ""])
     lsu1, lsu8 = (row["lsu_gbps_per_sm"] for row in result["per_blocks"])
     assert math.isclose(lsu1, (1 << 28) / 4000 / 1e3) and math.isclose(lsu8, lsu1)
     assert math.isclose(result["per_blocks"][0]["bulk_gbps_per_sm"], 2 * lsu1)
-    assert "16-byte LSU" in gpu_transport.table_copy_ceiling(result)
+    assert "16-byte LSU" in gpu_transport_bench.table_copy_ceiling(result)
 
 
 def test_bench_backends_are_the_configs():

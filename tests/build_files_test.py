@@ -1,8 +1,9 @@
 """BUILD (Bazel, for monorepo users) must keep mirroring CMakeLists.txt (the authoritative build).
 
-Both files are read as text: every quoted or unquoted path under xla_ffi/ with a native-source
-suffix counts, comments do not. Bazel glob() patterns are expanded against the tree. The slow test
-at the bottom builds BUILD's host targets with a real (offline) Bazel, when one is installed.
+Both files are read as text: every quoted or unquoted path under xla_ffi/ (the product) or lab/
+(the laboratory: the test module's hooks, the host executor) with a native-source suffix counts,
+comments do not. Bazel glob() patterns are expanded against the tree. The slow test
+at the bottom builds BUILD's CPU targets with a real (offline) Bazel, when one is installed.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ import tokenize
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-NATIVE_DIR = "xla_ffi"
+NATIVE_DIRS = ("xla_ffi", "lab")
 SOURCE_SUFFIXES = (".cc", ".cpp", ".cu")
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh")
 
-# A path (or glob pattern) under xla_ffi/, possibly behind a prefix such as
+# A path (or glob pattern) under xla_ffi/ or lab/, possibly behind a prefix such as
 # ${CMAKE_CURRENT_SOURCE_DIR}/ or ./, ending in a native suffix and not followed by more path.
 _PATH_RE = re.compile(
-    r"(?<![\w.*/-])(?:[\w${}.-]+/)*?(?P<path>xla_ffi/[\w.*/-]*?\.(?:cc|cpp|cu|h|hpp|cuh))(?![\w.-])"
+    r"(?<![\w.*/-])(?:[\w${}.-]+/)*?"
+    r"(?P<path>(?:xla_ffi|lab)/[\w.*/-]*?\.(?:cc|cpp|cu|h|hpp|cuh))(?![\w.-])"
 )
 
 
@@ -76,7 +78,12 @@ def _split(paths: set[str]) -> tuple[set[str], set[str]]:
 
 
 def _on_disk() -> tuple[set[str], set[str]]:
-    files = {p.relative_to(REPO).as_posix() for p in (REPO / NATIVE_DIR).rglob("*") if p.is_file()}
+    files = {
+        p.relative_to(REPO).as_posix()
+        for top in NATIVE_DIRS
+        for p in (REPO / top).rglob("*")
+        if p.is_file()
+    }
     return _split(files)
 
 
@@ -103,21 +110,27 @@ def _diff_report(what: str, expected: tuple[str, set[str]], actual: tuple[str, s
 def test_parsers_see_the_known_targets():
     # Guards against a regex that silently matches nothing.
     for name, paths in (("CMakeLists.txt", cmake_paths()), ("BUILD", bazel_paths())):
-        assert {"xla_ffi/layout.cc", "xla_ffi/cpu_handlers.cc", "xla_ffi/module.cc"} <= paths, (
-            f"{name}: parsed {sorted(paths)}"
-        )
+        known = {
+            "xla_ffi/common/layout.cc",
+            "xla_ffi/cpu/handlers/handlers.cc",
+            "xla_ffi/module.cc",
+            "lab/native/module.cc",
+            "lab/host_executor/executor.cc",
+        }
+        assert known <= paths, f"{name}: parsed {sorted(paths)}"
 
 
 def test_parser_handles_formatting_variants():
     text = """
       add_library(x STATIC ${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/a.cc "xla_ffi/b.cu"
-        xla_ffi/cuda/c.cu)  # xla_ffi/commented.cc
+        xla_ffi/cuda/c.cu lab/d.cc)  # xla_ffi/commented.cc
       #[[ xla_ffi/bracket.cc ]]
     """
     assert _named_paths(_strip_cmake_comments(text)) == {
         "xla_ffi/a.cc",
         "xla_ffi/b.cu",
         "xla_ffi/cuda/c.cu",
+        "lab/d.cc",
     }
     build = 'srcs = ["xla_ffi/a.cc", \'xla_ffi/b.h\'],  # "xla_ffi/c.cc"\nhdrs = ["xla_ffi/x.hh"]'
     assert _named_paths(_strip_starlark_comments(build)) == {"xla_ffi/a.cc", "xla_ffi/b.h"}
@@ -138,7 +151,7 @@ def test_every_native_source_is_built_by_both():
         src, _ = _split(paths)
         if disk_src - src:
             problems.append(
-                f"under {NATIVE_DIR}/ but not in {name}:\n"
+                f"under {'/ or '.join(NATIVE_DIRS)}/ but not in {name}:\n"
                 + "\n".join(f"    {p}" for p in sorted(disk_src - src))
             )
     assert not problems, "\n".join(problems)
@@ -150,7 +163,7 @@ def test_build_names_the_same_headers():
     if cmake_hdr:  # CMake lists headers: mirror that list
         expected = ("CMakeLists.txt", cmake_hdr)
     else:  # it does not: Bazel must declare every header in the tree (sandboxing needs them)
-        expected = (f"{NATIVE_DIR}/ on disk", _on_disk()[1])
+        expected = (f"{'/ and '.join(NATIVE_DIRS)}/ on disk", _on_disk()[1])
     assert bazel_hdr == expected[1], _diff_report("headers", expected, ("BUILD", bazel_hdr))
 
 
@@ -167,7 +180,7 @@ def test_named_files_exist():
     shutil.which("bazel") is None and os.environ.get("JAX_HYBRIDEP_REQUIRE_BAZEL") != "1",
     reason="bazel is not installed (CI installs Debian's bazel-bootstrap and requires this test)",
 )
-def test_bazel_builds_host_targets_offline():
+def test_bazel_builds_cpu_targets_offline():
     for pkg in ("nanobind", "jaxlib"):
         if importlib.util.find_spec(pkg) is None:
             pytest.skip(f"{pkg} is not importable from {sys.executable}")

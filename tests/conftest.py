@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 from harness import BACKENDS  # noqa: E402
 
 from jax_hybridep import _native  # noqa: E402
+from lab import native_module  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +80,7 @@ def no_gpu_reason() -> str | None:
     """Why the CUDA kernels cannot run here, or None."""
     if not _native.module().with_cuda:
         return "jax_hybridep was built without CUDA (with_cuda is False)"
-    if _native.testing_module().cuda_device_count() == 0:
+    if native_module.testing_module().cuda_device_count() == 0:
         return "no CUDA device visible (no GPU or no driver)"
     return None
 
@@ -100,6 +101,6 @@ def gpu():
 
 @pytest.fixture
 def cuda_build():
-    """Skips unless the self-test hooks exist (the host references need no GPU)."""
+    """Skips unless the self-test hooks exist (the references need no GPU)."""
     if not _native.module().with_cuda:
         _skip_or_fail("jax_hybridep was built without CUDA (with_cuda is False)")

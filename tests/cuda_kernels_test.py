@@ -22,8 +22,9 @@ import pytest
 from transport_helpers import ROUTINGS, layout_args, numpy_layout, routing
 
 from jax_hybridep import _native
+from lab import native_module
 
-native = _native.testing_module()
+native = native_module.testing_module()
 
 
 def test_built_with_cuda_when_nvcc_present():
@@ -66,11 +67,10 @@ def test_device_code_for_hopper_blackwell_and_ptx(cuda_build):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (set CUOBJDUMP, or install nvidia-cuda-cuobjdump)")
-    testing = pathlib.Path(native.__file__)
-    for library in (testing.with_name("libhybridep_runtime.so"), testing):
+    production = pathlib.Path(_native.module().__file__)
+    for library in (production.with_name("libhybridep_runtime.so"), pathlib.Path(native.__file__)):
         assert _device_code(tool, library, "elf") == {"sm_90a", "sm_100a"}, library
         assert _device_code(tool, library, "ptx") == {"sm_90"}, library
-    production = pathlib.Path(_native.module().__file__)
     assert _device_code(tool, production, "elf") == set()
 
 

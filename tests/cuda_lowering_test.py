@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jax_hybridep as hep
 from jax_hybridep import _native
 from jax_hybridep.exchange import routes
+from lab import native_module
 
 pytestmark = pytest.mark.skipif(
     "gpu" not in _native.platforms(), reason="jax_hybridep was built without CUDA handlers"
@@ -262,7 +263,7 @@ def test_attribute_bundles_decode_into_the_handlers_structs(monkeypatch):
     """The attributes Python builds for each CUDA call, decoded on CPU by the CUDA handlers' own
     struct decoders (a member missing, extra, renamed or of another type fails here, not first on
     a GPU), come back with the values Python sent."""
-    _native.testing_module()  # registers the probes
+    native_module.testing_module()  # registers the probes
     one_level = _gpu_topology({"ep": 4}, ["ep"])
     across = _gpu_topology({"ep": 4}, ["ep"], local=(False,))
     calls = _cuda_call_attrs(

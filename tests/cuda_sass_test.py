@@ -25,8 +25,6 @@ import pytest
 
 from jax_hybridep import _native
 
-native = _native.testing_module()
-
 pytestmark = pytest.mark.usefixtures("cuda_build")
 
 REGISTERS = 96
@@ -47,7 +45,7 @@ def _tool(name: str) -> str:
 
 def _run(*args: str) -> str:
     env = dict(os.environ, PATH=f"{pathlib.Path(_tool('nvdisasm')).parent}:{os.environ['PATH']}")
-    runtime = pathlib.Path(native.__file__).with_name("libhybridep_runtime.so")
+    runtime = pathlib.Path(_native.module().__file__).with_name("libhybridep_runtime.so")
     proc = subprocess.run(
         [_tool("cuobjdump"), *args, str(runtime)],
         capture_output=True,

@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybridep import _native
+from lab import native_module
 
 PROBE = "jax_hybridep_testing_site_state"
 
 
 @pytest.fixture
 def testing(cuda_build):
-    return _native.testing_module()
+    return native_module.testing_module()
 
 
 def _probe(tag: int):

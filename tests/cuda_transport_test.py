@@ -5,7 +5,7 @@ kernels of the FFI handlers: the slot map, the send, the wide permute, the unper
 back and the reduce, with nothing but the flags between ranks. Rounds reuse the windows (both
 halves, the exchange counters). Every output is compared with the §2.1 model
 (tests/transport_helpers.py, itself held to the host kernels by tests/transport_model_test.py)
-and the slot map with the host reference; FP8 dispatch with the jnp quantisation over every
+and the slot map with the reference; FP8 dispatch with the jnp quantisation over every
 bfloat16 pattern; a rank tagging its flags with another call site must make its peers report a
 mismatch, a silent rank a timeout. The same harness runs on the CPU under the host executor
 (tests/host_executor_transport_test.py). Tests marked `gpu` skip without a GPU and fail instead
@@ -29,9 +29,10 @@ from transport_helpers import (
 )
 from transport_helpers import bits as _bits
 
-from jax_hybridep import _native, fp8
+from jax_hybridep import fp8
+from lab import native_module
 
-native = _native.testing_module()
+native = native_module.testing_module()
 
 
 def _run(rounds: list[Round], weighted: bool, send_blocks: int, **kw) -> dict:
@@ -121,7 +122,7 @@ def test_silent_rank_times_out(gpu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", EXCHANGE_ROUTINGS)
-def test_slot_map_kernels_match_host_reference(gpu, routing):
+def test_slot_map_kernels_match_the_reference(gpu, routing):
     case = Round(routing, "float32", 4, R=8, T=200, seed=3)
     for r in range(case.R):
         got = native.cuda_slot_map(gathered(case), r, case.C, reference=False)

@@ -1,5 +1,5 @@
 """The CUDA transport's steps without a GPU: the numpy twins (tests/transport_twin.py) against the
-host references the kernels mirror (xla_ffi/cuda/testing/reference.cc) and against the §2.1
+references the kernels mirror (lab/native/cuda/reference.cc) and against the §2.1
 model, bit for bit (docs/design.md §2.1, §5).
 
 The references run on any machine with a CUDA build (`cuda_build`); the kernels themselves are
@@ -28,9 +28,10 @@ from transport_twin import (
     numpy_unpermute,
 )
 
-from jax_hybridep import _native, fp8
+from jax_hybridep import fp8
+from lab import native_module
 
-native = _native.testing_module()
+native = native_module.testing_module()
 
 pytestmark = pytest.mark.usefixtures("cuda_build")
 
@@ -45,7 +46,7 @@ def _assert_slot_map(got: dict, want: dict, what: str):
 @pytest.mark.parametrize(
     "routing,ranks", [(r, n) for r in ROUTINGS for n in (1, 3, 4) if n > 1 or r != "empty_rank"]
 )
-def test_slot_map_twin_matches_host_reference(routing, ranks):
+def test_slot_map_twin_matches_the_reference(routing, ranks):
     """T = 70 tokens: two send chunks, the second partial."""
     case = Round(routing, "float32", 4, R=ranks, T=70, K=3, seed=ranks)
     gathered = gather_routing(case)
@@ -165,7 +166,7 @@ def _reference_slots(buffer: np.ndarray, stride: int) -> np.ndarray:
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_row_step_twins_match_host_references(routing, dtype):
+def test_row_step_twins_match_the_references(routing, dtype):
     """Permute (plain, scaled, both zero lines), unpermute (weighted or not) and reduce."""
     case = Round(routing, dtype, 7, R=3, T=24, K=3, seed=3)
     gathered = gather_routing(case)
@@ -214,7 +215,7 @@ def test_row_step_twins_match_host_references(routing, dtype):
 
 
 @pytest.mark.parametrize("hidden", [128, 200])
-def test_fp8_permute_twin_matches_host_reference(hidden):
+def test_fp8_permute_twin_matches_the_reference(hidden):
     """Wire rows dequantised into each row (every bf16 pattern among the tokens)."""
     case = Round("random", "bfloat16", hidden, R=2, T=24, K=3, seed=4)
     lay = numpy_slot_map(gather_routing(case), 1, case.C)

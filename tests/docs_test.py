@@ -8,6 +8,8 @@
 * README.md is at most 200 lines: a newcomer's page; the rest lives in docs/.
 * Every relative link in README.md and docs/*.md resolves to a file, and every repository path
   they name (`tests/x_test.py`, `jax_hybridep/exchange/`) exists.
+* Every repository path a source file, script or build file of the product, the laboratory or the
+  examples names (in a comment, a docstring, a message) exists, but for the build's own outputs.
 * Every bare file name they give (`launch_support.h`, `xdc_*_test.py`: a source, script or doc
   name without its folder) is the name of some file in the tree, unless it is another project's
   file listed in `OTHER_PROJECTS_FILES`. (docs/log/ keeps history as written, and is not checked.)
@@ -28,7 +30,17 @@ README = ROOT / "README.md"
 DOC_PAGES = sorted([README, *(ROOT / "docs").glob("*.md")])
 
 # Where code and docs live; build outputs, virtual environments and raw results are not scanned.
-SCANNED_DIRS = ("jax_hybridep", "xla_ffi", "tests", "examples", "scripts", "docs", "bazel", ".ci")
+SCANNED_DIRS = (
+    "jax_hybridep",
+    "xla_ffi",
+    "lab",
+    "tests",
+    "examples",
+    "scripts",
+    "docs",
+    "bazel",
+    ".ci",
+)
 SCANNED_SUFFIXES = {".py", ".cc", ".h", ".cu", ".sh", ".md", ".toml", ".bzl", ".txt", ".cfg"}
 ROOT_FILES = ("README.md", "BUILD", "CMakeLists.txt", "pyproject.toml")
 RAW_RESULTS = ("docs/gpu/", "docs/sim/")
@@ -51,7 +63,7 @@ DESIGN_CITATION = re.compile(
 HEADING = re.compile(r"^#{1,6}\s+(\d+(?:\.\d+)*)\.?\s", re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 REPO_PATH = re.compile(
-    r"(?<![\w/.-])((?:jax_hybridep|xla_ffi|tests|examples|scripts|docs|bazel|\.ci)/[\w/.-]*\w/?)"
+    r"(?<![\w/.-])((?:jax_hybridep|xla_ffi|lab|tests|examples|scripts|docs|bazel|\.ci)/[\w/.-]*\w/?)"
     r"(?![\w{*/]|\.[{*\w])"
 )
 
@@ -197,3 +209,40 @@ def test_a_bare_name_the_tree_does_not_have_is_found():
     text = "Launches go through `LaunchKernel` (`launch_support.h`), PTX through `ptx.cuh`;\n"
     text += "tests: `host_executor_*_test.py`, `device/launch.h`, and `docs_*_test.py`."
     assert _unknown_names(text, names) == [(1, "launch_support.h"), (2, "docs_*_test.py")]
+
+
+# What the code may name that is not a file of the tree: the build's outputs (the native module and
+# its runtime, installed beside the package) and the CUDA windows' key-value keys.
+NOT_FILES = re.compile(r"^jax_hybridep/(?:_hybridep\b|libhybridep_runtime\.so$|window/)")
+CODE_DIRS = ("jax_hybridep", "xla_ffi", "lab", "examples", "scripts", "bazel", ".ci")
+CODE_SUFFIXES = {".py", ".cc", ".h", ".cu", ".cuh", ".sh", ".bzl"}
+
+
+def _missing_paths(text: str) -> list[tuple[int, str]]:
+    """(line, path) of each repository path in `text` that the tree does not have."""
+    return [
+        (_line(text, m.start()), m.group(1))
+        for m in REPO_PATH.finditer(text)
+        if not NOT_FILES.match(m.group(1)) and not (ROOT / m.group(1)).exists()
+    ]
+
+
+def test_code_names_paths_that_exist():
+    files = [ROOT / "CMakeLists.txt", ROOT / "BUILD"]
+    for top in CODE_DIRS:
+        files += [p for p in sorted((ROOT / top).rglob("*")) if p.suffix in CODE_SUFFIXES]
+    missing = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in files
+        if "__pycache__" not in path.parts
+        for line, name in _missing_paths(path.read_text(errors="replace"))
+    ]
+    assert len(files) > 200
+    assert not missing, "paths that moved or went:\n" + "\n".join(missing)
+
+
+def test_a_moved_path_in_code_is_found():
+    """The planted break: the comments that named the native files before they moved."""
+    text = "# xla_ffi/common/fp8.h computes the same bits; xla_ffi/fp8.h once did\n"
+    text += "# installed as jax_hybridep/_hybridep.so beside jax_hybridep/libhybridep_runtime.so\n"
+    assert _missing_paths(text) == [(1, "xla_ffi/fp8.h")]

@@ -12,7 +12,8 @@ from harness import BACKENDS, make_mesh, moe_fn
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
-from jax_hybridep import _native, compat
+from jax_hybridep import compat
+from lab import native_module
 
 
 def _run(mesh, fn, *args, in_specs=None, out_specs=None):
@@ -235,7 +236,7 @@ def test_rendezvous_timeout_names_missing_ranks_and_process_stays_usable(ep4):
     assert time.monotonic() - start < 30
     with pytest.raises(hep.TransportError, match=r"EP ranks \[0\] of 4 did not arrive"):
         hep.check_errors()  # the library's own type, which JAX's runtime error does not carry
-    assert _native.testing_module().open_exchange_count() == 0
+    assert native_module.testing_module().open_exchange_count() == 0
     fn = moe_fn(mesh, topo, hep.DispatchConfig(num_experts=8, backend="ffi"))
     out, _ = fn(X, IDX, W, np.ones((8, 4, 4), np.float32))
     np.testing.assert_allclose(out, np.full((16, 4), 8.0))  # 2 rows of weight 1, each 4 * 1s

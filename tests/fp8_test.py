@@ -23,10 +23,11 @@ from jax_hybridep import _native, fp8, ops, traffic
 from jax_hybridep import nn as hnn
 from jax_hybridep.exchange import routes
 from jax_hybridep.exchange.wire import Carrier
+from lab import native_module
 
 MESHES = [((8,), ("ep",)), ((2, 4), ("node", "local")), ((2, 2, 2), ("dc", "node", "local"))]
 FP8 = "float8_e4m3fn"
-native = _native.testing_module() if _native.available() else None
+native = native_module.testing_module() if _native.available() else None
 needs_native = pytest.mark.skipif(native is None, reason="native module not built")
 
 

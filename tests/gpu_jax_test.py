@@ -20,7 +20,7 @@ import pytest
 from mp_launch import free_port
 from train_harness import python_path_env
 
-from jax_hybridep import _native
+from lab import native_module
 
 WORKER = pathlib.Path(__file__).with_name("gpu_worker.py")
 TIMEOUT_S = 300
@@ -49,7 +49,7 @@ def _run_worker(*flags: str, env=GPU_ENV) -> dict:
 
 def _local_gpus(at_least: int, even: bool = False) -> int:
     """The visible GPU count; skips the test with fewer (or an odd count when `even`)."""
-    count = _native.testing_module().cuda_device_count()
+    count = native_module.testing_module().cuda_device_count()
     if count < at_least or (even and count % 2):
         pytest.skip(
             f"{count} GPU(s) visible; this test needs {'an even number ' if even else ''}"

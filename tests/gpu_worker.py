@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
 from jax_hybridep import _native, fp8
+from lab import native_module
 
 
 def _global(mesh, a, spec):
@@ -119,7 +120,7 @@ def _site_states(mesh, topo, args) -> dict:
     program holds one per CUDA call site, and none outlives its program. None without CUDA."""
     if not _native.module().with_cuda:
         return None
-    testing = _native.testing_module()
+    testing = native_module.testing_module()
     E = args.experts_per_gpu * mesh.size
     x, idx, w, experts = args.inputs(E, jnp.float32)
     spec = all_axes_spec(mesh)

@@ -114,7 +114,7 @@ def run_transport(
     copy_probability: float = 0.25,
     **kw,
 ) -> dict:
-    """The transport's harness (xla_ffi/cuda/testing/harness.cc) on the executor: rank r of
+    """The transport's harness (lab/native/cuda/harness.cc) on the executor: rank r of
     every round on virtual GPU r, its own stream, the host waiting only at the end. `rounds`:
     tests/transport_helpers.py Rounds, one per exchange round on the same windows."""
     from transport_helpers import run_harness

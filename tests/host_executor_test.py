@@ -1,6 +1,6 @@
 """The host executor's model of each primitive the transport's kernels use, against the PTX ISA's
 and the CUDA programming guide's semantics, and its reports of misused primitives
-(docs/host_executor.md). Probe kernels: xla_ffi/cuda/host/probes.cu. The module is built from the
+(docs/host_executor.md). Probe kernels: lab/host_executor/probes.cu. The module is built from the
 working tree on demand (tests/host_executor_helpers.py).
 """
 

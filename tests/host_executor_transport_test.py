@@ -2,7 +2,7 @@
 the §2.1 model (docs/design.md §2.1, tests/transport_helpers.py), with the executor's race,
 deadlock and misuse detectors watching every access (docs/host_executor.md).
 
-The harness is the GPU's (xla_ffi/cuda/testing/harness.cc): slot map, dispatch, combine and
+The harness is the GPU's (lab/native/cuda/harness.cc): slot map, dispatch, combine and
 redispatch per round, here with rank r on virtual GPU r, its own stream, and the host waiting
 only at the end, so every rank's exchanges overlap its peers'. Each configuration runs under a
 fixed seed and one that changes daily (tests/host_executor_helpers.py `seeds`); the many-seed
@@ -129,8 +129,8 @@ def test_silent_rank_times_out(hx):
 
 
 @pytest.mark.parametrize("routing", ["random", "many_chunks", "one_expert", "all_minus_one"])
-def test_slot_map_kernels_match_host_reference(hx, routing):
-    """The three slot-map kernels alone (count, scan, assign) against the host reference, every
+def test_slot_map_kernels_match_the_reference(hx, routing):
+    """The three slot-map kernels alone (count, scan, assign) against the reference, every
     rank of an 8-GPU level with 200 items (four chunks) each, or of 2 GPUs with 1501."""
     hx.configure(seed=seeds(1)[0], gpus=1)
     ranks, items = (2, 1501) if routing == "many_chunks" else (8, 200)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -30,7 +31,6 @@ ROOT = os.path.join(REPO, "jax_hybridep")
 PACKAGE = "jax_hybridep"
 NATIVE = (  # compiled extension modules (built elsewhere; no imports)
     "jax_hybridep._hybridep",
-    "jax_hybridep._hybridep_testing",
 )
 
 
@@ -332,3 +332,149 @@ def test_what_nn_loads_checker_finds_a_planted_break():
 
 def test_importing_nn_loads_no_cost_model_simulator_or_benchmark():
     assert _loaded_by("import jax_hybridep.nn") == []
+
+
+# ----------------------------------------------------------------------------- the native side
+# The laboratory stands beside the product (lab/__init__.py): no native file of the product
+# includes a header from lab/, and the targets a user's wheel installs (CMake's production
+# targets and every target they link) build no source from it and add no lab/ path to their
+# include directories.
+PRODUCTION_TARGETS = ("_hybridep", "hybridep_runtime")
+_LAB_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](lab/[^">]*)[">]', re.M)
+
+
+def _lab_includes(text: str, path: str) -> list[str]:
+    """Where the C++ source `text` (at `path`) includes a header under lab/."""
+    return [
+        f"{path}:{text.count(chr(10), 0, m.start()) + 1} includes {m.group(1)}"
+        for m in _LAB_INCLUDE.finditer(text)
+    ]
+
+
+def _cmake_commands(text: str) -> list[tuple[str, list[str]]]:
+    """(command, arguments) of every CMake command call; comments dropped, quoted arguments whole
+    (a parenthesis inside quotes is text, not a call)."""
+    plain, quoted, i = [], False, 0
+    while i < len(text):  # drop bracket and line comments outside quotes
+        ch = text[i]
+        if not quoted and text.startswith("#[[", i):
+            i = text.index("]]", i) + 2
+            continue
+        if not quoted and ch == "#":
+            i = text.find("\n", i) if "\n" in text[i:] else len(text)
+            continue
+        if ch == '"' and (i == 0 or text[i - 1] != "\\"):
+            quoted = not quoted
+        plain.append(ch)
+        i += 1
+    text = "".join(plain)
+    out, i, call = [], 0, re.compile(r"([A-Za-z_]\w*)\s*\(")
+    while (m := call.search(text, i)) is not None:
+        args, token, depth, quoted, j = [], "", 1, False, m.end()
+        while j < len(text) and depth:
+            ch = text[j]
+            if ch == '"' and text[j - 1] != "\\":
+                quoted = not quoted
+            if not quoted and ch in "()":
+                depth += 1 if ch == "(" else -1
+            if depth and (quoted or not ch.isspace()):
+                token += ch
+            elif token:
+                args, token = args + [token], ""
+            j += 1
+        out.append((m.group(1).lower(), args))
+        i = j
+    return out
+
+
+def _linked(commands, roots) -> set[str]:
+    """`roots` and every target they link, transitively (target_link_libraries)."""
+    links: dict[str, set[str]] = {}
+    for name, args in commands:
+        if name == "target_link_libraries":
+            links.setdefault(args[0], set()).update(args[1:])
+    found, todo = set(), list(roots)
+    while todo:
+        target = todo.pop()
+        if target not in found:
+            found.add(target)
+            todo += sorted(links.get(target, ()))
+    return found
+
+
+def _production_lab_paths(cmake: str, roots=PRODUCTION_TARGETS) -> list[str]:
+    """Every lab/ path that `roots` (or a target they link) name as sources or include paths."""
+    commands = [(name, args) for name, args in _cmake_commands(cmake) if args]
+    targets = _linked(commands, roots)
+    per_target = ("add_library", "nanobind_add_module", "target_sources")
+    return sorted(
+        f"{args[0]}: {name}(... {arg} ...)"
+        for name, args in commands
+        if (name in per_target or name.startswith("target_")) and args[0] in targets
+        for arg in args[1:]
+        if "lab/" in arg
+    )
+
+
+def test_laboratory_checkers_find_planted_breaks():
+    source = '#include "xla_ffi/common/numeric.h"\n// lab/native/x.h, a comment\n'
+    planted = source + '#include "lab/native/introspection.h"\n'
+    planted += "#  include <lab/host_executor/ptx.h>\n"
+    assert _lab_includes(source, "ok.cc") == []
+    assert _lab_includes(planted, "p.cc") == [
+        "p.cc:3 includes lab/native/introspection.h",
+        "p.cc:4 includes lab/host_executor/ptx.h",
+    ]
+    cmake = """
+      add_library(hybridep_kernels OBJECT xla_ffi/common/layout.cc)  # lab/in_a_comment.cc
+      add_library(hybridep_runtime SHARED)
+      target_link_libraries(hybridep_runtime PUBLIC hybridep_kernels)
+      nanobind_add_module(_hybridep NB_STATIC xla_ffi/module.cc)
+      nanobind_add_module(_hybridep_testing NB_STATIC lab/native/module.cc)
+      execute_process(COMMAND "print('(lab/not_a_target.cc')")
+    """
+    assert _production_lab_paths(cmake) == []
+    broken = (
+        cmake
+        + """
+      add_library(hybridep_cuda_handlers OBJECT xla_ffi/cuda/handlers/layout.cc)
+      target_link_libraries(hybridep_runtime PUBLIC hybridep_cuda_handlers)
+      target_sources(hybridep_cuda_handlers PRIVATE "lab/native/cuda/reference.cc")
+      target_include_directories(_hybridep PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/lab/native)
+    """
+    )
+    assert _production_lab_paths(broken) == [
+        "_hybridep: target_include_directories(... ${CMAKE_CURRENT_SOURCE_DIR}/lab/native ...)",
+        'hybridep_cuda_handlers: target_sources(... "lab/native/cuda/reference.cc" ...)',
+    ]
+    # The same break planted in the real build: a laboratory source in a CUDA handlers' list.
+    with open(os.path.join(REPO, "CMakeLists.txt")) as f:
+        real = f.read()
+    site = "xla_ffi/cuda/state/site_state.cc"
+    assert real.count(site) == 1
+    real = real.replace(site, site + " lab/native/cuda/reference.cc")
+    assert _production_lab_paths(real) == [
+        "hybridep_cuda_handlers: add_library(... lab/native/cuda/reference.cc ...)"
+    ]
+
+
+def test_the_product_builds_nothing_from_the_laboratory():
+    breaks, files = [], 0
+    for directory, _, names in os.walk(os.path.join(REPO, "xla_ffi")):
+        for name in sorted(n for n in names if n.endswith((".h", ".cc", ".cu", ".cuh"))):
+            path = os.path.join(directory, name)
+            with open(path) as f:
+                breaks += _lab_includes(f.read(), os.path.relpath(path, REPO))
+            files += 1
+    assert files > 40
+    with open(os.path.join(REPO, "CMakeLists.txt")) as f:
+        cmake = f.read()
+    # The parser sees the build: what the production targets link, and the laboratory's sources
+    # in the laboratory's own targets.
+    commands = [(name, args) for name, args in _cmake_commands(cmake) if args]
+    linked = _linked(commands, PRODUCTION_TARGETS)
+    assert {"hybridep_kernels", "hybridep_cpu_handlers", "hybridep_cuda_handlers"} <= linked
+    assert "_hybridep_testing" not in linked
+    assert "lab/native/module.cc" in " ".join(_production_lab_paths(cmake, ("_hybridep_testing",)))
+    breaks += [f"CMakeLists.txt: {line}" for line in _production_lab_paths(cmake)]
+    assert not breaks, "\n".join(breaks)

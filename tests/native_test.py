@@ -1,5 +1,7 @@
-"""The native modules: the production module registers handlers only, the test module beside it
-holds the rest; and the float conversions the host kernels rely on."""
+"""The native modules: the production module registers handlers only, the laboratory's test module
+(outside the package) holds the rest; and the float conversions the CPU kernels rely on."""
+
+import importlib.util
 
 import ml_dtypes
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 import jax_hybridep as hep
 from jax_hybridep import _native
 from jax_hybridep.exchange import cuda
+from lab import native_module
 
 
 def test_handlers_registered():
@@ -59,17 +62,26 @@ def test_production_module_registers_handlers_only():
     services = set(PRODUCTION_SERVICES) - (set() if production.with_cuda else cuda_only)
     assert names - registrations == services
     # The test hooks are in the test module, on the same runtime.
-    testing = _native.testing_module()
+    testing = native_module.testing_module()
     assert testing.with_cuda == production.with_cuda
     assert {"round_trip", "open_exchange_count", "transport_reference"} <= set(dir(testing))
     if production.with_cuda:
         assert {"cuda_selftest_transport", "cuda_bench_transport"} <= set(dir(testing))
 
 
+def test_the_test_module_stands_outside_the_package():
+    """The test module is the laboratory's (lab/native/): a top-level module of the developer
+    install, never a part of jax_hybridep, so no wheel a user installs carries it."""
+    assert native_module.testing_module().__name__ == "_hybridep_testing"
+    assert importlib.util.find_spec("jax_hybridep._hybridep_testing") is None
+
+
 def test_both_modules_share_one_runtime():
     """One runtime library under both modules (not a copy each): a failure recorded through the
     test module is the one the production module's error log hands hep.check_errors()."""
-    _native.testing_module().record_transport_error("jax_hybridep: probe of the shared runtime")
+    native_module.testing_module().record_transport_error(
+        "jax_hybridep: probe of the shared runtime"
+    )
     assert _native.module().take_recorded_errors() == [
         ("transport", "jax_hybridep: probe of the shared runtime")
     ]
@@ -123,7 +135,9 @@ def test_round_to_nearest_even_like_numpy(dtype):
         ]
     )
     values = values[~np.isnan(values)]
-    got = np.frombuffer(_native.testing_module().round_trip(dtype, values.tobytes()), np.float32)
+    got = np.frombuffer(
+        native_module.testing_module().round_trip(dtype, values.tobytes()), np.float32
+    )
     with np.errstate(over="ignore"):  # float16 overflow to inf is the expected result
         want = values.astype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else np.float16)
     want = want.astype(np.float32)

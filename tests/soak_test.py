@@ -21,7 +21,8 @@ from harness import BACKENDS, all_axes_spec, local_experts, make_mesh, moe_fn, r
 from jax.sharding import PartitionSpec as P
 
 import jax_hybridep as hep
-from jax_hybridep import _native, compat
+from jax_hybridep import compat
+from lab import native_module
 
 WARMUP, STEPS = 50, 400
 # Resident memory may move a little while allocator arenas settle (~3 MiB over 500 steps on the
@@ -66,7 +67,7 @@ def test_random_routings_at_fixed_shapes_do_not_grow_memory(backend):
         f"{backend}: resident memory grew by {(late - early) / 2**20:.1f} MiB over "
         f"{STEPS - quarter} steps ({early / 2**20:.1f} -> {late / 2**20:.1f} MiB)"
     )
-    assert _native.testing_module().open_exchange_count() == 0
+    assert native_module.testing_module().open_exchange_count() == 0
 
 
 @pytest.mark.slow
@@ -76,7 +77,7 @@ def test_retracing_leaves_no_per_call_site_state():
     topo = hep.Topology.from_mesh(mesh, ("ep",))
     cfg = hep.DispatchConfig(num_experts=num_experts, backend="ffi")
     spec = all_axes_spec(mesh)
-    native = _native.testing_module()
+    native = native_module.testing_module()
     before = native.call_site_state_count()
     rng = np.random.default_rng(1)
     for tokens in range(1, 13):  # a new shape, so a new trace and new call sites, each time
@@ -120,7 +121,7 @@ def test_a_timed_out_exchange_leaves_no_per_call_site_state():
     mesh = make_mesh((R,), ("ep",))
     topo = hep.Topology.from_mesh(mesh, ("ep",))
     cfg = hep.DispatchConfig(num_experts=8, backend="ffi", timeout_s=1.0)
-    native = _native.testing_module()
+    native = native_module.testing_module()
     before = native.call_site_state_count()
 
     def rank0_skips(x, idx, w):  # rank 0 never reaches the exchange; the others wait for it

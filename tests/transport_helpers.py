@@ -207,7 +207,7 @@ class Round:
         self.np_dtype = np_dtype
 
     def inputs(self, weighted: bool) -> dict:
-        """This round's arguments of the host reference `transport_reference` (before stacking
+        """This round's arguments of the reference `transport_reference` (before stacking
         rounds)."""
         as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[:2] + (-1,))  # noqa: E731
         return dict(
@@ -303,7 +303,7 @@ def gathered(case: Round) -> np.ndarray:
 
 def check_round(module, got: dict, n: int, case: Round, weighted: bool, what: str):
     """Round n of the transport's harness against the model, bit for bit, and every rank's layout
-    against the host reference (`module`'s cuda_slot_map)."""
+    against the reference (`module`'s cuda_slot_map)."""
     want = case.expected(weighted)
     for key in ("tokens", "weights", "combined", "redispatched", "scaled"):
         value = got[key][n]

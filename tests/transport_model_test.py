@@ -1,6 +1,6 @@
 """The §2.1 model the GPU transport tests trust (tests/transport_helpers.py `Round.expected`),
-held to the host kernels of the same steps (xla_ffi/exchange.h's pull transport: PullRows,
-PullCombine, PullRowValues) on the same rounds, every output bit for bit; no GPU needed.
+held to the CPU kernels of the same steps (xla_ffi/cpu/kernels/exchange.h's pull transport:
+PullRows, PullCombine, PullRowValues) on the same rounds, every output bit for bit; no GPU needed.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from transport_helpers import EXCHANGE_ROUTINGS, Round, got_bits, stacked_inputs
 
-from jax_hybridep import _native
+from lab import native_module
 
-native = _native.testing_module()
+native = native_module.testing_module()
 
 
 def reference_rounds(rounds: list[Round], weighted: bool) -> list[dict]:

@@ -2,8 +2,8 @@
 for its exchanges.
 
 The numpy twins compute what the slot-map kernels, the permute, the unpermute and the reduce
-compute, written differently (whole-array prefix sums and masks where the host reference walks
-loops), so tests/cuda_twin_test.py can hold them against the host references bit for bit and
+compute, written differently (whole-array prefix sums and masks where the reference walks
+loops), so tests/cuda_twin_test.py can hold them against the references bit for bit and
 against the §2.1 model. `JaxExchanges` has the methods of exchange.cuda.CudaExchanges, built from
 the same steps in jnp with `all_to_all` over the fast level's axes, so the GPU route (its bottom,
 record and VJPs) runs on fake CPU devices against the xla backend.
@@ -73,7 +73,7 @@ def numpy_permute(
 ):
     """(rows [C, ...], scaled or None) from the receive buffer `slots` [n, row] (typed rows, or
     with fp8_hidden uint8 FP8 wire rows dequantised to `dtype`); untouched rows are 0xab bytes,
-    as the host reference leaves them."""
+    as the reference leaves them."""
     n = int(lay["info"][0])
     payload = slots[:n]
     if fp8_hidden:

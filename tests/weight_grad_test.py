@@ -1,6 +1,6 @@
 """The routing-weight gradient's fixed summation order (jax_hybridep/weight_grad.py): the XLA
 expression equals its numpy statement bit for bit, it is a true dot product, and the host
-handlers' fused combine VJP (xla_ffi/numeric.h, RowDotT) gives the same bits as the `xla`
+handlers' fused combine VJP (xla_ffi/common/numeric.h, RowDotT) gives the same bits as the `xla`
 backend for hidden sizes that exercise every branch (fewer than 16 lanes, one or several blocks
 of 16 lanes, whole steps, a tail)."""
 

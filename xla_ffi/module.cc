@@ -5,7 +5,7 @@
 // between processes and the release of the windows at exit). The CUDA handlers come with their
 // state type (the per-site state each executable owns, xla_ffi/cuda/state/site_state.h).
 // Self-tests, the virtual-rank harness, benchmark hooks and introspection live in the test module
-// built beside it (xla_ffi/testing/module.cc); both run on the one runtime library.
+// built beside it (lab/native/module.cc); both run on the one runtime library.
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -14,14 +14,14 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/common/error_log.h"
+#include "xla_ffi/common/limits.h"
+#include "xla_ffi/cpu/handlers/handlers.h"
 #include "xla_ffi/cuda/kernels/send_plan.h"
-#include "xla_ffi/error_log.h"
-#include "xla_ffi/limits.h"
 
 #ifdef JAX_HYBRIDEP_WITH_CUDA
 #include "xla_ffi/cuda/handlers/registry.h"
-#include "xla_ffi/cuda/state/windows.h"
+#include "xla_ffi/cuda/state/window_registry.h"
 #endif
 
 namespace nb = nanobind;
@@ -134,9 +134,10 @@ NB_MODULE(_hybridep, m) {
   m.def(
       "cpu_registrations", [] { return jax_hybridep::Registrations(jax_hybridep::CpuHandlers()); },
       "FFI target name -> handler capsule, for platform 'cpu'.");
-  m.def("limits", &jax_hybridep::Limits,
-        "The GPU transport's limits (xla_ffi/limits.h, kernels/send_plan.h): max_send_blocks, "
-        "max_top_k, max_window_ranks, send_chunk (items per send chunk), shared_budget.");
+  m.def(
+      "limits", &jax_hybridep::Limits,
+      "The GPU transport's limits (xla_ffi/common/limits.h, kernels/send_plan.h): max_send_blocks, "
+      "max_top_k, max_window_ranks, send_chunk (items per send chunk), shared_budget.");
   m.def("send_plan", &jax_hybridep::SendPlanOf, nb::arg("staged_bytes"), nb::arg("map_words"),
         nb::arg("fp8_hidden") = 0, nb::arg("budget") = jax_hybridep::kSharedBudget,
         "How the send kernel stages rows of staged_bytes (kernels/send_plan.h PlanSend): stages "

@@ -3,7 +3,7 @@
 Two attribute bundles recur across handlers: the exchange's (where a call meets its peers: call
 site, ranks, timeout) and the layout's (the EP group's static plan); the CUDA transport's
 exchanges add how the transport runs. Every handler, host or CUDA, decodes a call's attributes as
-one struct built from these bundles (xla_ffi/ffi_support.h, xla_ffi/cuda/handlers/attrs.h).
+one struct built from these bundles (xla_ffi/common/ffi_support.h, xla_ffi/cuda/handlers/attrs.h).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The fused host bottom: one custom call per direction over one level whose ranks share this
-process (xla_ffi/cpu_handlers.cc).
+process (xla_ffi/cpu/handlers/handlers.cc).
 
 It spans the level itself: each destination copies its rows straight from the sources' held rows
 into expert-major rows (one copy per row, no staging), and each source sums its partials straight

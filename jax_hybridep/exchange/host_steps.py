@@ -1,4 +1,4 @@
-"""Host (CPU) steps over the C++ handlers of xla_ffi/cpu_level_handlers.cc.
+"""Host (CPU) steps over the C++ handlers of xla_ffi/cpu/handlers/level_handlers.cc.
 
 A level whose ranks share this process is crossed by direct write: the ranks meet in a
 process-wide rendezvous (keyed by execution, call site, level group and generation; docs/design.md

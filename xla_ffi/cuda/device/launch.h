@@ -1,5 +1,6 @@
-// Host-side helpers of the CUDA launchers: a kernel launch that both nvcc and the host executor
-// compile (docs/host_executor.md), and a kernel template instantiated per row dtype.
+// Helpers of the CUDA launchers (the C++ that enqueues kernels): a kernel launch that both nvcc and
+// the host executor compile (docs/host_executor.md), and a kernel template instantiated per row
+// dtype.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_DEVICE_LAUNCH_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_DEVICE_LAUNCH_H_
 
@@ -8,7 +9,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/common/numeric.h"
 
 namespace jax_hybridep {
 

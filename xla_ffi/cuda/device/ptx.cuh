@@ -1,7 +1,7 @@
 // Every PTX instruction the transport's kernels use, behind one function each, and the block's
-// shared-memory declarations: inline assembly when nvcc compiles the kernels, the host executor's
-// model of the instruction when the host compiler does (-DJAX_HYBRIDEP_HOST_EXECUTOR,
-// xla_ffi/cuda/host/ptx.h; docs/host_executor.md). The kernels' logic is written once, above
+// shared-memory declarations: inline assembly when nvcc compiles the kernels, a call of the host
+// executor's model of the instruction when the C++ compiler builds them for the executor
+// (-DJAX_HYBRIDEP_HOST_EXECUTOR; docs/host_executor.md). The kernels' logic is written once, above
 // this layer.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_DEVICE_PTX_CUH_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_DEVICE_PTX_CUH_
@@ -10,12 +10,11 @@
 
 #include <cstdint>
 
-#if defined(JAX_HYBRIDEP_HOST_EXECUTOR)
-#include "xla_ffi/cuda/host/ptx.h"
-#endif
+// Under the host executor, <cuda_runtime.h> above is the executor's own (first on its include
+// path), and it declares the models called below: nothing here names the laboratory's files.
 
-// __shared__ arrays, variables and the launch's dynamic shared memory. On the host each is the
-// block's own allocation in its bounds-checked arena (a pointer or a reference there).
+// __shared__ arrays, variables and the launch's dynamic shared memory. Under the host executor each
+// is the block's own allocation in its bounds-checked arena (a pointer or a reference there).
 #if defined(JAX_HYBRIDEP_HOST_EXECUTOR)
 #define JAX_HYBRIDEP_SHARED_ARRAY(type, name, count, align) \
   type* const name =                                        \

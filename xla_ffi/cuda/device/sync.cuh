@@ -9,13 +9,12 @@
 #include <cstdint>
 
 #include "xla_ffi/cuda/device/ptx.cuh"
-#include "xla_ffi/cuda/device/warp.cuh"
 #include "xla_ffi/cuda/kernels/transport.h"
 
 namespace jax_hybridep {
 namespace device {
 
-// A spinning wait checks whether another wait already failed this often (a mapped-host read).
+// A spinning wait checks whether another wait already failed this often (a read of mapped memory).
 constexpr int kPollsPerErrorCheck = 1024;
 
 // ---------------------------------------------------------------------------- window regions
@@ -52,7 +51,7 @@ __device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t v) {
   ptx::StoreReleaseSys(flag, v);
 }
 
-// Records this rank's first failed wait in the mapped host record (system-scope stores, the only
+// Records this rank's first failed wait in the mapped record (system-scope stores, the only
 // narrow ones the wide kernels may hold: tests/cuda_sass_test.py).
 __device__ inline void RecordFailure(TransportError* error, uint32_t* claim, uint32_t code,
                                      int32_t rank, int64_t peer, int64_t block, uint64_t generation,

@@ -1,15 +1,16 @@
 // Attribute bundles of the CUDA handlers, decoded as one struct per handler (`.Attrs<T>()`) in
-// the host handlers' vocabulary (xla_ffi/ffi_support.h): where an exchange meets (ExchangeAttrs)
-// plus how the GPU transport runs it. jax_hybridep/exchange/ffi_call.py (transport_attrs) builds
-// the same bundles; a member missing on either side fails the call with the member's name
-// (tests/cuda_lowering_test.py decodes what Python emits with these decoders on the CPU).
+// the host handlers' vocabulary (xla_ffi/common/ffi_support.h): where an exchange meets
+// (ExchangeAttrs) plus how the GPU transport runs it. jax_hybridep/exchange/ffi_call.py
+// (transport_attrs) builds the same bundles; a member missing on either side fails the call with
+// the member's name (tests/cuda_lowering_test.py decodes what Python emits with these decoders on
+// the CPU).
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HANDLERS_ATTRS_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_HANDLERS_ATTRS_H_
 
 #include <cstdint>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/ffi_support.h"
+#include "xla_ffi/common/ffi_support.h"
 
 namespace jax_hybridep {
 

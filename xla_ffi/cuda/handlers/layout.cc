@@ -1,7 +1,7 @@
 // The CUDA layout handler (docs/design.md §2.1.2-3): every (t, k) gets its destination row from
 // the per-(source rank, expert) counts an XLA collective all-gathered over the EP group
-// [R, E + 1], by the CUDA layout kernels (kernels/row_layout.h), with no host sync (strict mode
-// syncs to raise). The placement and the kernels' scratch are the call site's, on each device
+// [R, E + 1], by the CUDA layout kernels (kernels/row_layout.h), never waiting for the GPU (strict
+// mode syncs to raise). The placement and the kernels' scratch are the call site's, on each device
 // (state/site_state.h).
 #include <cuda_runtime_api.h>
 
@@ -10,19 +10,19 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/ffi_support.h"
 #include "xla_ffi/cuda/handlers/registry.h"
 #include "xla_ffi/cuda/handlers/support.h"
 #include "xla_ffi/cuda/kernels/row_layout.h"
 #include "xla_ffi/cuda/state/site_state.h"
-#include "xla_ffi/ffi_support.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;
 namespace {
 
 // Layout from the counts all-gathered by an XLA collective [R, E + 1]: plan groups and assign
-// rows with the CUDA layout kernels (kernels/row_layout.h), no host sync (strict mode syncs to
-// raise).
+// rows with the CUDA layout kernels (kernels/row_layout.h), never waiting for the GPU (strict mode
+// syncs to raise).
 ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, SiteState* state,
                       ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> gathered,
                       ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> group,
@@ -87,13 +87,13 @@ ffi::Error LayoutImpl(cudaStream_t stream, int32_t device, SiteState* state,
   if (s != cudaSuccess) return CudaError(s, "layout");
   if (!layout.strict) return ffi::Error::Success();
   // Strict mode is a debugging aid: it waits for the counts to fail on every rank at once.
-  std::vector<int32_t> host(num_ranks * (E + 1));
-  s = cudaMemcpyAsync(host.data(), gathered.typed_data(), host.size() * sizeof(int32_t),
+  std::vector<int32_t> counts(num_ranks * (E + 1));
+  s = cudaMemcpyAsync(counts.data(), gathered.typed_data(), counts.size() * sizeof(int32_t),
                       cudaMemcpyDeviceToHost, stream);
   if (s == cudaSuccess) s = cudaStreamSynchronize(stream);
   if (s != cudaSuccess) return CudaError(s, "strict-mode check");
   const LayoutAttrs attrs = MakeLayoutAttrs(layout);
-  return ToError(StrictCheck(attrs, PlanGroup(attrs, host.data()), site.group));
+  return ToError(StrictCheck(attrs, PlanGroup(attrs, counts.data()), site.group));
 }
 
 }  // namespace

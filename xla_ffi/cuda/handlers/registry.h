@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu/handlers/handlers.h"
 #include "xla_ffi/cuda/state/site_state.h"
 
 namespace jax_hybridep {

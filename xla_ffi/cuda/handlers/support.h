@@ -1,5 +1,6 @@
 // What the CUDA handlers share: a CUDA failure as an XLA FFI error (cleared, so later calls do
-// not report it again), and a launch's status as one. Plain C++ (host compiler).
+// not report it again), and a launch's status as one. Plain C++, built by the C++
+// compiler (not nvcc).
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_HANDLERS_SUPPORT_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_HANDLERS_SUPPORT_H_
 

@@ -8,8 +8,8 @@
 //   cuda_combine        the partials sent back (num_sms blocks, at most 8) + reduce (wide)
 // The exchanges keep, per call site and device (state/site_state.h, owned by the executable),
 // the rank and group (read from their operands on the first execution) and the site's window
-// (state/windows.h). Exchange numbers are not counted on the host: the kernels read them from
-// the window.
+// (state/window_registry.h). Exchange numbers are not counted by the handlers: the kernels read
+// them from the window.
 #include "xla_ffi/cuda/kernels/transport.h"
 
 #include <cuda_runtime_api.h>
@@ -20,14 +20,14 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/ffi_support.h"
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/handlers/attrs.h"
 #include "xla_ffi/cuda/handlers/registry.h"
 #include "xla_ffi/cuda/handlers/support.h"
 #include "xla_ffi/cuda/kernels/slot_map.h"
 #include "xla_ffi/cuda/state/site_state.h"
-#include "xla_ffi/cuda/state/windows.h"
-#include "xla_ffi/ffi_support.h"
-#include "xla_ffi/fp8.h"
+#include "xla_ffi/cuda/state/window_registry.h"
 
 namespace jax_hybridep {
 namespace ffi = xla::ffi;
@@ -130,13 +130,14 @@ PaddingFill Fill(int64_t rows, const RowsAttrs& attrs) {
   return PaddingFill{rows, attrs.sparse_pad_multiple};
 }
 
-// ----------------------------------------------------------------------------- layout
+// ----------------------------------------------------------------------------- slot map
 
-ffi::Error LayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> gathered,
-                      ffi::Buffer<ffi::S32> coord, ffi::ResultBuffer<ffi::S32> send_slot,
-                      ffi::ResultBuffer<ffi::S32> recv_item, ffi::ResultBuffer<ffi::S32> recv_rows,
-                      ffi::ResultBuffer<ffi::F32> row_weights, ffi::ResultBuffer<ffi::S32> row_slot,
-                      ffi::ResultBuffer<ffi::S32> info, ffi::ResultBuffer<ffi::S32> workspace) {
+ffi::Error SlotMapImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> gathered,
+                       ffi::Buffer<ffi::S32> coord, ffi::ResultBuffer<ffi::S32> send_slot,
+                       ffi::ResultBuffer<ffi::S32> recv_item, ffi::ResultBuffer<ffi::S32> recv_rows,
+                       ffi::ResultBuffer<ffi::F32> row_weights,
+                       ffi::ResultBuffer<ffi::S32> row_slot, ffi::ResultBuffer<ffi::S32> info,
+                       ffi::ResultBuffer<ffi::S32> workspace) {
   const auto dims = gathered.dimensions();
   if (dims.size() != 4 || dims[3] != 3) {
     return ffi::Error::InvalidArgument("jax_hybridep: gathered routing must be [S, M, K, 3]");
@@ -301,7 +302,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, SiteState* state,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kCudaSlotMap, LayoutImpl,
+XLA_FFI_DEFINE_HANDLER(kCudaSlotMap, SlotMapImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::Buffer<ffi::S32>>()    // gathered routing [S, M, K, 3]

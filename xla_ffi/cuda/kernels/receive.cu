@@ -3,19 +3,20 @@
 // the local unpermute of combine (each received item's rows summed in ascending k), and the
 // reduce of the partials that came back. A warp takes a slot (or item) at a time; lanes move 16
 // bytes per access (one STG.128 per lane and row), and rows nobody fills are the only ones
-// zeroed. Sums are __fadd_rn / __fmul_rn in the host reference's order (testing/reference.cc),
-// 16-bit values go through numeric.h's conversions, FP8 wire rows through fp8.h's.
+// zeroed. Sums are __fadd_rn / __fmul_rn in the reference's order
+// (lab/native/cuda/reference.cc), 16-bit values go through numeric.h's conversions, FP8 wire rows
+// through fp8.h's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/sync.cuh"
 #include "xla_ffi/cuda/device/warp.cuh"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 namespace {
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kThreads)
        j += warps) {
     const Entries rows = LoadEntries(recv_rows + j * k, k);
     for (int64_t base = 0; base < hidden; base += 32 * kN * kInFlight) {
-      float acc[kInFlight][kN] = {};  // +0, as the host starts
+      float acc[kInFlight][kN] = {};  // +0, as the CPU kernels start
       ForKept(rows, [&](int32_t r) {
         const float w = kWeighted ? weights[r] : 1.0f;
         float v[kInFlight][kN];

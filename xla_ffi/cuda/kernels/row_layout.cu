@@ -43,7 +43,7 @@ __device__ unsigned long long WarpSum(unsigned long long v) {
 __device__ bool IsExpert(int32_t e, int64_t num_experts) { return e >= 0 && e < num_experts; }
 
 // One block. Threads split the experts, then the ranks: each rank's slots are filled one after
-// another, as on the host, because a group's offset depends on all the groups before it.
+// another, as the CPU kernels do, because a group's offset depends on all the groups before it.
 __global__ void PlanGroupsKernel(const int32_t* all_counts, Placement placement, CapacityPlan plan,
                                  int32_t* keep_limit, int32_t* group_offset, int32_t* group_sizes,
                                  int32_t* tokens_per_expert) {
@@ -56,7 +56,7 @@ __global__ void PlanGroupsKernel(const int32_t* all_counts, Placement placement,
     tokens_per_expert[e] = static_cast<int32_t>(total);
   }
   // group_sizes doubles as the slot -> expert table until each rank's scan overwrites it. Where two
-  // experts claim one slot the host keeps the later (higher) one; atomicMax does the same.
+  // experts claim one slot the CPU kernels keep the later (higher) one; atomicMax does the same.
   for (int64_t i = threadIdx.x; i < num_groups; i += blockDim.x) group_sizes[i] = -1;
   __syncthreads();
   for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {

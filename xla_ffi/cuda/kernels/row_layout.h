@@ -1,10 +1,11 @@
-// Host-callable launchers of the CUDA layout kernels: the device twins of layout.h's PlanGroups
+// Launchers of the CUDA layout kernels (C++ calls them; they enqueue the work): the GPU twins of
+// layout.h's PlanGroups
 // and AssignRows (docs/design.md §2.1.2-3), over the per-(source rank, expert) counts XLA
 // all-gathered.
 //
 // Framework-free: raw device pointers and a stream, no XLA or nanobind headers, so the FFI handler
 // and the self-tests share them. Each launcher enqueues its work on `stream` and returns the
-// launch status (it never synchronizes). Results are bitwise those of the host functions of the
+// launch status (it never synchronizes). Results are bitwise those of the CPU functions of the
 // same name: integer steps in the same order. Every pointer is device memory; Placement and
 // CapacityPlan are passed by value and their pointers must be device pointers too.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_ROW_LAYOUT_H_
@@ -15,12 +16,12 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "xla_ffi/layout.h"
+#include "xla_ffi/common/layout.h"
 
 namespace jax_hybridep {
 
 // PlanGroups, in one thread block. all_counts: [R, E]; keep_limit, group_offset,
-// tokens_per_expert: [E]; group_sizes: [R, num_slots]. As on the host, keep_limit and
+// tokens_per_expert: [E]; group_sizes: [R, num_slots]. As on the CPU, keep_limit and
 // group_offset of an expert that shares its slot with a higher expert are left untouched.
 cudaError_t LaunchPlanGroups(const int32_t* all_counts, const Placement& placement,
                              const CapacityPlan& plan, int32_t* keep_limit, int32_t* group_offset,

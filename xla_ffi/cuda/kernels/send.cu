@@ -15,20 +15,17 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "xla_ffi/common/fp8.h"
 #include "xla_ffi/cuda/device/bulk.cuh"
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/sync.cuh"
 #include "xla_ffi/cuda/device/warp.cuh"
 #include "xla_ffi/cuda/kernels/transport.h"
-#include "xla_ffi/fp8.h"
 
 namespace jax_hybridep {
 
 namespace {
 using namespace device;  // NOLINT: the kernels' device helpers
-
-__host__ __device__ int64_t Round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
-__host__ __device__ int64_t Round128(int64_t bytes) { return (bytes + 127) / 128 * 128; }
 
 // What a send kernel moves: rows of `src` to the destinations its row map names.
 struct SendArgs {
@@ -388,18 +385,19 @@ cudaError_t LaunchSendPartials(const ExchangeParams& ex, const PeerWindows& peer
   return Launch<true, Dtype::kF32, false>(peers, a, stream);
 }
 
-cudaError_t GetSendKernelInfo(SendKernelInfo* info) {
+// Read by the test module only (declared in lab/native/cuda/introspection.h).
+cudaError_t GetSendKernelInfo(int* registers, int64_t* static_smem, int64_t* max_dynamic_smem) {
   cudaFuncAttributes attrs;
   cudaError_t s = cudaFuncGetAttributes(&attrs, &SendKernel<false, Dtype::kF32, false>);
   if (s != cudaSuccess) return s;
-  info->registers = attrs.numRegs;
-  info->static_smem = static_cast<int64_t>(attrs.sharedSizeBytes);
+  *registers = attrs.numRegs;
+  *static_smem = static_cast<int64_t>(attrs.sharedSizeBytes);
   int device = 0, optin = 0;
   s = cudaGetDevice(&device);
   if (s == cudaSuccess) {
     s = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
-  info->max_dynamic_smem = optin - info->static_smem;
+  *max_dynamic_smem = optin - *static_smem;
   return s;
 }
 

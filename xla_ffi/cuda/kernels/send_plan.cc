@@ -4,13 +4,9 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "xla_ffi/fp8.h"
+#include "xla_ffi/common/fp8.h"
 
 namespace jax_hybridep {
-namespace {
-int64_t Round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
-int64_t Round128(int64_t bytes) { return (bytes + 127) / 128 * 128; }
-}  // namespace
 
 SendPlan PlanSend(int64_t staged_bytes, int64_t map_words, int64_t fp8_hidden, int64_t budget) {
   SendPlan plan{};

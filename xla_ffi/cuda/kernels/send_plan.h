@@ -1,4 +1,4 @@
-// How the send kernel (kernels/send.cu) stages its rows in shared memory: plain host arithmetic,
+// How the send kernel (kernels/send.cu) stages its rows in shared memory: plain C++ arithmetic,
 // in every build (the GPU launch uses it, and Python asks the native module for it instead of
 // copying it: `send_plan`). No CUDA headers.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_SEND_PLAN_H_
@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "xla_ffi/numeric.h"  // JAX_HYBRIDEP_HOST_DEVICE
+#include "xla_ffi/common/numeric.h"  // JAX_HYBRIDEP_CPU_AND_GPU
 
 namespace jax_hybridep {
 
@@ -34,8 +34,15 @@ constexpr int64_t kSharedBudget = 232448;
 // the system reserves per block), with room.
 constexpr int64_t kStaticReserve = 2048;
 
-JAX_HYBRIDEP_HOST_DEVICE inline int64_t ChunkPadded(int64_t n) {
+JAX_HYBRIDEP_CPU_AND_GPU inline int64_t ChunkPadded(int64_t n) {
   return (n + kSendChunk - 1) / kSendChunk * kSendChunk;
+}
+
+// Byte counts rounded up: bulk copies move 16-byte multiples; the ring of stages starts on a
+// 128-byte boundary after the two row-map slots. The plan and the kernel round alike.
+JAX_HYBRIDEP_CPU_AND_GPU inline int64_t Round16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+JAX_HYBRIDEP_CPU_AND_GPU inline int64_t Round128(int64_t bytes) {
+  return (bytes + 127) / 128 * 128;
 }
 
 struct SendPlan {

@@ -1,15 +1,15 @@
 // The slot map's kernels (slot_map.h): per chunk of kSendChunk items, the items each
 // destination receives (count), their running totals over (source, chunk) in order (scan), then
 // every (item, destination)'s slot and the receiver's row map (assign). Integer steps only: the
-// same bits as the host reference SlotMapHost.
+// same bits as the reference SlotMapReference (lab/native/cuda/reference.cc).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "xla_ffi/common/limits.h"  // kMaxWindowRanks
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/ptx.cuh"
 #include "xla_ffi/cuda/kernels/slot_map.h"
-#include "xla_ffi/limits.h"  // kMaxWindowRanks
 
 namespace jax_hybridep {
 namespace {

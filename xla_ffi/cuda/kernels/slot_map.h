@@ -16,8 +16,8 @@
 //   row_weights [C]: each received row's routing weight, 0 elsewhere
 //   row_slot    [C]: the slot feeding each row, -1 for rows nobody fills (padding)
 //   info        [2]: n (slots received), last filled row + 1 (0 when none)
-// Integer steps only, so the host reference here, the CUDA kernels and the numpy twin
-// (tests/transport_twin.py) agree bit for bit.
+// Integer steps only, so the reference (lab/native/cuda/reference.h), the CUDA kernels and the
+// numpy twin (tests/transport_twin.py) agree bit for bit.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_SLOT_MAP_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_SLOT_MAP_H_
 
@@ -37,16 +37,11 @@ struct SlotMapShape {
   int64_t rows;   // C
 };
 
-// Host reference of the slot map (testing/reference.cc; the CUDA kernels compute the same).
-void SlotMapHost(const SlotMapShape& shape, int32_t rank, const int32_t* gathered,
-                 int32_t* send_slot, int32_t* recv_item, int32_t* recv_rows, float* row_weights,
-                 int32_t* row_slot, int32_t* info);
-
 // Device scratch LaunchSlotMap needs.
 size_t SlotMapWorkspaceBytes(const SlotMapShape& shape);
 
 // The slot map on the device (slot_map.cu): `rank` is read from device memory (the level
-// coordinate operand), so there is no host sync. workspace: SlotMapWorkspaceBytes(shape).
+// coordinate operand), so nothing waits for the GPU. workspace: SlotMapWorkspaceBytes(shape).
 cudaError_t LaunchSlotMap(const SlotMapShape& shape, const int32_t* rank, const int32_t* gathered,
                           int32_t* send_slot, int32_t* recv_item, int32_t* recv_rows,
                           float* row_weights, int32_t* row_slot, int32_t* info, void* workspace,

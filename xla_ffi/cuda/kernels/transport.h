@@ -19,17 +19,17 @@
 // Combine first unpermutes on this rank (each received item's rows summed in float32 in
 // ascending k, rounded once: a wide local kernel), then sends one partial per (source, item).
 //
-// Flags and expected values live in device memory. Every rank's window (state/window.h) holds an
-// exchange counter (`epoch`) that the last block of each exchange's final kernel advances, so a
-// kernel reads its exchange number from memory (graph-capturable, no host counter), and each flag
-// carries a tag of (exchange number, call site). A wait accepts its own tag, or the next
-// exchange's number (a peer already one exchange ahead writes the other window half); a flag of
-// the same exchange from another call site, or from further ahead, means the ranks disagree on
+// Flags and expected values live in device memory. Every rank's window (state/window_regions.h)
+// holds an exchange counter (`epoch`) that the last block of each exchange's final kernel advances,
+// so a kernel reads its exchange number from memory (graph-capturable, no counter in the handlers),
+// and each flag carries a tag of (exchange number, call site). A wait accepts its own tag, or the
+// next exchange's number (a peer already one exchange ahead writes the other window half); a flag
+// of the same exchange from another call site, or from further ahead, means the ranks disagree on
 // the exchange sequence: the wait records a mismatch and gives up. A wait also gives up after
-// `timeout_ns`. Failures are recorded in the mapped host record (TransportError: kWaitTimeout,
-// kWaitMismatch) and reported at the next call (windows.h WindowError). Half reuse is safe: a
-// rank writes half g % 2 again only at g + 2, after it saw every peer's flag of g + 1, which each
-// peer raises only after it finished reading g.
+// `timeout_ns`. Failures are recorded in the mapped record (pinned memory every GPU reaches)
+// (TransportError: kWaitTimeout, kWaitMismatch) and reported at the next call (window_registry.h
+// WindowError). Half reuse is safe: a rank writes half g % 2 again only at g + 2, after it saw
+// every peer's flag of g + 1, which each peer raises only after it finished reading g.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_TRANSPORT_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_KERNELS_TRANSPORT_H_
 
@@ -38,10 +38,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "xla_ffi/common/limits.h"
+#include "xla_ffi/common/numeric.h"
 #include "xla_ffi/cuda/kernels/send_plan.h"
-#include "xla_ffi/cuda/state/window.h"
-#include "xla_ffi/limits.h"
-#include "xla_ffi/numeric.h"
+#include "xla_ffi/cuda/state/window_regions.h"
 
 namespace jax_hybridep {
 
@@ -56,7 +56,7 @@ struct ExchangeParams {
   int32_t send_blocks;    // blocks of every rank's send phase (<= kMaxSendBlocks)
   uint32_t site;          // the call site, part of every flag's tag
   int64_t timeout_ns;     // how long a wait may spin
-  TransportError* error;  // device address of the mapped host record
+  TransportError* error;  // device address of the mapped record
 };
 
 // ---------------------------------------------------------------------------- send
@@ -113,15 +113,6 @@ cudaError_t LaunchReduce(const ExchangeParams& ex, Dtype dtype, int64_t k, const
                          char* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------- attributes
-
-// The send kernel's register and shared-memory figures as the loaded module reports them (for
-// the benches and the GPU checks; CI reads the same from the compiled module's SASS).
-struct SendKernelInfo {
-  int registers;
-  int64_t static_smem;
-  int64_t max_dynamic_smem;
-};
-cudaError_t GetSendKernelInfo(SendKernelInfo* info);
 
 }  // namespace jax_hybridep
 

@@ -58,7 +58,8 @@ SiteState::SiteState() { live_states.fetch_add(1); }
 
 SiteState::~SiteState() { live_states.fetch_sub(1); }
 
-int64_t SiteState::Live() { return live_states.load(); }
+// Read by the test module only (declared in lab/native/cuda/introspection.h).
+int64_t LiveSiteStates() { return live_states.load(); }
 
 ffi::ErrorOr<DeviceSite*> SiteState::OnDevice(int32_t device, cudaStream_t stream,
                                               ffi::Buffer<ffi::S32> rank,

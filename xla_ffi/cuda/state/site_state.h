@@ -6,9 +6,9 @@
 //
 // One executable may run on several GPUs of the process at once (one program, many devices), so a
 // SiteState holds one DeviceSite per device, made on that device's first execution: the shard's
-// rank and group (read once from their operands), the window it exchanges through (windows.h, kept
-// by the process-wide registry, shared by every site of a geometry) and the layout's device
-// scratch.
+// rank and group (read once from their operands), the window it exchanges through
+// (window_registry.h, kept by the process-wide registry, shared by every site of a geometry) and
+// the layout's device scratch.
 #ifndef JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_SITE_STATE_H_
 #define JAX_HYBRIDEP_XLA_FFI_CUDA_STATE_SITE_STATE_H_
 
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cuda/state/windows.h"
+#include "xla_ffi/cuda/state/window_registry.h"
 
 namespace jax_hybridep {
 
@@ -82,9 +82,6 @@ class SiteState {
   xla::ffi::ErrorOr<DeviceSite*> OnDevice(int32_t device, cudaStream_t stream,
                                           xla::ffi::Buffer<xla::ffi::S32> rank,
                                           xla::ffi::Buffer<xla::ffi::S32> group);
-
-  // SiteStates alive in this process (of every kind), for the retrace tests.
-  static int64_t Live();
 
  private:
   std::mutex mu_;
