@@ -42,6 +42,21 @@ def test_warp_shuffles_and_ballots(hx, seed):
     np.testing.assert_array_equal(out[:, 7], 16)  # __syncthreads_count over the block
 
 
+@pytest.mark.parametrize("seed", seeds(2))
+def test_match_any(hx, seed):
+    """__match_any_sync (the layout kernels' per-tile grouping): each lane gets the lanes of its
+    mask holding its value."""
+    out = probe(hx, "match_any", seed=seed).reshape(64, 2)
+    lane = np.arange(64) % 32
+    same = lambda key, lanes: np.array(  # noqa: E731
+        [sum(1 << o for o in lanes if key(o) == key(lane)) for lane in range(32)]
+    )
+    whole = same(lambda o: o % 5, range(32)).astype(np.uint32).view(np.int32)
+    np.testing.assert_array_equal(out[:, 0], whole[lane])
+    half = np.where(lane < 16, same(lambda o: o // 4, range(16))[lane % 16], -1)
+    np.testing.assert_array_equal(out[:, 1], half)
+
+
 def test_block_reductions(hx):
     out = probe(hx, "block_reductions", seed=1).reshape(96, 4)
     np.testing.assert_array_equal(out, np.tile([1, 0, 1, 0], (96, 1)))

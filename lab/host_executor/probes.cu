@@ -39,6 +39,15 @@ __global__ void WarpCollectives(int* out) {
   o[7] = __syncthreads_count(lane % 4 == 0);
 }
 
+// Per thread: __match_any_sync of lane % 5 over the warp, and of lane / 4 over the low half-warp
+// (-1 outside it).
+__global__ void MatchAny(int* out) {
+  const int lane = threadIdx.x % 32;
+  out[2 * threadIdx.x] = static_cast<int>(__match_any_sync(kAll, lane % 5));
+  out[2 * threadIdx.x + 1] =
+      lane < 16 ? static_cast<int>(__match_any_sync(0x0000ffffu, lane / 4)) : -1;
+}
+
 // Per thread: __syncthreads_and / _or of predicates true everywhere, somewhere, nowhere.
 __global__ void BlockReductions(int* out) {
   const int t = threadIdx.x;
@@ -289,6 +298,12 @@ std::vector<int64_t> Run(const std::string& name, int64_t arg) {
     Check(LaunchKernel(&WarpCollectives, one, dim3(64), 0, nullptr, out), "launch");
     Sync();
     return Fetch(out, 64 * 8);
+  }
+  if (name == "match_any") {
+    int* out = Device<int>(64 * 2);
+    Check(LaunchKernel(&MatchAny, one, dim3(64), 0, nullptr, out), "launch");
+    Sync();
+    return Fetch(out, 64 * 2);
   }
   if (name == "block_reductions") {
     int* out = Device<int>(96 * 4);
