@@ -126,6 +126,49 @@ def test_relaxed_flag_is_a_race(hx):
         probe(hx, "flag_relaxed", seed=1)
 
 
+@pytest.mark.parametrize("how, initialised", [(1, "a cudaMemset"), (2, "a kernel's stores")])
+def test_written_memory_reads_clean(hx, how, initialised):
+    """cudaMalloc'd memory becomes readable once something writes it (here: {initialised})."""
+    np.testing.assert_array_equal(probe(hx, "uninitialised_read", how, seed=1), np.zeros(8))
+
+
+@pytest.mark.parametrize(
+    "how, report",
+    [
+        (0, r"4 of which \(the first at global memory \(32 bytes\) \+\d+ \(GPU 0\)\)"),
+        (3, r"4 of which \(the first at global memory \(32 bytes\) \+\d+ \(GPU 0\)\)"),
+        (4, r"4 of which \(the first at global memory \(32 bytes\) \+28 \(GPU 0\)\)"),
+    ],
+    ids=["never-written", "copied-from-never-written", "one-word-left-out"],
+)
+def test_reading_memory_nothing_wrote_is_reported(hx, how, report):
+    """compute-sanitizer's initcheck: a kernel's read of bytes nothing wrote since their
+    cudaMalloc (a device-to-device copy carries its source's state along)."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"uninitialised global memory read \(initcheck\): GPU 0 CopyWords block \(0,0,0\) "
+        r"thread \d \(warp 0 lane \d\) reads 4 bytes at .*probes_memory\.cu:\d+.*, "
+        + report
+        + " nothing wrote since their cudaMalloc",
+    ):
+        probe(hx, "uninitialised_read", how, seed=1)
+
+
+def test_peer_access_once_enabled(hx):
+    np.testing.assert_array_equal(probe(hx, "peer_access", 1, seed=1), np.full(8, 0x01010101))
+
+
+def test_peer_access_never_enabled_is_reported(hx):
+    """A GPU reaches a peer's memory only after cudaDeviceEnablePeerAccess (a GPU faults)."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"peer access not enabled: GPU 1 CopyWords block \(0,0,0\) thread \d .* reads 4 "
+        r"bytes at global memory \(32 bytes\) \+\d+ \(GPU 0\) at .*probes_memory\.cu:\d+.*: "
+        r"memory of GPU 0, which GPU 1 never enabled with cudaDeviceEnablePeerAccess\(0\)",
+    ):
+        probe(hx, "peer_access", 0, seed=1)
+
+
 # Misused primitives: each is reported, naming the kernel, the thread and the source line.
 MISUSE = [
     (
