@@ -10,6 +10,7 @@ pytest processes from building at once.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import importlib.util
@@ -17,6 +18,9 @@ import pathlib
 import shutil
 import subprocess
 import sys
+
+import numpy as np
+from transport_helpers import RECEIVE_ROWS, Round, check_round
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "host_executor"
@@ -139,6 +143,79 @@ def run_transport(
         sync_each_phase=False,
         **kw,
     )
+
+
+# ---------------------------------------------------------------------------- configurations
+# A round of one of the handlers' configurations (tests/host_executor_configs_test.py; the
+# planted bugs of its blind spots reuse it).
+
+CONFIG_TOKENS = 70  # tokens per rank: two chunks of 64 items, the second partial
+# The layout's pad multiple per mode (tests/transport_helpers.py layout_args): the handlers pass
+# the plan's as the permutes' zero_pad_multiple.
+PAD = {"dropless": 1, "capacity": 4, "tight_rows": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    dtype: str
+    hidden: int
+    fp8: bool  # tokens quantised by the send, dequantised by the permute
+    mode: str
+    zero_padding: bool  # False: zero_pad_multiple = the layout's pad multiple
+    ranks: int
+    sms: int
+    send_blocks: int
+    routing: str = "random"
+
+    @property
+    def zero_pad_multiple(self) -> int:
+        return 0 if self.zero_padding else PAD[self.mode]
+
+
+def fp8_round_trip(case: Round) -> None:
+    """case.x as the FP8 wire brings it: the jnp quantisation, dequantised to its dtype."""
+    from jax_hybridep import fp8
+
+    flat = case.x.reshape(-1, case.hidden)
+    back = fp8.dequantize(*fp8.quantize(flat), case.np_dtype)
+    case.x = np.asarray(back).reshape(case.x.shape)
+
+
+def run_config(module, config: Config, seed: int, round_seed: int = 0):
+    """One round of `config` on `module` (the executor, or a planted bug's): the case as the
+    model sees it, the weighting, and the harness's outputs."""
+    case = Round(
+        config.routing,
+        config.dtype,
+        config.hidden,
+        R=config.ranks,
+        T=CONFIG_TOKENS,
+        mode=config.mode,
+        seed=round_seed,
+    )
+    weighted = (seed + config.send_blocks) % 2 == 1
+    got = run_transport(
+        module,
+        [case],
+        weighted,
+        send_blocks=config.send_blocks,
+        seed=seed,
+        sms=config.sms,
+        fp8_hidden=config.hidden if config.fp8 else 0,
+        zero_pad_multiple=config.zero_pad_multiple,
+    )
+    if config.fp8:
+        fp8_round_trip(case)
+    return case, weighted, got
+
+
+def check_config(module, config: Config, case: Round, weighted: bool, got: dict, what: str):
+    """The round against the model below each rank's zero line; past it, rows nothing wrote."""
+    check_round(module, got, 0, case, weighted, what, zero_pad_multiple=config.zero_pad_multiple)
+    for r, line in enumerate(case.zero_lines(config.zero_pad_multiple)):
+        for key in RECEIVE_ROWS:
+            past = got[key][0, r, line:]
+            assert (past == 0xFF).all(), f"{what}: {key} of rank {r} written past its line {line}"
 
 
 def seeds(count: int) -> list[int]:

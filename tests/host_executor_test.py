@@ -42,6 +42,21 @@ def test_warp_shuffles_and_ballots(hx, seed):
     np.testing.assert_array_equal(out[:, 7], 16)  # __syncthreads_count over the block
 
 
+@pytest.mark.parametrize("seed", seeds(2))
+def test_match_any(hx, seed):
+    """__match_any_sync (the layout kernels' per-tile grouping): each lane gets the lanes of its
+    mask holding its value."""
+    out = probe(hx, "match_any", seed=seed).reshape(64, 2)
+    lane = np.arange(64) % 32
+    same = lambda key, lanes: np.array(  # noqa: E731
+        [sum(1 << o for o in lanes if key(o) == key(lane)) for lane in range(32)]
+    )
+    whole = same(lambda o: o % 5, range(32)).astype(np.uint32).view(np.int32)
+    np.testing.assert_array_equal(out[:, 0], whole[lane])
+    half = np.where(lane < 16, same(lambda o: o // 4, range(16))[lane % 16], -1)
+    np.testing.assert_array_equal(out[:, 1], half)
+
+
 def test_block_reductions(hx):
     out = probe(hx, "block_reductions", seed=1).reshape(96, 4)
     np.testing.assert_array_equal(out, np.tile([1, 0, 1, 0], (96, 1)))
@@ -109,6 +124,49 @@ def test_relaxed_flag_is_a_race(hx):
     payload's read races with its write, on another GPU."""
     with pytest.raises(RuntimeError, match=r"data race on global memory .*Flag.*probes\.cu:\d+"):
         probe(hx, "flag_relaxed", seed=1)
+
+
+@pytest.mark.parametrize("how, initialised", [(1, "a cudaMemset"), (2, "a kernel's stores")])
+def test_written_memory_reads_clean(hx, how, initialised):
+    """cudaMalloc'd memory becomes readable once something writes it (here: {initialised})."""
+    np.testing.assert_array_equal(probe(hx, "uninitialised_read", how, seed=1), np.zeros(8))
+
+
+@pytest.mark.parametrize(
+    "how, report",
+    [
+        (0, r"4 of which \(the first at global memory \(32 bytes\) \+\d+ \(GPU 0\)\)"),
+        (3, r"4 of which \(the first at global memory \(32 bytes\) \+\d+ \(GPU 0\)\)"),
+        (4, r"4 of which \(the first at global memory \(32 bytes\) \+28 \(GPU 0\)\)"),
+    ],
+    ids=["never-written", "copied-from-never-written", "one-word-left-out"],
+)
+def test_reading_memory_nothing_wrote_is_reported(hx, how, report):
+    """compute-sanitizer's initcheck: a kernel's read of bytes nothing wrote since their
+    cudaMalloc (a device-to-device copy carries its source's state along)."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"uninitialised global memory read \(initcheck\): GPU 0 CopyWords block \(0,0,0\) "
+        r"thread \d \(warp 0 lane \d\) reads 4 bytes at .*probes_memory\.cu:\d+.*, "
+        + report
+        + " nothing wrote since their cudaMalloc",
+    ):
+        probe(hx, "uninitialised_read", how, seed=1)
+
+
+def test_peer_access_once_enabled(hx):
+    np.testing.assert_array_equal(probe(hx, "peer_access", 1, seed=1), np.full(8, 0x01010101))
+
+
+def test_peer_access_never_enabled_is_reported(hx):
+    """A GPU reaches a peer's memory only after cudaDeviceEnablePeerAccess (a GPU faults)."""
+    with pytest.raises(
+        RuntimeError,
+        match=r"peer access not enabled: GPU 1 CopyWords block \(0,0,0\) thread \d .* reads 4 "
+        r"bytes at global memory \(32 bytes\) \+\d+ \(GPU 0\) at .*probes_memory\.cu:\d+.*: "
+        r"memory of GPU 0, which GPU 1 never enabled with cudaDeviceEnablePeerAccess\(0\)",
+    ):
+        probe(hx, "peer_access", 0, seed=1)
 
 
 # Misused primitives: each is reported, naming the kernel, the thread and the source line.

@@ -99,6 +99,7 @@ namespace {
 const char* CollectiveName(const WarpCollective& c) {
   if (c.kind == WarpCollective::kBallot) return "__ballot_sync";
   if (c.kind == WarpCollective::kSync) return "__syncwarp";
+  if (c.kind == WarpCollective::kMatch) return "__match_any_sync";
   switch (c.shuffle) {
     case ShuffleKind::kIndex:
       return "__shfl_sync";
@@ -172,6 +173,12 @@ void Complete(Executor& e, WarpCollective& c) {
         return;
       }
       t->collective_result = c.value[src];
+    } else if (c.kind == WarpCollective::kMatch) {
+      uint64_t same = 0;  // the lanes of the mask holding this lane's value
+      for (int o = 0; o < 32; ++o) {
+        if ((c.mask >> o & 1) && c.value[o] == c.value[l]) same |= 1ull << o;
+      }
+      t->collective_result = same;
     } else {
       t->collective_result = ballot;
     }
@@ -267,6 +274,11 @@ uint64_t Shuffle(unsigned mask, uint64_t bits, ShuffleKind kind, int operand, in
 unsigned Ballot(unsigned mask, int predicate) {
   return static_cast<unsigned>(Collective(WarpCollective::kBallot, ShuffleKind::kIndex, mask,
                                           predicate != 0, 0, 32, __builtin_return_address(0)));
+}
+
+unsigned MatchAny(unsigned mask, uint64_t bits) {
+  return static_cast<unsigned>(Collective(WarpCollective::kMatch, ShuffleKind::kIndex, mask, bits,
+                                          0, 32, __builtin_return_address(0)));
 }
 
 void SyncWarp(unsigned mask) {

@@ -68,6 +68,7 @@ namespace jax_hybridep::host {
 enum class ShuffleKind { kIndex, kXor, kUp, kDown };
 uint64_t Shuffle(unsigned mask, uint64_t bits, ShuffleKind kind, int operand, int width);
 unsigned Ballot(unsigned mask, int predicate);
+unsigned MatchAny(unsigned mask, uint64_t bits);
 void SyncWarp(unsigned mask);
 enum class BarrierReduce { kNone, kAnd, kOr, kCount };
 int SyncThreads(BarrierReduce reduce, int predicate);
@@ -113,6 +114,12 @@ inline int __syncthreads_count(int p) {
 inline void __syncwarp(unsigned mask = 0xffffffffu) { ::jax_hybridep::host::SyncWarp(mask); }
 inline unsigned __ballot_sync(unsigned mask, int p) {
   return ::jax_hybridep::host::Ballot(mask, p);
+}
+
+// The lanes of `mask` whose `v` has this lane's bits (integers and floats alike compare bits).
+template <typename T>
+inline unsigned __match_any_sync(unsigned mask, T v) {
+  return ::jax_hybridep::host::MatchAny(mask, ::jax_hybridep::host::ToBits(v));
 }
 
 #define JAX_HYBRIDEP_HOST_SHUFFLE(name, kind, operand_type)                        \

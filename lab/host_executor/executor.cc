@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "lab/host_executor/init_tracking.h"
 #include "lab/host_executor/scheduler.h"
 
 namespace jax_hybridep::host {
@@ -49,6 +50,7 @@ void Executor::Reset() {
   sleepers.clear();
   bulk_waiters.clear();
   memory.Clear();
+  ResetTracking();
   gpus.clear();
   gpus.resize(std::max(options.gpus, 1));
   for (int g = 0; g < static_cast<int>(gpus.size()); ++g) {

@@ -136,7 +136,7 @@ struct Thread {
 };
 
 struct WarpCollective {
-  enum Kind { kShuffle, kBallot, kSync } kind;
+  enum Kind { kShuffle, kBallot, kSync, kMatch } kind;
   ShuffleKind shuffle = ShuffleKind::kIndex;
   unsigned mask = 0, arrived = 0;
   int width = 32;

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "lab/host_executor/init_tracking.h"
 #include "lab/host_executor/scheduler.h"
 
 namespace jax_hybridep::host {
@@ -209,6 +210,7 @@ void Executor::PerformMemoryOp(HostStream* s, StreamOp& op) {
     std::memset(op.dst, op.value, op.bytes);
   } else {
     std::memmove(op.dst, op.src, op.bytes);
+    CopyInitialisation(op.dst, op.src, op.bytes);
   }
   s->base = Join(s->base, k.Snapshot());
 }

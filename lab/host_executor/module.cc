@@ -1,13 +1,15 @@
 // The host executor's Python module (docs/host_executor.md), built on demand by the tests from
 // the kernel sources in the working tree (tests/host_executor_helpers.py): the executor's
-// settings and counters, its probe kernels, and the transport's hooks and virtual-rank harness
-// (lab/native/cuda/, the same sources a GPU build compiles) on its virtual GPUs.
+// settings and counters, its probe kernels, and the transport's and the layout's hooks and the
+// virtual-rank harness (lab/native/cuda/, the same sources a GPU build compiles) on its virtual
+// GPUs.
 #include <cstdint>
 #include <string>
 
 #include "lab/host_executor/executor.h"
 #include "lab/host_executor/probes.h"
 #include "lab/native/cuda/hooks.h"
+#include "lab/native/cuda/layout_hooks.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
@@ -73,4 +75,5 @@ NB_MODULE(JAX_HYBRIDEP_HOST_MODULE, m) {
   });
   jax_hybridep::RegisterTransportHooks(m);
   jax_hybridep::RegisterTransportHarness(m);
+  jax_hybridep::RegisterLayoutHooks(m);
 }

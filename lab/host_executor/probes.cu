@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "lab/host_executor/probe_support.h"
 #include "lab/host_executor/probes.h"
 #include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/device/ptx.cuh"
@@ -37,6 +38,15 @@ __global__ void WarpCollectives(int* out) {
   o[5] = static_cast<int>(__ballot_sync(kAll, lane % 3 == 0));
   o[6] = lane < 16 ? static_cast<int>(__ballot_sync(0x0000ffffu, lane % 2)) : -1;
   o[7] = __syncthreads_count(lane % 4 == 0);
+}
+
+// Per thread: __match_any_sync of lane % 5 over the warp, and of lane / 4 over the low half-warp
+// (-1 outside it).
+__global__ void MatchAny(int* out) {
+  const int lane = threadIdx.x % 32;
+  out[2 * threadIdx.x] = static_cast<int>(__match_any_sync(kAll, lane % 5));
+  out[2 * threadIdx.x + 1] =
+      lane < 16 ? static_cast<int>(__match_any_sync(0x0000ffffu, lane / 4)) : -1;
 }
 
 // Per thread: __syncthreads_and / _or of predicates true everywhere, somewhere, nowhere.
@@ -254,33 +264,6 @@ __global__ void PollTimeout(const uint64_t* flag, unsigned long long* out, uint6
 
 // ---------------------------------------------------------------------------- launchers
 
-template <typename T>
-T* Device(size_t n, int fill = 0) {
-  void* p = nullptr;
-  if (cudaMalloc(&p, n * sizeof(T)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
-  cudaMemset(p, fill, n * sizeof(T));
-  return static_cast<T*>(p);
-}
-
-template <typename T>
-std::vector<int64_t> Fetch(const T* device, size_t n) {
-  std::vector<T> out(n);
-  cudaMemcpy(out.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost);
-  return std::vector<int64_t>(out.begin(), out.end());
-}
-
-void Check(cudaError_t s, const char* what) {
-  if (s != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(s));
-}
-
-void Sync() {
-  for (int g = 0, n = 0; cudaGetDeviceCount(&n) == cudaSuccess && g < n; ++g) {
-    cudaSetDevice(g);
-    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  }
-  cudaSetDevice(0);
-}
-
 std::vector<int64_t> Run(const std::string& name, int64_t arg) {
   cudaSetDevice(0);
   const dim3 one(1);
@@ -290,6 +273,14 @@ std::vector<int64_t> Run(const std::string& name, int64_t arg) {
     Sync();
     return Fetch(out, 64 * 8);
   }
+  if (name == "match_any") {
+    int* out = Device<int>(64 * 2);
+    Check(LaunchKernel(&MatchAny, one, dim3(64), 0, nullptr, out), "launch");
+    Sync();
+    return Fetch(out, 64 * 2);
+  }
+  std::vector<int64_t> memory;
+  if (RunMemoryProbe(name, arg, &memory)) return memory;
   if (name == "block_reductions") {
     int* out = Device<int>(96 * 4);
     Check(LaunchKernel(&BlockReductions, one, dim3(96), 0, nullptr, out), "launch");
@@ -338,6 +329,7 @@ std::vector<int64_t> Run(const std::string& name, int64_t arg) {
     int* payload = Device<int>(32);
     auto* flag = Device<uint64_t>(1);
     cudaSetDevice(1);
+    Check(cudaDeviceEnablePeerAccess(0, 0), "cudaDeviceEnablePeerAccess");
     int* out = Device<int>(32, 0xff);
     cudaStream_t s1 = nullptr;
     cudaStreamCreate(&s1);

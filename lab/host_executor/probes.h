@@ -1,4 +1,5 @@
-// The host executor's probe kernels (probes.cu), run by name on the configured executor.
+// The host executor's probe kernels (probes.cu, probes_memory.cu), run by name on the configured
+// executor.
 #ifndef JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PROBES_H_
 #define JAX_HYBRIDEP_LAB_HOST_EXECUTOR_PROBES_H_
 
@@ -10,6 +11,8 @@ namespace jax_hybridep::host {
 
 // Runs probe `name` (with its one argument) and returns its outputs; a report is thrown.
 std::vector<int64_t> RunProbe(const std::string& name, int64_t arg);
+// The probes of global memory's checks (probes_memory.cu): false when none is named `name`.
+bool RunMemoryProbe(const std::string& name, int64_t arg, std::vector<int64_t>* out);
 
 }  // namespace jax_hybridep::host
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "lab/host_executor/init_tracking.h"
 #include "lab/host_executor/scheduler.h"
 
 namespace jax_hybridep::host {
@@ -158,6 +159,7 @@ void Executor::Access(Knowledge& k, const Knowledge* read_view, const void* addr
       s.flags |= kMoreReaders;
     }
   }
+  CheckTracked(*this, k, r, p, bytes, write, pc);  // initcheck, peer access
 }
 
 void OnAccess(const void* address, size_t bytes, bool write, bool relaxed, const void* pc) {

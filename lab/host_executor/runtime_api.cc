@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "lab/host_executor/init_tracking.h"
 #include "lab/host_executor/scheduler.h"
 
 namespace hx = jax_hybridep::host;
@@ -94,6 +95,8 @@ cudaError_t cudaDeviceCanAccessPeer(int* can, int, int) {
 
 cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned) {
   if (peer < 0 || peer >= static_cast<int>(E().gpus.size())) return Status(cudaErrorInvalidDevice);
+  if (!hx::EnablePeerAccess(E().current_gpu, peer))
+    return Status(cudaErrorPeerAccessAlreadyEnabled);
   return cudaSuccess;
 }
 
@@ -166,12 +169,14 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   hx::Region* r = e.memory.Allocate(bytes, 256, hx::RegionKind::kGlobal, e.current_gpu, nullptr,
                                     "global memory (" + std::to_string(bytes) + " bytes)");
   if (r == nullptr) return Status(cudaErrorMemoryAllocation);
+  hx::TrackInitialisation(r->begin, bytes);  // poisoned and uninitialised (initcheck)
   *ptr = r->begin;
   return cudaSuccess;
 }
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
+  hx::ForgetInitialisation(ptr);
   return E().memory.Free(ptr) ? cudaSuccess : Status(cudaErrorInvalidDevicePointer);
 }
 

@@ -125,6 +125,7 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, CpuArray
   const WindowGeometry geometry{R, M, std::max(dispatch_bytes, row_bytes)};
   const WindowRegions layout = WindowRegionsFor(geometry);
   PeerWindows peers{};
+  // Windows start zeroed, as the window registry clears them (its flags start at 0).
   for (int64_t r = 0; r < R; ++r) peers.base[r] = gpu(r).Zeros<char>(layout.total);
   void* errors_mapped = nullptr;
   CheckCuda(cudaHostAlloc(&errors_mapped, sizeof(TransportError) * R,
@@ -178,19 +179,22 @@ nb::dict SelftestTransport(const std::string& dtype_name, int64_t rows, CpuArray
     m.y_weights = y_weights ? up(y_weights->data(), C) : nullptr;
     const int32_t r32 = static_cast<int32_t>(r);
     m.rank = s.Upload(&r32, 1);
-    m.gathered = s.Zeros<int32_t>(R * M * K * 3);
-    m.workspace = s.Zeros<char>(SlotMapWorkspaceBytes(shape));
-    m.partials = s.Zeros<char>(np * row_bytes);
-    m.send_slot = s.Zeros<int32_t>(N * mp * R);
-    m.recv_item = s.Zeros<int32_t>(N * np);
-    m.recv_rows = s.Zeros<int32_t>(N * np * K);
-    m.row_slot = s.Zeros<int32_t>(N * C);
-    m.info = s.Zeros<int32_t>(N * 2);
-    m.row_weights = s.Zeros<float>(N * C);
-    m.tokens = s.Zeros<char>(N * C * out_row_bytes);
-    m.combined = s.Zeros<char>(N * M * row_bytes);
-    m.redispatched = s.Zeros<char>(N * C * row_bytes);
-    m.scaled = s.Zeros<char>(N * C * row_bytes);
+    // What the kernels write themselves (XLA's outputs and scratch in production) as cudaMalloc
+    // leaves it, not zeroed: poison the host executor reports reading (initcheck), so a
+    // kernel's own zeroing and initialisation are tested.
+    m.gathered = s.Uninitialised<int32_t>(R * M * K * 3);
+    m.workspace = s.Uninitialised<char>(SlotMapWorkspaceBytes(shape));
+    m.partials = s.Uninitialised<char>(np * row_bytes);
+    m.send_slot = s.Uninitialised<int32_t>(N * mp * R);
+    m.recv_item = s.Uninitialised<int32_t>(N * np);
+    m.recv_rows = s.Uninitialised<int32_t>(N * np * K);
+    m.row_slot = s.Uninitialised<int32_t>(N * C);
+    m.info = s.Uninitialised<int32_t>(N * 2);
+    m.row_weights = s.Uninitialised<float>(N * C);
+    m.tokens = s.Uninitialised<char>(N * C * out_row_bytes);
+    m.combined = s.Uninitialised<char>(N * M * row_bytes);
+    m.redispatched = s.Uninitialised<char>(N * C * row_bytes);
+    m.scaled = s.Uninitialised<char>(N * C * row_bytes);
   }
   const PaddingFill fill{C, zero_pad_multiple};
   // Every window zeroed and every input in place before any rank's send writes to a peer: the

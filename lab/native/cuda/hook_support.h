@@ -59,20 +59,29 @@ class GpuSession {
   // Makes this session's GPU the current one (for launches on its stream).
   void Use() const { CheckCuda(cudaSetDevice(device_), "cudaSetDevice"); }
 
-  // n zero-filled elements.
+  // n elements as cudaMalloc leaves them: for what the kernels must write themselves (an XLA
+  // output, a kernel's scratch). Whatever a GPU held there before; under the host executor
+  // poison that it reports reading (docs/host_executor.md, initcheck).
   template <typename T>
-  T* Zeros(size_t n) {
+  T* Uninitialised(size_t n) {
     Use();
     void* ptr = nullptr;
     CheckCuda(cudaMalloc(&ptr, std::max<size_t>(n * sizeof(T), 1)), "cudaMalloc");
     allocations_.push_back(ptr);
-    CheckCuda(cudaMemsetAsync(ptr, 0, n * sizeof(T), stream_), "cudaMemsetAsync");
     return static_cast<T*>(ptr);
+  }
+
+  // n zero-filled elements.
+  template <typename T>
+  T* Zeros(size_t n) {
+    T* ptr = Uninitialised<T>(n);
+    CheckCuda(cudaMemsetAsync(ptr, 0, n * sizeof(T), stream_), "cudaMemsetAsync");
+    return ptr;
   }
 
   template <typename T>
   T* Upload(const T* values, size_t n) {
-    T* ptr = Zeros<T>(n);
+    T* ptr = Uninitialised<T>(n);
     CheckCuda(cudaMemcpyAsync(ptr, values, n * sizeof(T), cudaMemcpyHostToDevice, stream_),
               "cudaMemcpyAsync");
     return ptr;

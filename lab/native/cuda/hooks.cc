@@ -56,16 +56,17 @@ nb::dict Layout(CpuArray<int32_t> gathered, int64_t rank, int64_t rows, bool ref
   } else {
     GpuSession gpu;
     const int32_t r32 = static_cast<int32_t>(rank);
-    int32_t* d_send = gpu.Zeros<int32_t>(send_slot.size());
-    int32_t* d_item = gpu.Zeros<int32_t>(np);
-    int32_t* d_rows = gpu.Zeros<int32_t>(np * K);
-    float* d_weights = gpu.Zeros<float>(rows);
-    int32_t* d_slot = gpu.Zeros<int32_t>(rows);
-    int32_t* d_info = gpu.Zeros<int32_t>(2);
+    // The outputs and the scratch as XLA hands them over: not zeroed (the kernels' own duty).
+    int32_t* d_send = gpu.Uninitialised<int32_t>(send_slot.size());
+    int32_t* d_item = gpu.Uninitialised<int32_t>(np);
+    int32_t* d_rows = gpu.Uninitialised<int32_t>(np * K);
+    float* d_weights = gpu.Uninitialised<float>(rows);
+    int32_t* d_slot = gpu.Uninitialised<int32_t>(rows);
+    int32_t* d_info = gpu.Uninitialised<int32_t>(2);
     CheckCuda(
         LaunchSlotMap(shape, gpu.Upload(&r32, 1), gpu.Upload(gathered.data(), gathered.size()),
                       d_send, d_item, d_rows, d_weights, d_slot, d_info,
-                      gpu.Zeros<char>(SlotMapWorkspaceBytes(shape)), gpu.stream()),
+                      gpu.Uninitialised<char>(SlotMapWorkspaceBytes(shape)), gpu.stream()),
         "LaunchSlotMap");
     send_slot = gpu.Download(d_send, send_slot.size());
     recv_item = gpu.Download(d_item, np);

@@ -66,14 +66,16 @@ nb::dict SelftestLayout(CpuArray<int32_t> topk_idx, int64_t num_experts,
     const Placement placement{gpu.Upload(placement_rank.data(), E),
                               gpu.Upload(placement_slot.data(), E), E, R, num_slots};
     const int32_t* d_counts = gpu.Upload(counts.data(), R * E);
-    int32_t* d_keep = gpu.Zeros<int32_t>(E);
-    int32_t* d_offset = gpu.Zeros<int32_t>(E);
-    int32_t* d_sizes = gpu.Zeros<int32_t>(R * num_slots);
-    int32_t* d_tpe = gpu.Zeros<int32_t>(E);
-    int32_t* d_row_pos = gpu.Zeros<int32_t>(R * T * K);
-    int64_t* d_dropped = gpu.Zeros<int64_t>(R);
+    // The handler's scratch (cudaMalloc'd once per call site) and XLA's outputs: not zeroed,
+    // as there (under the host executor, poison it reports reading).
+    int32_t* d_keep = gpu.Uninitialised<int32_t>(E);
+    int32_t* d_offset = gpu.Uninitialised<int32_t>(E);
+    int32_t* d_sizes = gpu.Uninitialised<int32_t>(R * num_slots);
+    int32_t* d_tpe = gpu.Uninitialised<int32_t>(E);
+    int32_t* d_row_pos = gpu.Uninitialised<int32_t>(R * T * K);
+    int64_t* d_dropped = gpu.Uninitialised<int64_t>(R);
     const size_t workspace_bytes = AssignRowsWorkspaceBytes(T, K, E);
-    void* workspace = gpu.Zeros<char>(workspace_bytes);
+    void* workspace = gpu.Uninitialised<char>(workspace_bytes);
     CheckCuda(LaunchPlanGroups(d_counts, placement, plan, d_keep, d_offset, d_sizes, d_tpe, s),
               "LaunchPlanGroups");
     for (int64_t r = 0; r < R; ++r) {

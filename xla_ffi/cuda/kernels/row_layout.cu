@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "xla_ffi/cuda/device/launch.h"
 #include "xla_ffi/cuda/kernels/row_layout.h"
 
 namespace jax_hybridep {
@@ -170,9 +171,8 @@ cudaError_t LaunchPlanGroups(const int32_t* all_counts, const Placement& placeme
                              const CapacityPlan& plan, int32_t* keep_limit, int32_t* group_offset,
                              int32_t* group_sizes, int32_t* tokens_per_expert,
                              cudaStream_t stream) {
-  PlanGroupsKernel<<<1, kPlanThreads, 0, stream>>>(all_counts, placement, plan, keep_limit,
-                                                   group_offset, group_sizes, tokens_per_expert);
-  return cudaGetLastError();
+  return LaunchKernel(&PlanGroupsKernel, dim3(1), dim3(kPlanThreads), 0, stream, all_counts,
+                      placement, plan, keep_limit, group_offset, group_sizes, tokens_per_expert);
 }
 
 size_t AssignRowsWorkspaceBytes(int64_t tokens, int64_t k, int64_t num_experts) {
@@ -197,14 +197,17 @@ cudaError_t LaunchAssignRows(const int32_t* topk_idx, int64_t tokens, int64_t k,
   status = cudaMemsetAsync(chunk_counts, 0, num_chunks * num_experts * sizeof(int32_t), stream);
   if (status != cudaSuccess) return status;
   const int64_t chunk_blocks = CeilDiv(num_chunks, kAssignWarpsPerBlock);
-  CountChunksKernel<<<Grid(chunk_blocks), kAssignWarpsPerBlock * kWarp, 0, stream>>>(
-      topk_idx, n, num_experts, num_chunks, chunk_counts);
-  ScanChunksKernel<<<Grid(CeilDiv(num_experts, kSmallThreads)), kSmallThreads, 0, stream>>>(
-      all_counts, rank, num_experts, num_chunks, chunk_counts);
-  AssignChunksKernel<<<Grid(chunk_blocks), kAssignWarpsPerBlock * kWarp, 0, stream>>>(
-      topk_idx, n, num_experts, num_chunks, keep_limit, group_offset, chunk_counts, row_pos,
-      reinterpret_cast<unsigned long long*>(dropped));
-  return cudaGetLastError();
+  const dim3 warps(kAssignWarpsPerBlock * kWarp);
+  status = LaunchKernel(&CountChunksKernel, Grid(chunk_blocks), warps, 0, stream, topk_idx, n,
+                        num_experts, num_chunks, chunk_counts);
+  if (status != cudaSuccess) return status;
+  status = LaunchKernel(&ScanChunksKernel, Grid(CeilDiv(num_experts, kSmallThreads)),
+                        dim3(kSmallThreads), 0, stream, all_counts, rank, num_experts, num_chunks,
+                        chunk_counts);
+  if (status != cudaSuccess) return status;
+  return LaunchKernel(&AssignChunksKernel, Grid(chunk_blocks), warps, 0, stream, topk_idx, n,
+                      num_experts, num_chunks, keep_limit, group_offset, chunk_counts, row_pos,
+                      reinterpret_cast<unsigned long long*>(dropped));
 }
 
 }  // namespace jax_hybridep
